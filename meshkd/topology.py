@@ -250,15 +250,18 @@ def _validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedS
 def _flatten_dp(mesh: DeviceMesh) -> None:
     """Create the `dp` (dp_replicate x dp_shard) view of a root mesh; every world rank must call this.
 
-    `mesh["dp_replicate", "dp_shard"]` needs the local rank to be in the mesh, but the flatten behind it
-    creates process groups collectively over the whole world, so non-members must take part too. The
-    slice is therefore built from the root layout, which does not depend on membership.
+    Members flatten through the public path. Non-members cannot (slicing needs the local rank), yet the
+    process groups behind the flatten are created collectively over the whole world, so they make the
+    same group-creation calls from the root layout, which does not depend on membership.
     """
     axes = ("dp_replicate", "dp_shard")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        submesh = mesh._create_sub_mesh(mesh._get_slice_mesh_layout(axes), axes)
-        submesh._flatten("dp")
+        if mesh.get_coordinate() is not None:
+            mesh[axes]._flatten("dp")
+        else:
+            dp_layout = mesh._get_slice_mesh_layout(axes).collapse()
+            DeviceMesh._init_one_process_group(dp_layout, mesh._rank_map, "dp", (None, None))
 
 
 def _build_mesh(setup: DistributedSetup, device_type: str) -> DistributedSetup:
