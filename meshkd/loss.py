@@ -17,12 +17,14 @@ Conventions shared by both losses:
   data-parallel ranks so that summed micro-batch losses average correctly; it defaults to the local
   count. With no valid token the loss is exactly zero and its gradient is zero (never NaN).
 - Teacher logits are constants: no gradient flows into them.
-- The result is a 0-dim tensor in float32 (float64 if an input is float64), whatever the logits' dtype.
+- The result is a plain 0-dim tensor in float32 (float64 if an input is float64), whatever the logits'
+  dtype; on the vocab-parallel path it is identical on every rank of the vocab axis.
+- The chunked and vocab-parallel paths support one backward per graph (see `_AttachGrad`).
 
 Three paths, one value:
 1. Plain (`chunk_size=None`, plain tensors): full softmax and ordinary autograd. Simple, and a reference.
-2. Chunked (`chunk_size=k`): `k` tokens at a time, so forward and backward hold one [k, vocab] float32
-   block at a time on top of the gradient itself (see `_AttachGrad` for how).
+2. Chunked (`chunk_size=k`): `k` tokens at a time, so forward and backward hold a few [k, vocab] float32
+   blocks at a time on top of the gradient itself (see `_AttachGrad` for how).
 3. Vocab-parallel: taken whenever `student_logits` is a DTensor sharded on the vocab dim (Shard(-1) on
    one mesh axis, Replicate on any other). Each rank works on its vocab slice; row maxima and sums of
    exponentials are combined with all-reduces over that axis, and the full vocabulary is never gathered.
@@ -87,7 +89,7 @@ def kd_loss(
         teacher = _matching_teacher_shard(teacher_logits, student_logits, student, offset)
         return _chunked(
             student, teacher, labels, ignore_index, num_valid_tokens, chunk_size, group,
-            lambda s, t, y, valid: _kd_chunk(s, t, valid, temperature, group),
+            lambda s, t, _, valid: _kd_chunk(s, t, valid, temperature, group),
             scale=temperature**2,
         )  # fmt: skip
 
@@ -96,15 +98,14 @@ def kd_loss(
     if chunk_size is not None:
         return _chunked(
             student_logits, teacher, labels, ignore_index, num_valid_tokens, chunk_size, None,
-            lambda s, t, y, valid: _kd_chunk(s, t, valid, temperature, None),
+            lambda s, t, _, valid: _kd_chunk(s, t, valid, temperature, None),
             scale=temperature**2,
         )  # fmt: skip
 
     compute_dtype = _compute_dtype(student_logits, teacher)
-    vocab = student_logits.shape[-1]
     valid = (labels != ignore_index).reshape(-1)
-    log_p_s = F.log_softmax(student_logits.reshape(-1, vocab).to(compute_dtype) / temperature, dim=-1)
-    log_p_t = F.log_softmax(teacher.detach().reshape(-1, vocab).to(compute_dtype) / temperature, dim=-1)
+    log_p_s = F.log_softmax(student_logits.flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
+    log_p_t = F.log_softmax(teacher.detach().flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
     kl = _kl_terms(log_p_s, log_p_t, valid).sum()
     return kl * temperature**2 / _normalizer(num_valid_tokens, valid, compute_dtype)
 
@@ -130,21 +131,20 @@ def cross_entropy_loss(
     if isinstance(student_logits, DTensor):
         student, group, offset = _vocab_shard(student_logits)
         return _chunked(
-            student, None, labels, ignore_index, num_valid_tokens, chunk_size, group,
-            lambda s, t, y, valid: _ce_chunk(s, y, valid, offset, group),
+            student, None, labels, ignore_index, num_valid_tokens, chunk_size, None,
+            lambda s, _, y, valid: _ce_chunk(s, y, valid, offset, group),
         )  # fmt: skip
     if chunk_size is not None:
         return _chunked(
             student_logits, None, labels, ignore_index, num_valid_tokens, chunk_size, None,
-            lambda s, t, y, valid: _ce_chunk(s, y, valid, 0, None),
+            lambda s, _, y, valid: _ce_chunk(s, y, valid, 0, None),
         )  # fmt: skip
 
     compute_dtype = _compute_dtype(student_logits)
-    vocab = student_logits.shape[-1]
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
     ce = F.cross_entropy(
-        student_logits.reshape(-1, vocab).to(compute_dtype), flat_labels, ignore_index=ignore_index, reduction="sum"
+        student_logits.flatten(0, -2).to(compute_dtype), flat_labels, ignore_index=ignore_index, reduction="sum"
     )
     return ce / _normalizer(num_valid_tokens, valid, compute_dtype)
 
@@ -202,15 +202,18 @@ def _chunked(
     ignore_index: int,
     num_valid_tokens: int | Tensor | None,
     chunk_size: int | None,
-    group: dist.ProcessGroup | None,
+    partial_over: dist.ProcessGroup | None,
     chunk_fn: _ChunkFn,
     *,
     scale: float = 1.0,
 ) -> Tensor:
-    """Run `chunk_fn` over token chunks of local [.., vocab] tensors; sum losses, fill the gradient."""
-    vocab = student.shape[-1]
-    rows = student.reshape(-1, vocab)
-    teacher_rows = None if teacher is None else teacher.reshape(-1, vocab)
+    """Run `chunk_fn` over token chunks of local [.., vocab] tensors; sum losses, fill the gradient.
+
+    `partial_over`: the group whose ranks each return only their vocab slice's share of the loss sums, so
+    that the total still needs summing over it (KD); None when `chunk_fn` returns complete sums (CE).
+    """
+    rows = student.flatten(0, -2)
+    teacher_rows = None if teacher is None else teacher.flatten(0, -2)
     flat_labels = labels.reshape(-1).to(student.device)
     valid = flat_labels != ignore_index
     num_tokens = rows.shape[0]
@@ -229,9 +232,9 @@ def _chunked(
             total += loss_sum
             if grad is not None:
                 grad[chunk] = chunk_grad / normalizer
-        if group is not None:
+        if partial_over is not None:
             # Each rank summed its vocab slice's share of every token's loss; one scalar completes them all.
-            dist.all_reduce(total, group=group)
+            dist.all_reduce(total, group=partial_over)
         loss = total * scale / normalizer
     if grad is None:
         return loss
@@ -376,11 +379,9 @@ def _check_shapes(student: Tensor, labels: Tensor, teacher: Tensor | None = None
         raise ValueError(
             f"student_logits must be [batch, sequence, vocab] or [tokens, vocab], got shape {tuple(student.shape)}"
         )
-    if teacher is not None and isinstance(teacher, DTensor) and teacher.shape != student.shape:
-        raise ValueError(
-            f"teacher_logits shape {tuple(teacher.shape)} does not match student_logits shape {tuple(student.shape)}"
-        )
-    if teacher is not None and not isinstance(student, DTensor) and teacher.shape != student.shape:
+    # A plain teacher next to a DTensor student may be the local vocab slice: `_matching_teacher_shard`.
+    full_shape_expected = isinstance(teacher, DTensor) or not isinstance(student, DTensor)
+    if teacher is not None and full_shape_expected and teacher.shape != student.shape:
         raise ValueError(
             f"teacher_logits shape {tuple(teacher.shape)} does not match student_logits shape {tuple(student.shape)}"
         )

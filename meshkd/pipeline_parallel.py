@@ -42,8 +42,11 @@ LossMetricPayload: TypeAlias = Union[dict[str, Any], list[dict[str, Any]]]
 LossMetricPayloadT = TypeVar("LossMetricPayloadT", bound=LossMetricPayload)
 """The concrete payload type: `broadcast_loss_metrics_from_last_stage` returns the shape it was given."""
 
+# Header status sent by the source of a broadcast.
 _OK = 1
 _FAILED = 0
+# Per-stage flags gathered by broadcast_obj_from_pp_rank.
+_NO_OBJECT, _HAS_OBJECT, _UNPICKLABLE = 0, 1, 2
 
 
 def _resolve_pp_group(pp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -86,7 +89,7 @@ def _broadcast_bytes(
     Two collectives whatever happens: a header [ok, byte count], then the bytes (skipped when empty).
     """
     is_src = dist.get_rank(group) == group_src
-    header = torch.tensor([int(ok), len(data)] if is_src else [0, 0], dtype=torch.int64, device=device)
+    header = torch.tensor([_OK if ok else _FAILED, len(data)] if is_src else [0, 0], dtype=torch.int64, device=device)
     dist.broadcast(header, group=group, group_src=group_src)
     sent_ok, num_bytes = (int(value) for value in header.tolist())
     if num_bytes:
@@ -135,13 +138,13 @@ def broadcast_obj_from_pp_rank(obj: Any, *, pp_group: dist.ProcessGroup | None =
             data = bytearray(pickle.dumps(obj))
         except Exception as error:
             pickle_error = error
-    status = 0 if obj is None else (1 if pickle_error is None else 2)
+    status = _NO_OBJECT if obj is None else (_HAS_OBJECT if pickle_error is None else _UNPICKLABLE)
     device = _group_device(group)
     flags = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(num_stages)]
     dist.all_gather(flags, torch.tensor([status, len(data)], dtype=torch.int64, device=device), group=group)
     flags = [tuple(int(value) for value in flag.tolist()) for flag in flags]
 
-    owners = [rank for rank, (flag, _) in enumerate(flags) if flag]
+    owners = [rank for rank, (flag, _) in enumerate(flags) if flag != _NO_OBJECT]
     if not owners:
         raise ValueError(
             "broadcast_obj_from_pp_rank: obj is None on every pipeline stage; exactly one stage must pass it"
@@ -154,7 +157,7 @@ def broadcast_obj_from_pp_rank(obj: Any, *, pp_group: dist.ProcessGroup | None =
         )
     owner = owners[0]
     owner_status, num_bytes = flags[owner]
-    if owner_status == 2:
+    if owner_status == _UNPICKLABLE:
         if stage == owner:
             raise ValueError(f"broadcast_obj_from_pp_rank: obj cannot be pickled: {pickle_error}") from pickle_error
         raise RuntimeError(

@@ -14,6 +14,7 @@ instead, so its receivers raise too rather than wait forever.
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -47,20 +48,26 @@ class KDMeshBridge:
     Args:
         setups: resolved disjoint student and teacher setups (`separate=True`).
         device: device of the transport buffers (CUDA under NCCL, CPU under gloo).
+        timeout: how long a collective of the bridge may wait for a peer before it fails; None takes
+            torch's default for the backend.
 
     Every rank of the world constructs the bridge (it creates process groups) and then calls
     `broadcast_command`, `send_batch` and `send_logits` in the same order on every rank.
     """
 
-    def __init__(self, setups: KDDistributedSetups, device: torch.device | str) -> None:
+    def __init__(
+        self, setups: KDDistributedSetups, device: torch.device | str, *, timeout: datetime.timedelta | None = None
+    ) -> None:
         if not setups.separate:
             raise ValueError("KDMeshBridge needs separate student and teacher meshes (separate_meshes: true)")
+        self.setups = setups
         self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.student_ranks = setups.student_ranks
         self.teacher_ranks = setups.teacher_ranks
         self.is_student = self.rank in self.student_ranks
         self.is_teacher = self.rank in self.teacher_ranks
+        self._timeout = timeout
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.control_group = self._group(sorted(self.student_ranks + self.teacher_ranks))
         self.student_group = self._group(self.student_ranks)
@@ -85,7 +92,7 @@ class KDMeshBridge:
     def _group(self, ranks: tuple[int, ...] | list[int]) -> dist.ProcessGroup | None:
         key = tuple(sorted(ranks))
         if key not in self._groups:
-            self._groups[key] = dist.new_group(ranks=list(key))
+            self._groups[key] = dist.new_group(ranks=list(key), timeout=self._timeout)
         return self._groups[key]
 
     def _route(self, src: int, receivers: tuple[int, ...]) -> _Route:
@@ -109,17 +116,11 @@ class KDMeshBridge:
             `device`); None on student ranks.
         """
         self._check_wave(wave)
-        received = None
-        for route in self.input_routes[wave]:
-            if self.rank not in route.ranks:
-                continue
-            error = None
-            if self.rank == route.src and batch is None:
-                error = f"student rank {self.rank} is an input rank but passed batch=None"
-            value = self._broadcast_tree(batch if self.rank == route.src else None, route, error=error)
-            if self.is_teacher:
-                received = value
-        return received
+        error = None
+        if self.is_student and batch is None:
+            error = f"student rank {self.rank} is an input rank but passed batch=None"
+        received = self._broadcast_along(self.input_routes[wave], batch, error)
+        return received if self.is_teacher else None
 
     def send_logits(self, wave: int, logits: torch.Tensor | None) -> torch.Tensor | None:
         """Send full teacher logits back to the assigned student replica.
@@ -135,19 +136,31 @@ class KDMeshBridge:
             elsewhere.
         """
         self._check_wave(wave)
-        received = None
-        for route in self.output_routes[wave]:
+        error = None
+        if isinstance(logits, DTensor):
+            error = f"teacher rank {self.rank} passed a DTensor: call materialize_teacher_logits first"
+        elif not isinstance(logits, torch.Tensor):
+            error = f"teacher rank {self.rank} is an output rank but passed logits={type(logits).__name__}"
+        received = self._broadcast_along(self.output_routes[wave], logits, error)
+        return received if self.is_student else None
+
+    def _broadcast_along(self, routes: list[_Route], value: Any, error: str | None) -> Any:
+        """Run every route of a wave this rank is in; `error` applies where this rank is the source.
+
+        A failure on one route does not skip the others (a source may serve several routes, and their
+        receivers would wait forever); the first failure is raised after all routes ran.
+        """
+        received, failure = None, None
+        for route in routes:
             if self.rank not in route.ranks:
                 continue
-            error = None
-            if self.rank == route.src:
-                if isinstance(logits, DTensor):
-                    error = f"teacher rank {self.rank} passed a DTensor: call materialize_teacher_logits first"
-                elif not isinstance(logits, torch.Tensor):
-                    error = f"teacher rank {self.rank} is an output rank but passed logits={type(logits).__name__}"
-            value = self._broadcast_tree(logits if self.rank == route.src else None, route, error=error)
-            if self.is_student:
-                received = value
+            is_source = self.rank == route.src
+            try:
+                received = self._broadcast_tree(value if is_source else None, route, error=error if is_source else None)
+            except (ValueError, RuntimeError) as raised:
+                failure = failure or raised
+        if failure is not None:
+            raise failure
         return received
 
     def broadcast_command(self, command: int | None = None) -> int:

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,19 +71,34 @@ class WorldResults:
             raise AssertionError(f"check {name} did not finish on ranks {missing}: {self._launch_error or 'world ended'}")
 
 
-def run_world(world_size: int, checks: Sequence[Check], *, timeout_s: float = 120.0) -> WorldResults:
-    """Run `checks` in order on `world_size` spawned gloo ranks; returns their results."""
+def run_world(
+    world_size: int, checks: Sequence[Check], *, timeout_s: float = 60.0, deadline_s: float = 400.0
+) -> WorldResults:
+    """Run `checks` in order on `world_size` spawned gloo ranks; returns their results.
+
+    `timeout_s` bounds each collective of the default group; `deadline_s` the whole world.
+    """
     with tempfile.TemporaryDirectory() as out_dir:
         launch_error = None
+        context = mp.start_processes(
+            _rank_main,
+            args=(world_size, _free_port(), list(checks), out_dir, timeout_s),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
+        )
+        deadline = time.monotonic() + deadline_s
         try:
-            mp.start_processes(
-                _rank_main,
-                args=(world_size, _free_port(), list(checks), out_dir, timeout_s),
-                nprocs=world_size,
-                start_method="spawn",
-            )
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    launch_error = f"world did not finish within {deadline_s} s"
+                    break
         except Exception as error:  # a rank exited non-zero; its check result says why
             launch_error = f"{type(error).__name__}: {str(error)[:2000]}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
         errors: dict[str, dict[int, str | None]] = {}
         for rank in range(world_size):
             path = Path(out_dir, f"rank{rank}.jsonl")
@@ -93,7 +109,7 @@ def run_world(world_size: int, checks: Sequence[Check], *, timeout_s: float = 12
     return WorldResults(world_size, errors, launch_error)
 
 
-def world_test(world_size: int, checks: Sequence[Check], *, timeout_s: float = 120.0):
+def world_test(world_size: int, checks: Sequence[Check], **options):
     """A pytest test, parametrized by check name, that runs all `checks` in one world on first use."""
     import pytest
 
@@ -102,7 +118,7 @@ def world_test(world_size: int, checks: Sequence[Check], *, timeout_s: float = 1
     @pytest.mark.parametrize("check", [check.__name__ for check in checks])
     def test(check: str) -> None:
         if not results:
-            results.append(run_world(world_size, checks, timeout_s=timeout_s))
+            results.append(run_world(world_size, checks, **options))
         results[0].check(check)
 
     return test
