@@ -29,6 +29,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _name(check: Check) -> str:
+    return getattr(check, "__name__", None) or str(check)
+
+
 def _rank_main(rank: int, world_size: int, port: int, checks: Sequence[Check], out_dir: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
@@ -43,7 +47,7 @@ def _rank_main(rank: int, world_size: int, port: int, checks: Sequence[Check], o
             except BaseException:
                 outcome = traceback.format_exc()
             with results_file.open("a") as sink:
-                sink.write(json.dumps({"check": check.__name__, "error": outcome}) + "\n")
+                sink.write(json.dumps({"check": _name(check), "error": outcome}) + "\n")
             if outcome is not None:
                 os._exit(1)  # peers may be blocked in a collective: end the world
     finally:
@@ -115,7 +119,7 @@ def world_test(world_size: int, checks: Sequence[Check], **options):
 
     results: list[WorldResults] = []
 
-    @pytest.mark.parametrize("check", [check.__name__ for check in checks])
+    @pytest.mark.parametrize("check", [_name(check) for check in checks])
     def test(check: str) -> None:
         if not results:
             results.append(run_world(world_size, checks, **options))

@@ -1,0 +1,103 @@
+"""Sharded, atomic checkpoints of the student with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer, one small file
+per rank with what is rank-local (RNG states), and `meta.json` (step, scheduler state, data position)
+written last. It is first written under `step_00000042.partial` and renamed by the first student rank
+after every rank finished, so a process killed mid-save leaves the previous checkpoint as the latest and
+the partial one ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_PARTIAL = ".partial"
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root, f"step_{step:08d}")
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    complete = [p for p in root.glob("step_*") if not p.name.endswith(_PARTIAL) and (p / "meta.json").is_file()]
+    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    group: dist.ProcessGroup | None,
+    extra: dict | None = None,
+) -> Path:
+    """Save a checkpoint of `step`; every rank of `group` (the student ranks) calls it."""
+    final = checkpoint_dir(root, step)
+    partial = final.with_name(final.name + _PARTIAL)
+    rank, group_rank = dist.get_rank(), dist.get_rank(group)
+    if group_rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier(group=group)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), process_group=group)
+    torch.save(_rng_state(), partial / f"rng_rank{rank}.pt")
+    dist.barrier(group=group)
+    if group_rank == 0:
+        meta = {"step": step, "scheduler": scheduler.state_dict(), **(extra or {})}
+        (partial / "meta.json").write_text(json.dumps(meta))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+    dist.barrier(group=group)
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    group: dist.ProcessGroup | None,
+) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG from `path`; returns its meta.json."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
