@@ -105,7 +105,7 @@ class KDRecipe:
         self.is_student = rank in self.setups.student_ranks
         self.is_teacher = rank in self.setups.teacher_ranks
         student = self.setups.student
-        self.dp_mesh = student.device_mesh["dp"] if self.is_student else None
+        self.dp_mesh = student.dp_mesh
         self.dp_size, self.dp_rank = student.dp_size, (self.dp_mesh.get_local_rank() if self.is_student else 0)
         steps = config.step_scheduler
         if steps.global_batch_size % (steps.local_batch_size * self.dp_size):

@@ -85,6 +85,16 @@ class DistributedSetup:
         return dist.is_initialized() and dist.get_rank() in self.ranks
 
     @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The flattened data-parallel view (`device_mesh["dp"]`) on member ranks, else None."""
+        if self.device_mesh is None or not self.is_member:
+            return None
+        with warnings.catch_warnings():
+            # torch warns that slicing a flattened axis from the root is deprecated; it is the documented view.
+            warnings.simplefilter("ignore")
+            return self.device_mesh["dp"]
+
+    @property
     def pp_group(self) -> dist.ProcessGroup | None:
         """This rank's pipeline group, or None on a rank outside the setup."""
         if self.device_mesh is None or not self.is_member:
