@@ -98,6 +98,7 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     warmup_steps: int = 0
     decay: str = "cosine"  # cosine | linear | constant
+    total_steps: int | None = None  # length of the schedule; None: step_scheduler.max_steps
     min_lr_ratio: float = 0.1
 
 

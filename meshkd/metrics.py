@@ -28,15 +28,19 @@ def print0(*args: Any) -> None:
 class MetricsSink:
     """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard) on global rank 0."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, resume: bool = False) -> None:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None) -> None:
+        """`resume_step`: a resumed run keeps the records up to that step and drops the later ones, which
+        the interrupted run logged after its last checkpoint and the resumed run logs again."""
         self.active = is_logging_rank()
         self.path = Path(run_dir, "metrics.jsonl")
         self._writer = None
         if not self.active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            self.path.write_text("")
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            kept = [r for r in read_metrics(run_dir) if r["step"] < resume_step or (r["kind"] == "train" and r["step"] == resume_step)]
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.tensor import DTensor
 
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
@@ -49,7 +50,8 @@ def _device(config: KDRecipeConfig) -> torch.device:
 
 
 def _lr_lambda(config: KDRecipeConfig):
-    schedule, total = config.lr_scheduler, config.step_scheduler.max_steps
+    schedule = config.lr_scheduler
+    total = schedule.total_steps or config.step_scheduler.max_steps
 
     def factor(step: int) -> float:
         if step < schedule.warmup_steps:
@@ -190,7 +192,9 @@ class KDRecipe:
                 )
                 self.start_step = meta["step"]
                 print0(f"resumed from {latest} at step {self.start_step}")
-        self.metrics = MetricsSink(self.run_dir, tensorboard=config.logging.tensorboard, resume=self.resume)
+        self.metrics = MetricsSink(
+            self.run_dir, tensorboard=config.logging.tensorboard, resume_step=self.start_step if self.resume else None
+        )
         if is_logging_rank():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -301,12 +305,7 @@ class KDRecipe:
         }
 
     def _clip_gradients(self) -> float:
-        max_norm = self.config.optimizer.max_grad_norm
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm is not None else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        return clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm)
 
     @torch.no_grad()
     def evaluate(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -421,6 +420,34 @@ class KDRecipe:
         finally:
             self.cleanup()
         return self.summary
+
+
+def clip_grad_norm(parameters, max_norm: float | None) -> float:
+    """Clip gradients to a total norm of `max_norm` (None: only measure); returns the total norm.
+
+    Gradients may mix plain tensors (e.g. replicated norms under TP without FSDP) and DTensors on different
+    meshes and placements, which torch's clip_grad_norm_ cannot combine; so each (mesh, placements) group
+    gets its own norm, in the same order on every rank, and the groups are combined as plain numbers.
+    """
+    groups: dict = {}
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is not None:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups.setdefault(key, []).append(grad)
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += float(norm) ** 2
+    total = math.sqrt(squares)
+    if max_norm is not None and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for grads in groups.values():
+            for grad in grads:
+                grad.mul_(scale)
+    return total
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

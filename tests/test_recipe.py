@@ -132,7 +132,9 @@ def test_resume_after_a_stop_continues_the_curve_exactly(reference, tmp_path):
     config["checkpoint"] = {"enabled": True, "save_hf": True}
     config["step_scheduler"]["ckpt_every_steps"] = 2
     first = copy.deepcopy(config)
-    first["step_scheduler"]["max_steps"] = 3  # stops after step 3; the latest checkpoint is step 2
+    # Stops after step 3 of a 5-step schedule; the latest checkpoint is step 2.
+    first["step_scheduler"]["max_steps"] = 3
+    first["lr_scheduler"]["total_steps"] = STEPS
     train_in_world(2, first)
     records = train_in_world(2, config, resume=True)
     resumed = [r for r in records if r["kind"] == "train" and r["step"] > 2]
