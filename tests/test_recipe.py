@@ -1,68 +1,19 @@
 """The KD recipe end to end on tiny random-init Llamas: every layout's loss curve equals the
-single-process run's (fp32, same seed and global batch), resume continues the curve exactly, bad configs
-fail before training, and the CLI runs.
+single-process run's (fp32, same seed and global batch), and resume continues the curve exactly.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from meshkd.config import ConfigError, config_from_dict
+from meshkd.config import config_from_dict
 from meshkd.metrics import read_metrics
+from tests.tiny import STEPS, base_config, with_layout
 from tests.world import run_world
-
-STEPS = 5
-
-
-def tiny_llama(layers: int, seed: int) -> dict:
-    return {
-        "random_init": {
-            "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 262, "max_position_embeddings": 256,
-        },
-        "tokenizer": "byte",
-        "seed": seed,
-    }
-
-
-def write_corpus(directory: Path) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    for index in range(24):
-        words = " ".join(f"w{(index * 7 + j * 3) % 23}" for j in range(5 + (index * 5) % 17))
-        (directory / f"doc{index:02d}.txt").write_text(f"def f{index}():\n    return '{words}'\n")
-    return str(directory / "*.txt")
-
-
-def base_config(tmp_path: Path) -> dict:
-    return {
-        "model": tiny_llama(2, seed=1),
-        "teacher_model": tiny_llama(3, seed=2),
-        "kd": {"kd_ratio": 0.5, "temperature": 2.0},
-        "dataset": {"paths": [write_corpus(tmp_path / "corpus")], "val_fraction": 0.2, "seed": 3},
-        "step_scheduler": {"max_steps": STEPS, "global_batch_size": 4, "local_batch_size": 1, "sequence_length": 32,
-                           "val_batches": 2},
-        "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0},
-        "lr_scheduler": {"warmup_steps": 1},
-        "checkpoint": {"enabled": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
-        "collective_timeout_s": 60,
-    }
-
-
-def with_layout(config: dict, student: dict, teacher: dict | None) -> dict:
-    config = copy.deepcopy(config)
-    config["distributed"] = student
-    if teacher is not None:
-        config["separate_meshes"] = True
-        config["teacher_distributed"] = teacher
-    return config
 
 
 class TrainRun:
@@ -144,51 +95,3 @@ def test_resume_after_a_stop_continues_the_curve_exactly(reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(summary["hf_dir"]).config.num_hidden_layers == 2
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"step_scheduler": {"max_step": 3}}, r"step_scheduler.max_step"),
-        ({"kd": {"kd_ratio": "high"}}, r"kd.kd_ratio must be a number"),
-        ({"kd": {"kd_ratio": 1.5}}, r"kd.kd_ratio must be in \[0, 1\]"),
-        ({"optimizer": {"lr": -1.0}}, r"optimizer.lr must be > 0"),
-        ({"teacher_distributed": {"dp_size": 1}}, r"teacher_distributed is set but separate_meshes is false"),
-        ({"distributed": {"dp_size": 3}, "step_scheduler": {"global_batch_size": 4}}, r"global_batch_size\(4\)"),
-        ({"dataset": {"paths": []}}, r"dataset.paths is empty"),
-        ({"model": {"path": "x", "random_init": {"model_type": "llama"}}}, r"exactly one of model.path"),
-        ({"unknown_section": {}}, r"unknown config key\(s\) \['unknown_section'\]"),
-    ],
-)
-def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
-    config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
-    for section, values in change.items():
-        if isinstance(values, dict) and isinstance(config.get(section), dict):
-            config[section] = {**config[section], **values}
-        else:
-            config[section] = values
-    with pytest.raises(ConfigError, match=message):
-        config_from_dict(config)
-
-
-def test_cli_trains_end_to_end_and_plots(tmp_path):
-    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
-    config_path = tmp_path / "tiny.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    result = subprocess.run(
-        [sys.executable, "-m", "meshkd", "train", str(config_path), "--set", "step_scheduler.max_steps=2"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(config["logging"]["run_dir"])
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    saved = yaml.safe_load(Path(config["logging"]["run_dir"], "config.yaml").read_text())
-    assert saved["step_scheduler"]["max_steps"] == 2
-
-
-def test_cli_rejects_a_typo_before_starting_processes(tmp_path):
-    config_path = tmp_path / "bad.yaml"
-    config_path.write_text(yaml.safe_dump({**base_config(tmp_path), "optimiser": {"lr": 1.0}}))
-    result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path)],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "optimiser" in result.stderr

@@ -1,0 +1,37 @@
+"""The meshkd command: end to end through torch's launcher, and early failure on a bad config."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from meshkd.metrics import read_metrics
+from tests.tiny import base_config, with_layout
+
+
+def test_cli_trains_end_to_end_and_plots(tmp_path):
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "meshkd", "train", str(config_path), "--set", "step_scheduler.max_steps=2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(config["logging"]["run_dir"])
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    saved = yaml.safe_load(Path(config["logging"]["run_dir"], "config.yaml").read_text())
+    assert saved["step_scheduler"]["max_steps"] == 2
+    plotted = subprocess.run([sys.executable, "-m", "meshkd", "plot", config["logging"]["run_dir"]],
+                             capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert Path(config["logging"]["run_dir"], "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_rejects_a_typo_before_starting_processes(tmp_path):
+    config_path = tmp_path / "bad.yaml"
+    config_path.write_text(yaml.safe_dump({**base_config(tmp_path), "optimiser": {"lr": 1.0}}))
+    result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "optimiser" in result.stderr

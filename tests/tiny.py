@@ -1,0 +1,52 @@
+"""Tiny recipe configs: random-init Llamas, the byte tokenizer and a small generated text corpus."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+STEPS = 5
+
+
+def tiny_llama(layers: int, seed: int) -> dict:
+    return {
+        "random_init": {
+            "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 262, "max_position_embeddings": 256,
+        },
+        "tokenizer": "byte",
+        "seed": seed,
+    }
+
+
+def write_corpus(directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    for index in range(24):
+        words = " ".join(f"w{(index * 7 + j * 3) % 23}" for j in range(5 + (index * 5) % 17))
+        (directory / f"doc{index:02d}.txt").write_text(f"def f{index}():\n    return '{words}'\n")
+    return str(directory / "*.txt")
+
+
+def base_config(tmp_path: Path) -> dict:
+    return {
+        "model": tiny_llama(2, seed=1),
+        "teacher_model": tiny_llama(3, seed=2),
+        "kd": {"kd_ratio": 0.5, "temperature": 2.0},
+        "dataset": {"paths": [write_corpus(tmp_path / "corpus")], "val_fraction": 0.2, "seed": 3},
+        "step_scheduler": {"max_steps": STEPS, "global_batch_size": 4, "local_batch_size": 1, "sequence_length": 32,
+                           "val_batches": 2},
+        "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0},
+        "lr_scheduler": {"warmup_steps": 1},
+        "checkpoint": {"enabled": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "progress_bar": False},
+        "collective_timeout_s": 60,
+    }
+
+
+def with_layout(config: dict, student: dict, teacher: dict | None) -> dict:
+    config = copy.deepcopy(config)
+    config["distributed"] = student
+    if teacher is not None:
+        config["separate_meshes"] = True
+        config["teacher_distributed"] = teacher
+    return config
