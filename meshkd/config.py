@@ -71,6 +71,7 @@ class DatasetConfig:
     seed: int = 0
     max_documents: int | None = None
     max_document_chars: int | None = None
+    packing: bool = True  # NEAT-pack several documents per row; false: one document per row
 
 
 @dataclass

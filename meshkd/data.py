@@ -120,6 +120,7 @@ def build_datasets(
     max_documents: int | None = None,
     max_document_chars: int | None = None,
     encoding_errors: str = "replace",
+    pack: bool = True,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack a corpus; returns `(train, val)`.
 
@@ -140,6 +141,8 @@ def build_datasets(
         encoding_errors: how bytes that are not UTF-8 are decoded (a `bytes.decode` handler). The default
             "replace" keeps going with U+FFFD in their place, because real corpora hold a few files in legacy
             encodings (Python's standard library has several); "strict" raises ValueError naming the file.
+        pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
+            padded batch, whose mask holds 1 for tokens and 0 for padding.
 
     Raises:
         FileNotFoundError: a pattern matches no file.
@@ -177,8 +180,8 @@ def build_datasets(
     val_texts = [text for i, text in enumerate(documents) if i in val_indices]
 
     pad_token_id = _pad_token_id(tokenizer)
-    train = _pack(_tokenize(tokenizer, train_texts), sequence_length, pad_token_id)
-    val = _pack(_tokenize(tokenizer, val_texts), sequence_length, pad_token_id)
+    train = _pack(_tokenize(tokenizer, train_texts), sequence_length, pad_token_id, pack=pack)
+    val = _pack(_tokenize(tokenizer, val_texts), sequence_length, pad_token_id, pack=pack)
     for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
         if texts and len(split) == 0:
             raise ValueError(
@@ -468,8 +471,8 @@ def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]
     return rows, offsets
 
 
-def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int) -> PackedDataset:
-    """Pack tokenized documents into NEAT rows [num_rows, sequence_length]."""
+def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int, *, pack: bool) -> PackedDataset:
+    """Pack tokenized documents into NEAT rows [num_rows, sequence_length] (one piece per row unless `pack`)."""
     if not documents:
         return PackedDataset(
             **_padding_rows(0, sequence_length, pad_token_id), pad_token_id=pad_token_id, num_documents=0
@@ -480,7 +483,10 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
     for document in documents:
         full, rest = divmod(len(document), sequence_length)
         piece_lengths.extend([sequence_length] * full + ([rest] if rest else []))
-    rows, offsets = _first_fit(piece_lengths, sequence_length)
+    if pack:
+        rows, offsets = _first_fit(piece_lengths, sequence_length)
+    else:
+        rows, offsets = list(range(len(piece_lengths))), [0] * len(piece_lengths)
     num_rows = max(rows) + 1
     # 1-based index of each piece within its row, in order of placement (which is also left to right).
     pieces_in_row = [0] * num_rows

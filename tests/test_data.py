@@ -231,6 +231,16 @@ def test_packing_invariants(corpus):
     assert_same(train[-1], {key: value[-1:] for key, value in as_batch(train).items()})
 
 
+def test_unpacked_rows_hold_one_document_each(corpus):
+    texts, pattern = corpus
+    packed, _ = build(pattern)
+    unpacked, _ = build(pattern, pack=False)
+    mask = as_batch(unpacked)["attention_mask"]
+    assert set(mask.unique().tolist()) <= {0, 1}  # an ordinary 0/1 padding mask
+    assert len(unpacked) > len(packed) and unpacked.num_tokens == packed.num_tokens
+    assert sorted(decode(p) for _, _, p in pieces(unpacked)) == sorted(decode(p) for _, _, p in pieces(packed))
+
+
 def test_long_document_is_split_into_row_sized_pieces(tmp_path):
     text = "".join(ALPHABET[i % 26] for i in range(37))  # 37 chars + EOS = 38 tokens = 16 + 16 + 6
     (tmp_path / "long.txt").write_text(text)
