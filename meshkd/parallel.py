@@ -7,8 +7,18 @@ pipeline split (teacher only), then tensor parallel, then data parallel (student
 
 - `parallelize_student`: TP over the `tp` axis (attention and MLP colwise/rowwise, vocab-sharded
   embedding, lm_head colwise with its output left as a DTensor Shard(-1) so the loss sees vocab-sharded
-  logits), then FSDP2 per decoder layer and on the root over `dp_shard` (HSDP over (dp_replicate,
-  dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp".
+  logits), then context parallel (below), then FSDP2 per decoder layer and on the root over `dp_shard`
+  (HSDP over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp".
+- Student context parallel (cp_size > 1, fsdp2 only): every cp rank holds the head-tail share of the
+  sequence (`shard_student_batch`, `shard_teacher_logits`). The same gathered-K/V attention as the
+  teacher's runs, but its gather is differentiable (the backward sums the K/V gradient over cp and hands
+  each rank the piece for its own keys/values: a reduce-scatter). A forward pre-hook all-gathers the
+  local NEAT document indices over `cp` and builds the mask from global positions, so every tensor of
+  the local batch has the local length. Parameters are replicated over cp yet each cp rank sees only
+  part of the tokens, so their gradients must be SUMMED over cp: FSDP2 shards over the flattened
+  (dp_shard, cp) axis `dp_shard_cp` (as torchtitan does), which AVERAGES over dp_shard * cp ranks (and
+  over dp_replicate under HSDP). The loss must therefore be multiplied by `student_loss_scale(setup)` =
+  dp_size * cp_size before backward.
 - `TeacherRunner`: forward only. TP as above; context parallel by head-tail sharding the sequence and an
   attention function (registered with transformers' `AttentionInterface`, selected on this instance's
   config only) that all-gathers K/V over `cp` and applies a mask built from global positions, so it runs
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,15 +42,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from meshkd.logits import cp_shard, materialize_teacher_logits
+from meshkd.logits import cp_shard, cp_unshard, materialize_teacher_logits
 from meshkd.topology import DistributedSetup
 
 CP_ATTENTION = "meshkd_cp"
 """Name under which the context-parallel attention function is registered with transformers."""
 
+STUDENT_CP_AXIS = "dp_shard_cp"
+"""Flattened (dp_shard, cp) mesh axis over which FSDP2 shards a context-parallel student."""
+
 # Attribute on each attention module holding its cp process group; the registered attention function is
 # global to transformers, so the group travels with the module instance instead.
 _CP_GROUP_ATTR = "_meshkd_cp_group"
+# Attribute set on a root mesh once `flatten_student_cp_axes` ran for it, on members and non-members alike
+# (non-members cannot see the flattened axis, yet must not create its groups twice).
+_FLATTENED_ATTR = "_meshkd_student_cp_flattened"
 # Dtypes a pipeline activation may have; the index travels in the shape metadata.
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Metadata sent before each activation: ok flag, batch, local sequence, hidden, padded sequence,
@@ -122,31 +139,44 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
-    """Lay the student out over `setup`: TP, then FSDP2 (or DDP); returns the model to train.
+    """Lay the student out over `setup`: TP, then CP, then FSDP2 (or DDP); returns the model to train.
 
     Args:
-        model: a transformers causal LM on its device, identical on every rank of the role.
+        model: a transformers causal LM on its device, identical on every rank of the role. With
+            cp_size > 1 it must already consume NEAT-packed batches (`meshkd.packing.configure_packing`,
+            sdpa or eager attention): its `attention_mask` is read as document indices.
         setup: the student's `DistributedSetup` (this rank must be a member).
 
     Returns:
         `model` itself for strategy "fsdp2" (changed in place; its logits are a DTensor Shard(-1) on the
         `tp` axis when tp_size > 1), or a `DistributedDataParallel` wrapper for strategy "ddp".
 
+    Context parallel (cp_size > 1): feed the model batches from `shard_student_batch` (every cp rank of a
+    data-parallel replica runs forward and backward together) and pair its local logits with
+    `shard_teacher_logits`. FSDP2 shards over `STUDENT_CP_AXIS`; that axis is created here when the setup
+    spans the whole world, otherwise every world rank must call `flatten_student_cp_axes` first (group
+    creation is collective over the world). Multiply the loss by `student_loss_scale(setup)` before
+    backward.
+
     Raises:
-        ValueError: for layouts the student does not support (pp, cp, sequence parallel, TP with DDP) or
-            head counts the tp size does not divide.
+        ValueError: for layouts the student does not support (pp, sequence parallel, TP with DDP, CP with
+            DDP), a CP student not configured for NEAT packing, or head counts the tp size does not divide.
     """
     mesh = _member_mesh(setup)
-    if setup.pp_size > 1 or setup.cp_size > 1 or setup.sequence_parallel:
+    if setup.pp_size > 1 or setup.sequence_parallel:
         raise ValueError(
-            f"parallelize_student supports tp, dp_replicate and dp_shard only; got pp_size({setup.pp_size}), "
-            f"cp_size({setup.cp_size}), sequence_parallel({setup.sequence_parallel})"
+            f"parallelize_student supports tp, cp, dp_replicate and dp_shard only; got pp_size({setup.pp_size}), "
+            f"sequence_parallel({setup.sequence_parallel})"
         )
     if setup.strategy == "ddp" and setup.tp_size > 1:
         raise ValueError(f"strategy 'ddp' with tp_size({setup.tp_size}) > 1 is not supported; use fsdp2")
+    if setup.cp_size > 1:
+        _check_student_cp(model, setup)
     if setup.tp_size > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    if setup.dp_size == 1:
+    if setup.cp_size > 1:
+        _enable_student_cp(model, mesh)
+    if setup.dp_size * setup.cp_size == 1:
         return model
     if setup.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -159,14 +189,30 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
 
     from torch.distributed.fsdp import fully_shard
 
-    # HSDP when replicated: shard within dp_shard, replicate across dp_replicate (a 2-D mesh).
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if setup.dp_replicate_size > 1 else mesh["dp_shard"]
+    # Under CP the parameters are sharded (and their gradients reduced) over dp_shard x cp together, so the
+    # cp ranks' partial gradients are combined by the same reduce-scatter that combines dp_shard's.
+    shard_axis = STUDENT_CP_AXIS if setup.cp_size > 1 else "dp_shard"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # slicing a flattened axis from the root mesh warns; it is intended
+        # HSDP when replicated: shard within the shard axis, replicate across dp_replicate (a 2-D mesh).
+        dp_mesh = mesh["dp_replicate", shard_axis] if setup.dp_replicate_size > 1 else mesh[shard_axis]
     # Per-layer groups first, then the root (embedding, norm, lm_head), so each layer's parameters are
     # gathered just before it runs and freed after.
     for layer in _decoder(model).layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def student_loss_scale(setup: DistributedSetup) -> int:
+    """Factor to multiply the student's loss by before backward: dp_size * cp_size.
+
+    The loss of each rank is a sum over its own tokens divided by the global valid-token count, so the
+    wanted gradient is the SUM of all ranks' gradients. FSDP2 (over dp_shard, or dp_shard x cp under CP;
+    HSDP adds dp_replicate) and DDP (over dp) AVERAGE instead, over dp_size * cp_size ranks in total.
+    Without a wrapper (dp_size = cp_size = 1) the factor is 1.
+    """
+    return setup.dp_size * setup.cp_size
 
 
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -209,25 +255,67 @@ def _cp_attention(
 
     query [batch, heads, local_sequence, head_dim], key/value [batch, kv_heads, local_sequence, head_dim].
     `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the
-    gathered order; it already encodes causality and document boundaries in global positions. The gather
-    carries no gradient: this path is forward-only (the teacher).
+    gathered order; it already encodes causality and document boundaries in global positions (`_cp_mask`).
+    When autograd records (the student in training) the gather is differentiable (`_GatherSequence`): its
+    backward sums every rank's gradient for this rank's keys/values and hands it back here.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     group = getattr(module, _CP_GROUP_ATTR, None)
     if group is None:
-        raise RuntimeError(f"attention {CP_ATTENTION!r} used on a module without a cp group; use TeacherRunner")
-    if attention_mask is None:
-        raise RuntimeError(f"attention {CP_ATTENTION!r} needs the global-position mask built by TeacherRunner")
-    cp_size = dist.get_world_size(group)
-    gathered = []
-    for tensor in (key, value):
-        shards = [torch.empty_like(tensor) for _ in range(cp_size)]
-        dist.all_gather(shards, tensor.contiguous(), group=group)
-        gathered.append(torch.cat(shards, dim=2))
+        raise RuntimeError(
+            f"attention {CP_ATTENTION!r} used on a module without a cp group; use TeacherRunner or parallelize_student"
+        )
+    if attention_mask is None or attention_mask.dim() != 4:
+        raise RuntimeError(
+            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner or by "
+            f"parallelize_student's mask hook"
+        )
+    differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+    key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
     return sdpa_attention_forward(
-        module, query, gathered[0], gathered[1], attention_mask, dropout=dropout, scaling=scaling, is_causal=False
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
     )
+
+
+def _gather_sequence(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int, differentiable: bool
+) -> torch.Tensor:
+    """All cp ranks' `tensor` concatenated along `dim` in cp-rank order (NOT the original sequence order)."""
+    if differentiable:
+        return _GatherSequence.apply(tensor, group, dim)
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return torch.cat(shards, dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` whose backward sums every rank's gradient of this rank's piece.
+
+    torch.distributed.nn.functional.all_gather would do, but its gloo backward (scatter with a global rank
+    where a group rank is meant) fails on any group that does not start at global rank 0. gloo has no
+    reduce-scatter, so there the backward all-reduces the whole gradient and keeps this rank's piece.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        return torch.cat(shards, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        group, dim = ctx.group, ctx.dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad.chunk(size, dim=dim)[rank].contiguous(), None, None
+        pieces = [piece.contiguous() for piece in grad.chunk(size, dim=dim)]
+        local = torch.empty_like(pieces[rank])
+        dist.reduce_scatter(local, pieces, group=group)
+        return local, None, None
 
 
 def _enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
@@ -268,6 +356,254 @@ def _additive_mask(
     allowed |= distance == 0
     additive = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=documents.device)
     return additive.masked_fill_(allowed, 0.0)[:, None]
+
+
+def _padded_length(length: int, cp_size: int) -> int:
+    """The sequence length rounded up to a multiple of 2 * cp_size (head-tail sharding needs equal chunks)."""
+    return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
+
+
+def _pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
+    """`tensor` [batch, sequence, ...] padded on dim 1 with `value`, then this cp rank's head-tail share."""
+    pad = _padded_length(tensor.shape[1], cp_size) - tensor.shape[1]
+    if pad:
+        shape = (tensor.shape[0], pad, *tensor.shape[2:])
+        tensor = torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
+    return cp_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, dim=1)
+
+
+def _cp_mask(
+    documents: torch.Tensor, *, cp_size: int, cp_rank: int, dtype: torch.dtype, sliding_window: int | None
+) -> torch.Tensor:
+    """Additive mask [batch, 1, local_sequence, padded_sequence] of one cp rank's queries against all keys.
+
+    documents [batch, padded_sequence]: document indices of the whole padded sequence in original order.
+    Queries are this rank's head-tail positions; keys follow the order in which `_cp_attention` gathers
+    them (cp rank 0's share, then rank 1's, ...). With cp_size 1 it is the ordinary packed mask.
+    """
+    index = torch.arange(documents.shape[1], device=documents.device)
+    if cp_size == 1:
+        query_index = key_index = index
+    else:
+        query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
+        key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
+    return _additive_mask(documents, query_index, key_index, dtype=dtype, sliding_window=sliding_window)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Student context parallel
+
+
+@dataclass(frozen=True)
+class StudentShard:
+    """Where a cp rank's local batch sits in the global sequence (returned by `shard_student_batch`)."""
+
+    sequence_length: int
+    """Unpadded global sequence length."""
+    padded_length: int
+    """Global length after padding to a multiple of 2 * cp_size (equal to `sequence_length` without CP)."""
+    cp_size: int
+    cp_rank: int
+
+    def global_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[local_sequence] global sequence index of each local position (>= sequence_length: padding)."""
+        index = torch.arange(self.padded_length, device=device)
+        return cp_shard(index, cp_size=self.cp_size, cp_rank=self.cp_rank, dim=0) if self.cp_size > 1 else index
+
+
+def _cp_coordinate(setup: DistributedSetup) -> tuple[int, int]:
+    if setup.cp_size == 1:
+        return 1, 0
+    return setup.cp_size, _member_mesh(setup).get_local_rank("cp")
+
+
+def _shard_batch(
+    batch: dict[str, Any], *, cp_size: int, cp_rank: int, ignore_index: int = -100
+) -> tuple[dict[str, Any], StudentShard]:
+    input_ids = batch["input_ids"]
+    batch_size, length = input_ids.shape
+    info = StudentShard(length, _padded_length(length, cp_size) if cp_size > 1 else length, cp_size, cp_rank)
+    if cp_size == 1:
+        return dict(batch), info
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+    documents = batch.get("attention_mask")
+    if documents is None:
+        documents = torch.ones_like(input_ids)
+    local = dict(batch)
+    # Padding is document 0 (attends to itself only, seen by nobody) and its labels are ignored.
+    sharded = {"input_ids": (input_ids, 0), "position_ids": (position_ids, 0), "attention_mask": (documents, 0)}
+    if batch.get("labels") is not None:
+        sharded["labels"] = (batch["labels"], ignore_index)
+    for key, (tensor, value) in sharded.items():
+        if tuple(tensor.shape) != (batch_size, length):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(tensor.shape)}; expected {(batch_size, length)}")
+        local[key] = _pad_and_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, value=value)
+    return local, info
+
+
+def shard_student_batch(
+    batch: dict[str, Any], setup: DistributedSetup, *, ignore_index: int = -100
+) -> tuple[dict[str, Any], StudentShard]:
+    """This cp rank's share of a student micro-batch; the batch itself when cp_size is 1.
+
+    Args:
+        batch: `input_ids` [batch, sequence]; optional `labels` (aligned with the positions),
+            `position_ids` (default 0..sequence-1) and `attention_mask` (NEAT document indices, 0 =
+            padding; default one document). Every cp rank of a replica passes the same batch.
+        setup: the student's setup (this rank must be a member when cp_size > 1).
+        ignore_index: label given to padding positions.
+
+    Returns:
+        (local batch, `StudentShard`). The sequence is padded to a multiple of 2 * cp_size (input 0,
+        label `ignore_index`, position 0, document 0) and the four tensors above are cut to this rank's
+        head-tail share [batch, padded_sequence / cp_size]; other entries are passed through untouched.
+        The local `attention_mask` holds only the local document indices: the model's mask hook gathers
+        the others over `cp`, so every cp rank must run the forward.
+    """
+    cp_size, cp_rank = _cp_coordinate(setup)
+    return _shard_batch(batch, cp_size=cp_size, cp_rank=cp_rank, ignore_index=ignore_index)
+
+
+def shard_teacher_logits(logits: torch.Tensor, setup: DistributedSetup) -> torch.Tensor:
+    """Full teacher logits [batch, sequence, vocab] cut like `shard_student_batch` cuts the student's batch.
+
+    Returns [batch, padded_sequence / cp_size, vocab] (padding rows are zeros; their labels are ignored),
+    so position i of the local teacher logits is the teacher's distribution for the student's local
+    position i. Returns `logits` itself when cp_size is 1.
+    """
+    cp_size, cp_rank = _cp_coordinate(setup)
+    if cp_size == 1:
+        return logits
+    if logits.dim() != 3:
+        raise ValueError(f"expected teacher logits [batch, sequence, vocab], got shape {tuple(logits.shape)}")
+    return _pad_and_shard(logits, cp_size=cp_size, cp_rank=cp_rank)
+
+
+def flatten_student_cp_axes(setup: DistributedSetup) -> None:
+    """Create the student's `STUDENT_CP_AXIS` (dp_shard x cp) view; every WORLD rank must call this.
+
+    Needed before `parallelize_student` when cp_size > 1 and the student does not span the whole world
+    (separate meshes): the process groups behind a flattened axis are created collectively over the
+    whole world, and teacher-only ranks never call `parallelize_student`. Non-members make the same
+    group-creation calls from the mesh layout (as `meshkd.topology` does for `dp`). Calling it again, or
+    with cp_size 1, does nothing.
+    """
+    mesh = setup.device_mesh
+    if mesh is None:
+        raise ValueError("flatten_student_cp_axes needs a built setup (create_kd_distributed_setups)")
+    if setup.cp_size == 1 or getattr(mesh, _FLATTENED_ATTR, False):
+        return
+    axes = ("dp_shard", "cp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if mesh.get_coordinate() is not None:
+            mesh[axes]._flatten(STUDENT_CP_AXIS)
+        else:
+            layout = mesh._get_slice_mesh_layout(axes).collapse()
+            DeviceMesh._init_one_process_group(layout, mesh._rank_map, STUDENT_CP_AXIS, (None, None))
+    setattr(mesh, _FLATTENED_ATTR, True)
+
+
+def _check_student_cp(model: nn.Module, setup: DistributedSetup) -> None:
+    """Validate a cp_size > 1 student before anything changes; creates the flattened axis when possible."""
+    from meshkd.packing import NEAT_INDEXED, packing_layout
+
+    if setup.strategy == "ddp":
+        raise ValueError(f"strategy 'ddp' with cp_size({setup.cp_size}) > 1 is not supported; use fsdp2")
+    if packing_layout(model) != NEAT_INDEXED:
+        raise ValueError(
+            f"cp_size({setup.cp_size}) > 1 reads the student's attention_mask as NEAT document indices: call "
+            f"meshkd.packing.configure_packing(model) before parallelize_student"
+        )
+    if not getattr(setup.device_mesh, _FLATTENED_ATTR, False):
+        if setup.world_size != dist.get_world_size():
+            raise ValueError(
+                f"the student spans {setup.world_size} of {dist.get_world_size()} ranks: call "
+                f"flatten_student_cp_axes(setup) on every rank of the world before parallelize_student"
+            )
+        flatten_student_cp_axes(setup)  # every rank is a student here, so every rank takes part
+
+
+class _StudentCPMaskHook:
+    """Forward pre-hook: local NEAT `attention_mask` [batch, local_sequence] -> 4D cp mask (`_cp_mask`).
+
+    The document indices of the other cp ranks are all-gathered over `cp`, so the whole padded sequence is
+    known; registered ahead of `configure_packing`'s hook, which then sees a 4D mask and lets it pass.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        cp_size: int,
+        cp_rank: int,
+        sliding_window: int | None,
+        positions: dict[str, int],
+    ):
+        self.group = group
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.sliding_window = sliding_window
+        self.positions = positions
+
+    def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        index = self.positions.get(name)
+        return args[index] if index is not None and index < len(args) else None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        from meshkd.packing import _compute_dtype
+
+        mask = self._argument(args, kwargs, "attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            return None  # already converted by an outer module's hook
+        inputs = self._argument(args, kwargs, "input_ids")
+        embeds = self._argument(args, kwargs, "inputs_embeds")
+        reference = inputs if isinstance(inputs, torch.Tensor) else embeds
+        if not isinstance(reference, torch.Tensor):
+            return None
+        batch_size, local_length = reference.shape[:2]
+        if mask is None:
+            mask = torch.ones(batch_size, local_length, dtype=torch.int64, device=reference.device)
+        if tuple(mask.shape) != (batch_size, local_length):
+            raise ValueError(
+                f"context-parallel student: attention_mask {tuple(mask.shape)} must be this rank's share "
+                f"{(batch_size, local_length)} of the sequence; shard the batch with shard_student_batch"
+            )
+        documents = _gather_sequence(mask.long(), self.group, dim=1, differentiable=False)
+        documents = cp_unshard(list(documents.chunk(self.cp_size, dim=1)), dim=1)
+        if isinstance(embeds, torch.Tensor) and embeds.is_floating_point():
+            dtype = embeds.dtype
+        else:
+            dtype = _compute_dtype(module, reference.device)
+        converted = _cp_mask(
+            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, sliding_window=self.sliding_window
+        )
+        index = self.positions.get("attention_mask")
+        if "attention_mask" in kwargs or index is None or index >= len(args):
+            return args, {**kwargs, "attention_mask": converted}
+        return (*args[:index], converted, *args[index + 1 :]), kwargs
+
+
+def _enable_student_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Gathered-K/V attention with a differentiable gather, and the cp mask hook on the model."""
+    from meshkd.packing import _forward_positions, _sliding_window
+
+    # Read before the attention implementation changes: the window check knows sdpa/eager only.
+    sliding_window = _sliding_window(model.config, model)
+    group = mesh.get_group("cp")
+    _enable_cp_attention(model, group)
+    cp_size = mesh.size(mesh.mesh_dim_names.index("cp"))
+    options = dict(group=group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"), sliding_window=sliding_window)
+    # The inner decoder too, so that calling it directly works; prepend so the packing hook sees 4D.
+    for module in (model, _decoder(model)):
+        positions, _ = _forward_positions(module)
+        module.register_forward_pre_hook(
+            _StudentCPMaskHook(positions=positions, **options), with_kwargs=True, prepend=True
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -355,25 +691,15 @@ class TeacherRunner:
         position_ids, documents = position_ids.to(self.device).long(), documents.to(self.device).long()
         if self.cp_size > 1:
             # Head-tail sharding needs 2 * cp equal chunks; padding is document 0, so nothing attends to it.
-            padded = math.ceil(length / (2 * self.cp_size)) * (2 * self.cp_size)
-            pad = (0, padded - length)
-            input_ids = nn.functional.pad(input_ids, pad)
-            position_ids = nn.functional.pad(position_ids, pad)
-            documents = nn.functional.pad(documents, pad)
-            shard = dict(cp_size=self.cp_size, cp_rank=self.cp_rank, dim=1)
-            input_ids, position_ids = cp_shard(input_ids, **shard), cp_shard(position_ids, **shard)
+            shard = dict(cp_size=self.cp_size, cp_rank=self.cp_rank)
+            input_ids, position_ids = _pad_and_shard(input_ids, **shard), _pad_and_shard(position_ids, **shard)
+            documents = nn.functional.pad(documents, (0, _padded_length(length, self.cp_size) - length))
         return input_ids, position_ids, documents, length
 
     def _mask(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        index = torch.arange(documents.shape[1], device=documents.device)
-        if self.cp_size == 1:
-            query_index = key_index = index
-        else:
-            # Keys arrive in cp-rank order of the gathered shards, so the key axis follows that order.
-            query_index = cp_shard(index, cp_size=self.cp_size, cp_rank=self.cp_rank, dim=0)
-            shards = [cp_shard(index, cp_size=self.cp_size, cp_rank=r, dim=0) for r in range(self.cp_size)]
-            key_index = torch.cat(shards)
-        return _additive_mask(documents, query_index, key_index, dtype=dtype, sliding_window=self.sliding_window)
+        return _cp_mask(
+            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, sliding_window=self.sliding_window
+        )
 
     # -- pipeline transport ----------------------------------------------------------------------------
 
