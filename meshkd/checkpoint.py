@@ -1,16 +1,19 @@
 """Sharded, atomic checkpoints of the student with torch.distributed.checkpoint (DCP).
 
 A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer, one small file
-per rank with what is rank-local (RNG states), and `meta.json` (step, scheduler state, data position)
-written last. It is first written under `step_00000042.partial` and renamed by the first student rank
-after every rank finished, so a process killed mid-save leaves the previous checkpoint as the latest and
-the partial one ignored.
+per rank with what is rank-local (RNG states), and `meta.json` (step, scheduler state) written last. It is
+first written under `step_00000042.partial` and renamed by the first student rank after every rank
+finished, so a process killed mid-save leaves the previous checkpoint as the latest and the partial one
+ignored (`latest_checkpoint` counts only `step_N` directories holding meta.json). The next save of that
+step removes the leftover partial directory first. The data position is the step itself: batches are a
+pure function of (seed, step).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,19 +24,29 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _PARTIAL = ".partial"
+_COMPLETE = re.compile(r"step_(\d+)")
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """Where the complete checkpoint of `step` lives under `root`."""
     return Path(root, f"step_{step:08d}")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `root`, or None."""
+    """The complete checkpoint with the highest step under `root`, or None.
+
+    Complete: named `step_N` (renamed from `step_N.partial` after every rank wrote its part) and holding
+    meta.json. Partial directories, directories without meta.json and other names are ignored.
+    """
     root = Path(root)
     if not root.is_dir():
         return None
-    complete = [p for p in root.glob("step_*") if not p.name.endswith(_PARTIAL) and (p / "meta.json").is_file()]
-    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+    complete = []
+    for path in root.iterdir():
+        match = _COMPLETE.fullmatch(path.name)
+        if match and (path / "meta.json").is_file():
+            complete.append((int(match.group(1)), path))
+    return max(complete)[1] if complete else None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,18 +1,30 @@
 """The `meshkd` command: train, demo, plot.
 
-`meshkd train CONFIG` validates the config in the calling process (a typo fails in a second, before any
-process starts), then starts `--nproc` local processes through torch's own launcher
-(torch.distributed.run: gloo on CPU, NCCL on CUDA). Inside an existing torchrun world it trains in that
-world directly, so `torchrun --nproc-per-node 8 -m meshkd train CONFIG` works unchanged on a cluster.
+`meshkd train CONFIG` validates the config and runs the recipe's preflight checks in the calling process
+(a typo or a missing file fails in seconds, before any process starts), then starts `--nproc` local
+processes through torch's own launcher (torch.distributed.run: gloo on CPU, NCCL on CUDA). Inside an
+existing torchrun world it trains in that world directly, so `torchrun --nproc-per-node 8 -m meshkd train
+CONFIG` works unchanged on a cluster.
+
+Exit status of `meshkd train`: 0 when the run finished; 2 for a bad config or input found before any
+process started; 1 when a worker failed (each failing worker prints one `meshkd: error: rank R: ...` line);
+128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a stop request that every process obeyed.
+The first SIGINT or SIGTERM asks the workers to stop at the next step boundary (they save a checkpoint of
+that step); a second one hands the stop to torchrun, which signals the workers and kills them after its
+shutdown timeout (30 s by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -21,16 +33,83 @@ from meshkd.config import ConfigError, KDRecipeConfig, load_config, required_wor
 _DEMO_CONFIG = "demo.yaml"
 
 
+def _report(line: str) -> None:
+    """Write one line to stderr in one system call: workers and the launcher share it, whole lines stay whole."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+
+
 def _inside_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= set(os.environ)
 
 
+# The launcher process: torch.distributed.run, with its failure report cut to one line per failed worker.
+_LAUNCHER = "import sys; from meshkd.cli import _torchrun; sys.exit(_torchrun(sys.argv[1:]))"
+
+
+def _torchrun(argv: list[str]) -> int:
+    """Run torch.distributed.run with `argv`; a worker failure or a signal gives an exit status, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except ChildFailedError as error:
+        for rank, failure in sorted(error.failures.items()):
+            code = failure.exitcode
+            how = f"exit code {code}"
+            if code < 0:  # ended by a signal
+                how = f"signal {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+            _report(f"meshkd: worker rank {rank} (pid {failure.pid}) ended with {how}")
+        return 1
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _end_with_parent() -> None:
+    """In the launcher before exec: get SIGTERM if `meshkd train` dies, so no launcher or worker outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _launch(nproc: int, args: list[str]) -> int:
-    """Run `python -m meshkd ARGS` on `nproc` local processes under torch.distributed.run."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "meshkd", *args]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(command, env=env)
+    """Run `python -m meshkd ARGS` on `nproc` local processes under torch.distributed.run.
+
+    The launcher runs in its own session, so a Ctrl-C at the terminal reaches this process only. The first
+    SIGINT / SIGTERM creates the stop file the workers poll at step boundaries (see
+    `meshkd.recipe.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
+    status, or 128 + the first signal's number when every process exited cleanly after it.
+    """
+    from meshkd.recipe import STOP_FILE_ENV
+
+    with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
+        stop_file = Path(scratch, "stop")
+        command = [sys.executable, "-c", _LAUNCHER, "--standalone", f"--nproc-per-node={nproc}", "-m", "meshkd", *args]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env[STOP_FILE_ENV] = str(stop_file)
+        launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
+        received: list[int] = []
+
+        def forward(signum: int, frame) -> None:
+            received.append(signum)
+            if len(received) == 1:
+                stop_file.touch()
+                # os.write, not print: a print interrupted by this handler would be re-entered.
+                os.write(2, f"meshkd: got {signal.Signals(signum).name}: stopping at the next step boundary "
+                            "(send it again to stop at once)\n".encode())
+            else:
+                launcher.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = launcher.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    return 128 + received[0] if received and code == 0 else code
 
 
 def _world_size(config: KDRecipeConfig, nproc: int | None) -> int:
@@ -44,19 +123,36 @@ def _world_size(config: KDRecipeConfig, nproc: int | None) -> int:
     return nproc
 
 
-def _train_here(config: KDRecipeConfig, resume: bool) -> dict:
-    from meshkd.recipe import KDRecipe
+def _train_here(config: KDRecipeConfig, resume: bool) -> int:
+    """Train as one rank of the current world; a user error or a lost peer prints one line and returns 1.
 
-    return KDRecipe(config, resume=resume).run()
+    Other exceptions (bugs) keep their traceback.
+    """
+    from meshkd.recipe import KDRecipe, PeerLostError, SetupError
+    from meshkd.wire import SenderError  # a peer's own error, forwarded in place of its data
+
+    # The recipe handles SIGINT / SIGTERM while it runs; before and after, a worker on its way out ignores
+    # them (torchrun signals every worker once one fails), so that it ends with its own exit status.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        KDRecipe(config, resume=resume).run()
+    except (ValueError, OSError, PeerLostError, SetupError, SenderError) as error:
+        _report(f"meshkd: error: rank {os.environ.get('RANK', '?')}: {error}")
+        return 1
+    return 0
 
 
 def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
     config = load_config(config_path, overrides)
     if _inside_torchrun():
-        _train_here(config, resume)
-        return 0
+        return _train_here(config, resume)
+    from meshkd.recipe import preflight
+
+    preflight(config)
+    world_size = _world_size(config, nproc)
     args = ["train", config_path, *[item for o in overrides for item in ("--set", o)]] + (["--resume"] if resume else [])
-    return _launch(_world_size(config, nproc), args)
+    return _launch(world_size, args)
 
 
 def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
@@ -133,6 +229,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         return _plot(args.run_dir, args.out)
-    except (ConfigError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"meshkd: error: {error}", file=sys.stderr)
         return 2

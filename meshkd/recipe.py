@@ -3,23 +3,37 @@
 Student ranks train; teacher ranks serve. On shared meshes every rank is both: it runs the teacher on
 its own micro-batch, then trains. On separate meshes the student drives the teacher through
 `KDMeshBridge`: RUN_TEACHER per micro-batch, its batch across, full logits back; the teacher loop serves
-until STOP_TEACHER, which the student always sends on exit, error paths included.
+until STOP_TEACHER, which the student sends when it is done or fails, unless the failure is a lost peer.
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
 average gradients over dp ranks, so the loss is multiplied by dp before backward to turn that average
 into the sum the normalization asks for. The curve then equals a single-process run on the same global
 batch.
+
+Failures. `preflight` checks what needs no process group (data files, tokenizers, model configs against
+the layout) the same way on every rank, so a bad input raises everywhere without a collective; `meshkd
+train` runs it before starting any process. What only one role finds out while setting up (its weights,
+its data, a checkpoint) is agreed over the world before the next collective, so every rank raises it
+(`SetupError` on the others). In training, a collective that fails because a peer died or stopped
+answering becomes `PeerLostError`, naming the role and ranks lost. A stop request (SIGINT, SIGTERM, or
+the stop file `meshkd train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a step
+boundary: they save a checkpoint of that step, send STOP_TEACHER and return.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
+import re
+import signal
+import socket
+import threading
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
-from meshkd.config import KDRecipeConfig, expand_path
+from meshkd.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
@@ -38,6 +52,36 @@ from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+STOP_FILE_ENV = "MESHKD_STOP_FILE"
+"""Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
+
+# Bytes of a setup error message sent to the other ranks (one fixed-size broadcast, longer ones cut).
+_MESSAGE_BYTES = 2048
+# Preflight reads the corpus for a first document only when it is at most this large.
+_PREFLIGHT_READ_BYTES = 64 << 20
+# How long a rank that saw a collective fail looks for the peer process that exited (same host only).
+_DEAD_PEER_WAIT_S = 1.0
+# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
+_PEER_FAILURE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|[Tt]imeout|ECONNRESET|EPIPE|"
+    r"NCCL (error|communicator)|communicator was aborted|Socket Timeout"
+)
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank died or stopped answering; the message names its role and ranks."""
+
+
+class SetupError(RuntimeError):
+    """Another rank failed during setup; raised on every rank that did not (the failing rank raises its own error).
+
+    `origin_rank` is the lowest rank that failed; the message carries its error.
+    """
+
+    def __init__(self, message: str, *, origin_rank: int) -> None:
+        super().__init__(message)
+        self.origin_rank = origin_rank
 
 
 def _device(config: KDRecipeConfig) -> torch.device:
@@ -82,6 +126,234 @@ def _load_model(section) -> torch.nn.Module:
     )
 
 
+@contextlib.contextmanager
+def _about(key: str):
+    """Prefix the errors a user can cause (ValueError, OSError) with the config key they concern."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        if str(error).startswith(key):
+            raise
+        message = f"{key}: {error}"
+        try:
+            renamed = type(error)(message)
+        except Exception:  # an exception type whose constructor wants more than a message
+            renamed = ValueError(message)
+        raise renamed from error
+
+
+# ---- preflight: what every rank can check alone ----
+
+
+@dataclass
+class Preflight:
+    """What `preflight` loaded that setup reuses."""
+
+    tokenizer: object
+    teacher_tokenizer: object
+
+
+def _skeleton(section) -> torch.nn.Module:
+    """The model of a config section, pruned as configured, on the meta device: its config, no weights."""
+    if section.random_init is not None:
+        with torch.device("meta"):
+            return _load_model(section)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = models._resolve_source(section.path, section.gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    if section.keep_layers is not None:
+        models.prune_layers(model, section.keep_layers)
+    return model
+
+
+def _embedding_rows(model: torch.nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def preflight(config: KDRecipeConfig) -> Preflight:
+    """Check everything that needs no process group; raises before any process or collective is involved.
+
+    Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
+    without talking to the others. Loads no weights (models are built on the meta device) and reads the
+    corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
+    exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
+    `step_scheduler.sequence_length` against each model's max_position_embeddings; tp sizes against
+    attention and key/value head counts; the teacher's pp_size against its decoder layers; a TP student's
+    vocabulary against the common one.
+
+    Raises:
+        ConfigError (a ValueError) or ValueError: naming the config key.
+        FileNotFoundError: naming the missing file or path.
+    """
+    student_layout = config.distributed
+    separate = config.separate_meshes
+    if not separate and config.teacher_distributed is not None:
+        raise ConfigError(
+            "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
+            "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
+        )
+    if student_layout.pp_size > 1 or student_layout.sequence_parallel:
+        raise ConfigError(
+            f"distributed: student pipeline parallel and sequence parallel are not supported; got "
+            f"pp_size({student_layout.pp_size}), sequence_parallel({student_layout.sequence_parallel})"
+        )
+    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
+        raise ConfigError(
+            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
+        )
+    if separate:
+        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
+            if layout is not None and layout.dp_size is None:
+                raise ConfigError(
+                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
+                )
+    teacher_key = "teacher_distributed" if separate else "distributed"
+    teacher_layout = config.teacher_distributed if separate else student_layout
+    steps, dataset = config.step_scheduler, config.dataset
+
+    with _about("dataset"):
+        data._check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+                              dataset.max_document_chars, "replace")
+    with _about("dataset.paths"):
+        files = data._match_files([expand_path(pattern) for pattern in dataset.paths])
+        # Reading stops at the first document, but a JSONL file is read whole: on a large corpus this is
+        # left to the students' setup, whose errors reach every rank too.
+        if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
+            first = data._read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
+                                         max_document_chars=None, encoding_errors="replace")
+            if not first:
+                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
+
+    with _about("model.tokenizer"):
+        tokenizer = _load_tokenizer(config.model)
+    with _about("teacher_model.tokenizer"):
+        teacher_tokenizer = _load_tokenizer(config.teacher_model)
+    with _about("model"):
+        student = _skeleton(config.model)
+    with _about("teacher_model"):
+        teacher = _skeleton(config.teacher_model)
+    with _about("model.tokenizer / teacher_model.tokenizer"):
+        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
+                                              teacher_vocab_size=_embedding_rows(teacher))
+
+    for label, model in (("model", student), ("teacher_model", teacher)):
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and steps.sequence_length > limit:
+            raise ConfigError(
+                f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
+                f"max_position_embeddings({limit})"
+            )
+    for key, layout, label, model in (("distributed", student_layout, "model", student),
+                                      (teacher_key, teacher_layout, "teacher_model", teacher)):
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(model.config, name, None)
+            if layout.tp_size > 1 and isinstance(heads, int) and heads % layout.tp_size:
+                raise ConfigError(
+                    f"{key}.tp_size({layout.tp_size}) must divide {label}'s {name}({heads}): attention heads are "
+                    "split whole"
+                )
+    num_layers = teacher.config.num_hidden_layers
+    if teacher_layout.pp_size > num_layers:
+        raise ConfigError(
+            f"{teacher_key}.pp_size({teacher_layout.pp_size}) exceeds teacher_model's {num_layers} decoder layers"
+            + (" (after keep_layers)" if config.teacher_model.keep_layers is not None else "")
+        )
+    if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
+        raise ConfigError(
+            f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
+            f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
+        )
+    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
+
+
+# ---- failures and stop requests during a run ----
+
+
+def _ranks(ranks) -> str:
+    """'rank 0', 'ranks 1-3' (consecutive), 'ranks 0, 2'."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(rank) for rank in ranks)
+
+
+def _brief(error: BaseException) -> str:
+    """One ASCII line of a backend error: gloo's source location and its advice are dropped."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(" This is typically")[0]
+    return text.encode("ascii", "ignore").decode()[:300]
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    if isinstance(error, (PeerLostError, SetupError)):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and _PEER_FAILURE.search(str(error)) is not None
+
+
+def _process_gone(pid: int) -> bool:
+    """True when `pid` exited (a zombie counts: it only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def _pid_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / "pids" / f"rank{rank}.pid"
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM, or the stop file named by MESHKD_STOP_FILE: stop at the next step boundary.
+
+    The handlers only record the signal (a collective cannot be left half-way); the student ranks agree
+    on stopping at step boundaries. Teacher-only ranks record it too and keep serving until the students
+    send STOP_TEACHER, so a signal sent to every process (torchrun, a batch scheduler) ends the run cleanly.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.file = os.environ.get(STOP_FILE_ENV) or None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the stop file still works
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal = signum
+
+    def requested(self) -> bool:
+        return self.signal is not None or (self.file is not None and os.path.exists(self.file))
+
+    def reason(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else "a stop request"
+
+
 class KDRecipe:
     """Distill `config.teacher_model` into `config.model`; `run()` does setup, train and cleanup."""
 
@@ -92,11 +364,14 @@ class KDRecipe:
         self.bridge: KDMeshBridge | None = None
         self.summary: dict = {}
         self._owns_process_group = False
+        self._stop = _StopRequest()
 
     # ---- setup ----
 
     def setup(self) -> None:
         config = self.config
+        # Same files, same answer on every rank: a bad input raises everywhere before any collective.
+        checked = preflight(config)
         self.device = _device(config)
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -116,44 +391,52 @@ class KDRecipe:
                 f"local_batch_size({steps.local_batch_size}) * data-parallel size({self.dp_size})"
             )
         self.num_micro_batches = steps.global_batch_size // (steps.local_batch_size * self.dp_size)
+        with self._watch("setup", "teacher" if self.is_student else "student"):
+            self._setup_models_and_data(checked)
 
-        # Tokenizers first: a mismatch must fail before any weights load.
-        self.tokenizer = _load_tokenizer(config.model)
-        teacher_tokenizer = _load_tokenizer(config.teacher_model)
-        torch.manual_seed(config.seed)
-        student_model = _load_model(config.model) if self.is_student else None
-        teacher_model = _load_model(config.teacher_model) if self.is_teacher else None
+    def _setup_models_and_data(self, checked: Preflight) -> None:
+        config, steps, student = self.config, self.config.step_scheduler, self.setups.student
+        self.tokenizer, teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
+
+        # Each role loads only its own model and data: a failure there is agreed over the world below, so
+        # the other role raises too instead of waiting in the next collective.
+        student_model = teacher_model = None
+        with self._on_every_rank("while loading models and data"):
+            self._write_pid_file()
+            torch.manual_seed(config.seed)
+            if self.is_student:
+                with _about("model"):
+                    student_model = _load_model(config.model)
+            if self.is_teacher:
+                with _about("teacher_model"):
+                    teacher_model = _load_model(config.teacher_model)
+            if self.is_student:
+                with _about("dataset"):
+                    self.train_set, self.val_set = data.build_datasets(
+                        self.tokenizer,
+                        paths=[expand_path(p) for p in config.dataset.paths],
+                        sequence_length=steps.sequence_length,
+                        val_fraction=config.dataset.val_fraction,
+                        seed=config.dataset.seed,
+                        text_key=config.dataset.text_key,
+                        format=config.dataset.format,
+                        max_documents=config.dataset.max_documents,
+                        max_document_chars=config.dataset.max_document_chars,
+                    )
+                configure_packing(student_model)
+        # Both sizes are known on every rank, so these checks raise everywhere.
         sizes = self._exchange_vocab_sizes(student_model, teacher_model)
-        self.vocab_size = models.common_vocab_size(
-            self.tokenizer, teacher_tokenizer, student_vocab_size=sizes[0], teacher_vocab_size=sizes[1]
-        )
-        if self.is_student and student.tp_size > 1 and sizes[0] != self.vocab_size:
+        with _about("model.tokenizer / teacher_model.tokenizer"):
+            self.vocab_size = models.common_vocab_size(
+                self.tokenizer, teacher_tokenizer, student_vocab_size=sizes[0], teacher_vocab_size=sizes[1]
+            )
+        if student.tp_size > 1 and sizes[0] != self.vocab_size:
             raise ValueError(
-                f"student vocabulary {sizes[0]} differs from the common vocabulary {self.vocab_size}: not supported "
+                f"model: vocabulary {sizes[0]} differs from the common vocabulary {self.vocab_size}: not supported "
                 "with distributed.tp_size > 1"
             )
-        if self.is_student:
-            self.train_set, self.val_set = data.build_datasets(
-                self.tokenizer,
-                paths=[expand_path(p) for p in config.dataset.paths],
-                sequence_length=steps.sequence_length,
-                val_fraction=config.dataset.val_fraction,
-                seed=config.dataset.seed,
-                text_key=config.dataset.text_key,
-                format=config.dataset.format,
-                max_documents=config.dataset.max_documents,
-                max_document_chars=config.dataset.max_document_chars,
-            )
-            max_positions = getattr(student_model.config, "max_position_embeddings", None)
-            if max_positions is not None and steps.sequence_length > max_positions:
-                raise ValueError(
-                    f"step_scheduler.sequence_length({steps.sequence_length}) exceeds the student's maximum "
-                    f"{max_positions} positions"
-                )
 
         # NEAT packing on both roles, checked across the control group on separate meshes.
-        if student_model is not None:
-            configure_packing(student_model)
         control = None
         if self.setups.separate:
             self.bridge = KDMeshBridge(
@@ -165,39 +448,142 @@ class KDRecipe:
             [student_model] if student_model is not None else [],
             control_group=control,
         )
-        self.teacher = (
-            TeacherRunner(teacher_model.to(self.device), self.setups.teacher, device=self.device)
-            if teacher_model is not None
-            else None
-        )
-        if self.is_student:
-            self.model = parallelize_student(student_model.to(self.device), student)
-            opt = config.optimizer
-            if opt.name == "adamw":
-                self.optimizer = torch.optim.AdamW(
-                    self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas),
-                    eps=opt.eps, foreach=False,
-                )
-            else:
-                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        with self._on_every_rank("while laying out the models"):
+            self.teacher = (
+                TeacherRunner(teacher_model.to(self.device), self.setups.teacher, device=self.device)
+                if teacher_model is not None
+                else None
+            )
+            if self.is_student:
+                self.model = parallelize_student(student_model.to(self.device), student)
+                opt = config.optimizer
+                if opt.name == "adamw":
+                    self.optimizer = torch.optim.AdamW(
+                        self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas),
+                        eps=opt.eps, foreach=False,
+                    )
+                else:
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+                self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
         self.start_step = 0
         self.checkpoint_root = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
-        if self.resume and self.is_student:
-            latest = ckpt.latest_checkpoint(self.checkpoint_root)
-            if latest is not None:
-                meta = ckpt.load_checkpoint(
-                    latest, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                    group=self.student_group,
-                )
-                self.start_step = meta["step"]
-                print0(f"resumed from {latest} at step {self.start_step}")
-        self.metrics = MetricsSink(
-            self.run_dir, tensorboard=config.logging.tensorboard, resume_step=self.start_step if self.resume else None
-        )
-        if is_logging_rank():
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        with self._on_every_rank("while resuming and opening the run directory"):
+            if self.resume and self.is_student:
+                # Only complete checkpoints count: a save killed half-way left a `.partial` directory.
+                latest = ckpt.latest_checkpoint(self.checkpoint_root)
+                if latest is not None:
+                    try:
+                        meta = ckpt.load_checkpoint(
+                            latest, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                            group=self.student_group,
+                        )
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except BaseException as error:  # DCP raises CheckpointException, a BaseException
+                        raise ValueError(
+                            f"checkpoint {latest} cannot be loaded into this run (a different model or layout?): "
+                            f"{_brief(error)}"
+                        ) from error
+                    self.start_step = meta["step"]
+                    print0(f"resumed from {latest} at step {self.start_step}")
+                else:
+                    print0(f"no checkpoint under {self.checkpoint_root}: starting at step 0")
+            self.metrics = MetricsSink(
+                self.run_dir, tensorboard=config.logging.tensorboard, resume_step=self.start_step if self.resume else None
+            )
+            if is_logging_rank():
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+    def _write_pid_file(self) -> None:
+        """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""
+        path = _pid_file(self.run_dir, dist.get_rank())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+
+    @contextlib.contextmanager
+    def _on_every_rank(self, stage: str):
+        """Run a rank-local part of setup, then agree over the world: if it failed anywhere, raise everywhere.
+
+        The failing rank raises its own error; the others raise SetupError with the lowest failing rank's
+        message. Costs one all-reduce when nothing failed.
+        """
+        try:
+            yield
+        except Exception as error:
+            self._agree(error, stage)
+            raise
+        self._agree(None, stage)
+
+    def _agree(self, error: BaseException | None, stage: str) -> None:
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        first = torch.tensor([rank if error is not None else world_size], dtype=torch.int64, device=self.device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        origin = int(first.item())
+        if origin == world_size:
+            return
+        message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        if rank == origin:
+            text = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
+            encoded = (text or type(error).__name__).encode()[:_MESSAGE_BYTES]
+            message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device)
+        dist.broadcast(message, src=origin)
+        if error is None:
+            text = bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+            raise SetupError(f"rank {origin} ({self._role_of(origin)}) failed {stage}: {text}", origin_rank=origin)
+
+    def _role_of(self, rank: int) -> str:
+        if not self.setups.separate:
+            return "student and teacher"
+        return "student" if rank in self.setups.student_ranks else "teacher"
+
+    @contextlib.contextmanager
+    def _watch(self, operation: str, role: str):
+        """Turn a collective that failed because a peer died or went silent into PeerLostError.
+
+        `role` ("student" or "teacher") is whose ranks the operation waits on; where the pid files show
+        which peer process exited (same host), the message names it.
+        """
+        try:
+            yield
+        except RuntimeError as error:
+            if not _is_peer_failure(error):
+                raise
+            raise PeerLostError(self._lost(operation, role, error)) from error
+
+    def _lost(self, operation: str, role: str, error: BaseException) -> str:
+        dead = self._dead_ranks()
+        exited = f"; {_ranks(dead)} exited" if dead else ""
+        if not self.setups.separate:
+            return f"lost a peer ({_ranks(self.setups.student_ranks)}{exited}) during {operation}: {_brief(error)}"
+        roles = {self._role_of(rank) for rank in dead}
+        if len(roles) == 1:  # the pid files know better than the operation which role is gone
+            role = roles.pop()
+        role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
+        return f"lost the {role} ({_ranks(role_ranks)}{exited}) during {operation}: {_brief(error)}"
+
+    def _dead_ranks(self) -> list[int]:
+        """Ranks of this host whose process exited, from the pid files (waits a moment for a dying peer)."""
+        host, me = socket.gethostname(), dist.get_rank()
+        pids = {}
+        for rank in range(dist.get_world_size()):
+            try:
+                pid, pid_host = _pid_file(self.run_dir, rank).read_text().split()
+            except (OSError, ValueError):
+                continue
+            if rank != me and pid_host == host:
+                pids[rank] = int(pid)
+        deadline = time.monotonic() + _DEAD_PEER_WAIT_S
+        while True:
+            dead = [rank for rank, pid in sorted(pids.items()) if _process_gone(pid)]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _bridge(self, operation: str, *args):
+        """Call a bridge method; a lost peer is reported as the other role (separate meshes: roles are disjoint)."""
+        with self._watch(operation, "student" if self.is_teacher else "teacher"):
+            return getattr(self.bridge, operation)(*args)
 
     @property
     def student_group(self) -> dist.ProcessGroup | None:
@@ -226,11 +612,11 @@ class KDRecipe:
             if logits is None:
                 raise RuntimeError("teacher pipeline stages are not supported on shared meshes")
             return logits
-        self.bridge.broadcast_command(RUN_TEACHER)
+        self._bridge("broadcast_command", RUN_TEACHER)
         received = None
         for wave in range(self.bridge.num_waves):
-            self.bridge.send_batch(wave, micro_batch)
-            logits = self.bridge.send_logits(wave, None)
+            self._bridge("send_batch", wave, micro_batch)
+            logits = self._bridge("send_logits", wave, None)
             if logits is not None:
                 received = logits
         if received is None:
@@ -240,11 +626,12 @@ class KDRecipe:
     def serve_teacher(self) -> None:
         """Teacher-only ranks: answer RUN_TEACHER with logits until STOP_TEACHER."""
         output_ranks = {replica.output_rank for replica in self.bridge.teacher_replicas}
-        while self.bridge.broadcast_command() == RUN_TEACHER:
+        while self._bridge("broadcast_command") == RUN_TEACHER:
             for wave in range(self.bridge.num_waves):
-                batch = self.bridge.send_batch(wave, None)
-                logits = self._teacher_logits_local(self.bridge.move_to_device(batch))
-                self.bridge.send_logits(wave, logits if dist.get_rank() in output_ranks else None)
+                batch = self._bridge("send_batch", wave, None)
+                with self._watch("the teacher forward", "teacher"):
+                    logits = self._teacher_logits_local(self.bridge.move_to_device(batch))
+                self._bridge("send_logits", wave, logits if dist.get_rank() in output_ranks else None)
 
     # ---- student ----
 
@@ -343,19 +730,40 @@ class KDRecipe:
         return tqdm(total=total, initial=self.start_step, desc="distill", dynamic_ncols=True)
 
     def train(self) -> None:
-        config, steps = self.config, self.config.step_scheduler
         if not self.is_student:
             self.serve_teacher()
             return
         try:
             self._train_student()
-        finally:
-            if self.bridge is not None:
-                self.bridge.broadcast_command(STOP_TEACHER)
+        except PeerLostError:
+            raise  # a peer is gone or silent: STOP_TEACHER would only fail or wait out the timeout
+        except BaseException:
+            self._release_teacher(quiet=True)  # the teacher stops; this rank's error is the one to report
+            raise
+        self._release_teacher()
+
+    def _release_teacher(self, *, quiet: bool = False) -> None:
+        if self.bridge is None:
+            return
+        try:
+            self._bridge("broadcast_command", STOP_TEACHER)
+        except PeerLostError:
+            if not quiet:
+                raise
+
+    def _stop_agreed(self) -> bool:
+        """Whether any student rank was asked to stop: one all-reduce, so all stop at the same step."""
+        flag = torch.tensor([int(self._stop.requested())], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.student_group)
+        return bool(flag.item())
 
     def _train_student(self) -> None:
         config, steps = self.config, self.config.step_scheduler
-        before = self.evaluate(with_teacher=True)
+        with self._watch("the first evaluation", "student"):
+            if self._stop_agreed():  # asked to stop during setup: not even the evaluation
+                self._stopped(self.start_step, self.start_step)
+                return
+            before = self.evaluate(with_teacher=True)
         self.metrics.log("eval", self.start_step, before)
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
         batches = data.iterate_batches(
@@ -363,11 +771,14 @@ class KDRecipe:
             seed=config.dataset.seed, start_step=self.start_step,
         )
         progress = self._progress(steps.max_steps)
-        step = self.start_step
+        step = saved = self.start_step
         self.model.train()
         while step < steps.max_steps:
-            started = time.perf_counter()
-            metrics = self.train_step(next(batches))
+            with self._watch(f"step {step + 1}", "student"):
+                if self._stop_agreed():
+                    break
+                started = time.perf_counter()
+                metrics = self.train_step(next(batches))
             step += 1
             elapsed = time.perf_counter() - started
             metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
@@ -378,24 +789,43 @@ class KDRecipe:
                                      kd=f"{metrics['kd_loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 progress.update(1)
             if steps.val_every_steps and step % steps.val_every_steps == 0 and step < steps.max_steps:
-                self.metrics.log("eval", step, self.evaluate())
+                with self._watch(f"the evaluation after step {step}", "student"):
+                    self.metrics.log("eval", step, self.evaluate())
             if config.checkpoint.enabled and steps.ckpt_every_steps and step % steps.ckpt_every_steps == 0:
                 self.save(step)
+                saved = step
         if progress is not None:
             progress.close()
-        after = self.evaluate()
+        if step < steps.max_steps:
+            self._stopped(step, saved)
+            return
+        with self._watch("the last evaluation", "student"):
+            after = self.evaluate()
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
         if config.checkpoint.enabled and config.checkpoint.save_hf:
-            self.summary["hf_dir"] = str(self.export_hf().resolve())
+            with self._watch("the HF export", "student"):
+                self.summary["hf_dir"] = str(self.export_hf().resolve())
         if is_logging_rank():
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
+    def _stopped(self, step: int, saved: int) -> None:
+        """After an agreed stop at `step`: checkpoint it (unless it is on disk or nothing was trained)."""
+        self.summary["stopped_at_step"] = step
+        note = "checkpointing is off: nothing saved"
+        if self.config.checkpoint.enabled:
+            if step != saved:
+                self.save(step)
+            where = ckpt.checkpoint_dir(self.checkpoint_root, step)
+            note = f"resume from {where} with --resume" if step else "nothing trained yet"
+        print0(f"meshkd: stopped at step {step} on {self._stop.reason()}; {note}")
+
     def save(self, step: int) -> None:
-        ckpt.save_checkpoint(
-            self.checkpoint_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            group=self.student_group,
-        )
+        with self._watch(f"saving the checkpoint of step {step}", "student"):
+            ckpt.save_checkpoint(
+                self.checkpoint_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                group=self.student_group,
+            )
 
     def export_hf(self) -> Path:
         out_dir = self.run_dir / "hf_student"
@@ -413,12 +843,18 @@ class KDRecipe:
             dist.destroy_process_group()
 
     def run(self) -> dict:
-        """setup, train, cleanup; returns the summary (validation losses, HF directory) on student ranks."""
+        """setup, train, cleanup; returns the summary (validation losses, HF directory) on student ranks.
+
+        SIGINT and SIGTERM are handled while it runs (main thread only): the run stops at the next step
+        boundary with a checkpoint of that step, and `summary["stopped_at_step"]` says where.
+        """
+        self._stop.install()
         try:
             self.setup()
             self.train()
         finally:
             self.cleanup()
+            self._stop.restore()
         return self.summary
 
 
