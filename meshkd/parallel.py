@@ -43,7 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshkd.logits import cp_shard, cp_unshard, materialize_teacher_logits
-from meshkd.topology import DistributedSetup
+from meshkd.topology import DistributedSetup, flatten_axes
 
 CP_ATTENTION = "meshkd_cp"
 """Name under which the context-parallel attention function is registered with transformers."""
@@ -495,14 +495,7 @@ def flatten_student_cp_axes(setup: DistributedSetup) -> None:
         raise ValueError("flatten_student_cp_axes needs a built setup (create_kd_distributed_setups)")
     if setup.cp_size == 1 or getattr(mesh, _FLATTENED_ATTR, False):
         return
-    axes = ("dp_shard", "cp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if mesh.get_coordinate() is not None:
-            mesh[axes]._flatten(STUDENT_CP_AXIS)
-        else:
-            layout = mesh._get_slice_mesh_layout(axes).collapse()
-            DeviceMesh._init_one_process_group(layout, mesh._rank_map, STUDENT_CP_AXIS, (None, None))
+    flatten_axes(mesh, ("dp_shard", "cp"), STUDENT_CP_AXIS)
     setattr(mesh, _FLATTENED_ATTR, True)
 
 

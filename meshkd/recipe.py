@@ -47,7 +47,15 @@ from meshkd.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
-from meshkd.parallel import TeacherRunner, gather_full_state_dict, parallelize_student
+from meshkd.parallel import (
+    TeacherRunner,
+    flatten_student_cp_axes,
+    gather_full_state_dict,
+    parallelize_student,
+    shard_student_batch,
+    shard_teacher_logits,
+    student_loss_scale,
+)
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 
@@ -378,6 +386,7 @@ class KDRecipe:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s))
             self._owns_process_group = True
         self.setups = create_kd_distributed_setups(config, dist.get_world_size())
+        flatten_student_cp_axes(self.setups.student)  # collective over the world: teacher ranks take part
         rank = dist.get_rank()
         self.is_student = rank in self.setups.student_ranks
         self.is_teacher = rank in self.setups.teacher_ranks
@@ -422,6 +431,7 @@ class KDRecipe:
                         format=config.dataset.format,
                         max_documents=config.dataset.max_documents,
                         max_document_chars=config.dataset.max_document_chars,
+                        pack=config.dataset.packing,
                     )
                 configure_packing(student_model)
         # Both sizes are known on every rank, so these checks raise everywhere.
@@ -642,10 +652,21 @@ class KDRecipe:
             for i in range(0, batch["input_ids"].shape[0], size)
         ]
 
-    def _sum_over_dp(self, values: list[float]) -> list[float]:
+    def _sum_over_dp(self, values: list[float], *, and_cp: bool = False) -> list[float]:
+        """Sum over data-parallel ranks; `and_cp` also over context-parallel ranks (per-rank token shares)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, group=self.dp_mesh.get_group())
+        if and_cp and self.setups.student.cp_size > 1:
+            dist.all_reduce(tensor, group=self.setups.student.device_mesh.get_group("cp"))
         return tensor.tolist()
+
+    def _shard(self, micro_batch: dict, teacher_logits: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+        """This cp rank's head-tail share of a micro-batch and of its teacher logits (identity without cp)."""
+        student = self.setups.student
+        if student.cp_size == 1:
+            return micro_batch, teacher_logits
+        local, _ = shard_student_batch(micro_batch, student, ignore_index=self.config.kd.ignore_index)
+        return local, None if teacher_logits is None else shard_teacher_logits(teacher_logits, student)
 
     def _student_logits(self, micro_batch: dict) -> torch.Tensor:
         output = self.model(
@@ -666,6 +687,7 @@ class KDRecipe:
             started = time.perf_counter()
             teacher_logits = self._teacher_logits(micro_batch) if kd_cfg.kd_ratio > 0 else None
             wait += time.perf_counter() - started
+            micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
             logits = self._student_logits(micro_batch)
             kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
             labels = micro_batch["labels"]
@@ -676,7 +698,8 @@ class KDRecipe:
                          ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                          chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
             loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
-            (loss * self.dp_size).backward()
+            # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
+            (loss * student_loss_scale(self.setups.student)).backward()
             totals["loss"] += float(loss.detach())
             totals["ce_loss"] += float(ce.detach()) if ce is not None else 0.0
             totals["kd_loss"] += float(kd.detach()) if kd is not None else 0.0
@@ -685,7 +708,7 @@ class KDRecipe:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        summed = self._sum_over_dp([totals["loss"], totals["ce_loss"], totals["kd_loss"]])
+        summed = self._sum_over_dp([totals["loss"], totals["ce_loss"], totals["kd_loss"]], and_cp=True)
         return {
             "loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
             "num_tokens": num_valid, "teacher_wait_s": wait,
@@ -707,15 +730,16 @@ class KDRecipe:
             if steps.val_batches is not None and index >= steps.val_batches:
                 break
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
+            teacher_logits = self._teacher_logits(micro_batch) if with_teacher else None
+            micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
             labels = micro_batch["labels"]
             logits = self._student_logits(micro_batch)
             sums[0] += float(cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1))
             if with_teacher:
-                teacher_logits = self._teacher_logits(micro_batch)
                 sums[1] += float(cross_entropy_loss(teacher_logits, labels, ignore_index=ignore, num_valid_tokens=1))
             sums[2] += float((labels != ignore).sum())
         self.model.train()
-        student_sum, teacher_sum, count = self._sum_over_dp(sums)
+        student_sum, teacher_sum, count = self._sum_over_dp(sums, and_cp=True)
         count = max(count, 1.0)
         result = {"val_loss": student_sum / count, "val_perplexity": math.exp(min(student_sum / count, 50.0))}
         if with_teacher:

@@ -8,7 +8,7 @@ bad config fails in milliseconds with a message naming the key; only then does i
 Mesh construction is collective over the whole world (every `new_group` inside DeviceMesh is), so every
 rank builds both roles' meshes, including the one it is not in. torch cannot slice or flatten a mesh on a
 rank outside it through the public API (`mesh[...]` needs the local rank), so the `dp` view is built from
-the root mesh's layout, which every rank can compute (see `_flatten_dp`).
+the root mesh's layout, which every rank can compute (see `flatten_axes`).
 
 The rank's own setup is registered as the "current" one (`set_current_setup`), which is where the
 pipeline-parallel helpers find their default pipeline group.
@@ -257,26 +257,25 @@ def _validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedS
     return student, teacher, True
 
 
-def _flatten_dp(mesh: DeviceMesh) -> None:
-    """Create the `dp` (dp_replicate x dp_shard) view of a root mesh; every world rank must call this.
+def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> None:
+    """Create the flattened view `mesh[name]` of `axes` of a root mesh; every world rank must call this.
 
     Members flatten through the public path. Non-members cannot (slicing needs the local rank), yet the
     process groups behind the flatten are created collectively over the whole world, so they make the
     same group-creation calls from the root layout, which does not depend on membership.
     """
-    axes = ("dp_replicate", "dp_shard")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if mesh.get_coordinate() is not None:
-            mesh[axes]._flatten("dp")
+            mesh[axes]._flatten(name)
         else:
-            dp_layout = mesh._get_slice_mesh_layout(axes).collapse()
-            DeviceMesh._init_one_process_group(dp_layout, mesh._rank_map, "dp", (None, None))
+            layout = mesh._get_slice_mesh_layout(axes).collapse()
+            DeviceMesh._init_one_process_group(layout, mesh._rank_map, name, (None, None))
 
 
 def _build_mesh(setup: DistributedSetup, device_type: str) -> DistributedSetup:
     mesh = DeviceMesh(device_type, setup.rank_grid, mesh_dim_names=MESH_AXES)
-    _flatten_dp(mesh)
+    flatten_axes(mesh, ("dp_replicate", "dp_shard"), "dp")
     return dataclasses.replace(setup, device_mesh=mesh)
 
 

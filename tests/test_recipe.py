@@ -38,9 +38,20 @@ def curve(records: list[dict]) -> list[float]:
     return [r[key] for r in records if r["kind"] == "train" for key in ("loss", "ce_loss", "kd_loss")]
 
 
+def unpacked(config: dict) -> dict:
+    config["dataset"]["packing"] = False
+    return config
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     config = base_config(tmp_path_factory.mktemp("reference"))
+    return train_in_world(1, with_layout(config, {"dp_size": 1}, None))
+
+
+@pytest.fixture(scope="module")
+def unpacked_reference(tmp_path_factory) -> list[dict]:
+    config = unpacked(base_config(tmp_path_factory.mktemp("unpacked_reference")))
     return train_in_world(1, with_layout(config, {"dp_size": 1}, None))
 
 
@@ -50,9 +61,11 @@ LAYOUTS = {
     "teacher_dp2": ({"dp_size": 1}, {"dp_size": 2}),
     "teacher_tp2": ({"dp_size": 1}, {"dp_size": 1, "tp_size": 2}),
     "teacher_cp2_packed": ({"dp_size": 1}, {"dp_size": 1, "cp_size": 2}),
+    "teacher_cp2_unpacked": ({"dp_size": 1}, {"dp_size": 1, "cp_size": 2}),
     "teacher_pp2": ({"dp_size": 1}, {"dp_size": 1, "pp_size": 2}),
     "student_dp2": ({"dp_size": 2}, {"dp_size": 1}),
     "student_tp2": ({"dp_size": 1, "tp_size": 2}, {"dp_size": 1}),
+    "student_cp2": ({"dp_size": 1, "cp_size": 2}, {"dp_size": 1}),
 }
 
 
@@ -64,12 +77,14 @@ def test_reference_run_learns(reference):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_loss_curve_equals_single_process(layout, reference, tmp_path):
+def test_layout_loss_curve_equals_single_process(layout, request, tmp_path):
     student, teacher = LAYOUTS[layout]
     config = with_layout(base_config(tmp_path), student, teacher)
-    world_size = config_world_size(config)
-    records = train_in_world(world_size, config)
-    assert curve(records) == pytest.approx(curve(reference), rel=1e-4)
+    expected = request.getfixturevalue("reference")
+    if layout.endswith("_unpacked"):
+        config, expected = unpacked(config), request.getfixturevalue("unpacked_reference")
+    records = train_in_world(config_world_size(config), config)
+    assert curve(records) == pytest.approx(curve(expected), rel=1e-4)
 
 
 def config_world_size(config: dict) -> int:
