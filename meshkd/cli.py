@@ -147,7 +147,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
     config = load_config(config_path, overrides)
     if _inside_torchrun():
         return _train_here(config, resume)
-    from meshkd.recipe import preflight
+    from meshkd.preflight import preflight
 
     preflight(config)
     world_size = _world_size(config, nproc)

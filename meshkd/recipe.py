@@ -11,7 +11,7 @@ average gradients over dp ranks, so the loss is multiplied by dp before backward
 into the sum the normalization asks for. The curve then equals a single-process run on the same global
 batch.
 
-Failures. `preflight` checks what needs no process group (data files, tokenizers, model configs against
+Failures. `meshkd.preflight` checks what needs no process group (data files, tokenizers, model configs against
 the layout) the same way on every rank, so a bad input raises everywhere without a collective; `meshkd
 train` runs it before starting any process. What only one role finds out while setting up (its weights,
 its data, a checkpoint) is agreed over the world before the next collective, so every rank raises it
@@ -33,7 +33,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
-from meshkd.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.config import KDRecipeConfig, expand_path
 from meshkd.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
@@ -56,18 +55,16 @@ from meshkd.parallel import (
     shard_teacher_logits,
     student_loss_scale,
 )
+from meshkd.preflight import Preflight, _about, load_section_model, preflight
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
 
 # Bytes of a setup error message sent to the other ranks (one fixed-size broadcast, longer ones cut).
 _MESSAGE_BYTES = 2048
-# Preflight reads the corpus for a first document only when it is at most this large.
-_PREFLIGHT_READ_BYTES = 64 << 20
 # How long a rank that saw a collective fail looks for the peer process that exited (same host only).
 _DEAD_PEER_WAIT_S = 1.0
 # RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
@@ -115,167 +112,6 @@ def _lr_lambda(config: KDRecipeConfig):
         return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
 
     return factor
-
-
-def _load_tokenizer(section) -> object:
-    if section.tokenizer == "byte":
-        return models.byte_tokenizer()
-    return models.load_tokenizer(path=section.tokenizer or section.path, gguf_file=section.gguf_file)
-
-
-def _load_model(section) -> torch.nn.Module:
-    return models.load_causal_lm(
-        path=section.path,
-        gguf_file=section.gguf_file,
-        random_init=section.random_init,
-        keep_layers=section.keep_layers,
-        dtype=section.dtype,
-        seed=section.seed,
-    )
-
-
-@contextlib.contextmanager
-def _about(key: str):
-    """Prefix the errors a user can cause (ValueError, OSError) with the config key they concern."""
-    try:
-        yield
-    except (ValueError, OSError) as error:
-        if str(error).startswith(key):
-            raise
-        message = f"{key}: {error}"
-        try:
-            renamed = type(error)(message)
-        except Exception:  # an exception type whose constructor wants more than a message
-            renamed = ValueError(message)
-        raise renamed from error
-
-
-# ---- preflight: what every rank can check alone ----
-
-
-@dataclass
-class Preflight:
-    """What `preflight` loaded that setup reuses."""
-
-    tokenizer: object
-    teacher_tokenizer: object
-
-
-def _skeleton(section) -> torch.nn.Module:
-    """The model of a config section, pruned as configured, on the meta device: its config, no weights."""
-    if section.random_init is not None:
-        with torch.device("meta"):
-            return _load_model(section)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory, gguf_file = models._resolve_source(section.path, section.gguf_file)
-    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    if section.keep_layers is not None:
-        models.prune_layers(model, section.keep_layers)
-    return model
-
-
-def _embedding_rows(model: torch.nn.Module) -> int:
-    return model.get_output_embeddings().weight.shape[0]
-
-
-def preflight(config: KDRecipeConfig) -> Preflight:
-    """Check everything that needs no process group; raises before any process or collective is involved.
-
-    Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
-    without talking to the others. Loads no weights (models are built on the meta device) and reads the
-    corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
-    exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
-    `step_scheduler.sequence_length` against each model's max_position_embeddings; tp sizes against
-    attention and key/value head counts; the teacher's pp_size against its decoder layers; a TP student's
-    vocabulary against the common one.
-
-    Raises:
-        ConfigError (a ValueError) or ValueError: naming the config key.
-        FileNotFoundError: naming the missing file or path.
-    """
-    student_layout = config.distributed
-    separate = config.separate_meshes
-    if not separate and config.teacher_distributed is not None:
-        raise ConfigError(
-            "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
-            "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
-        )
-    if student_layout.pp_size > 1 or student_layout.sequence_parallel:
-        raise ConfigError(
-            f"distributed: student pipeline parallel and sequence parallel are not supported; got "
-            f"pp_size({student_layout.pp_size}), sequence_parallel({student_layout.sequence_parallel})"
-        )
-    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
-        raise ConfigError(
-            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
-        )
-    if separate:
-        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
-            if layout is not None and layout.dp_size is None:
-                raise ConfigError(
-                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
-                )
-    teacher_key = "teacher_distributed" if separate else "distributed"
-    teacher_layout = config.teacher_distributed if separate else student_layout
-    steps, dataset = config.step_scheduler, config.dataset
-
-    with _about("dataset"):
-        data._check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
-                              dataset.max_document_chars, "replace")
-    with _about("dataset.paths"):
-        files = data._match_files([expand_path(pattern) for pattern in dataset.paths])
-        # Reading stops at the first document, but a JSONL file is read whole: on a large corpus this is
-        # left to the students' setup, whose errors reach every rank too.
-        if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
-            first = data._read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
-                                         max_document_chars=None, encoding_errors="replace")
-            if not first:
-                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
-
-    with _about("model.tokenizer"):
-        tokenizer = _load_tokenizer(config.model)
-    with _about("teacher_model.tokenizer"):
-        teacher_tokenizer = _load_tokenizer(config.teacher_model)
-    with _about("model"):
-        student = _skeleton(config.model)
-    with _about("teacher_model"):
-        teacher = _skeleton(config.teacher_model)
-    with _about("model.tokenizer / teacher_model.tokenizer"):
-        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
-                                              teacher_vocab_size=_embedding_rows(teacher))
-
-    for label, model in (("model", student), ("teacher_model", teacher)):
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and steps.sequence_length > limit:
-            raise ConfigError(
-                f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
-                f"max_position_embeddings({limit})"
-            )
-    for key, layout, label, model in (("distributed", student_layout, "model", student),
-                                      (teacher_key, teacher_layout, "teacher_model", teacher)):
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(model.config, name, None)
-            if layout.tp_size > 1 and isinstance(heads, int) and heads % layout.tp_size:
-                raise ConfigError(
-                    f"{key}.tp_size({layout.tp_size}) must divide {label}'s {name}({heads}): attention heads are "
-                    "split whole"
-                )
-    num_layers = teacher.config.num_hidden_layers
-    if teacher_layout.pp_size > num_layers:
-        raise ConfigError(
-            f"{teacher_key}.pp_size({teacher_layout.pp_size}) exceeds teacher_model's {num_layers} decoder layers"
-            + (" (after keep_layers)" if config.teacher_model.keep_layers is not None else "")
-        )
-    if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
-        raise ConfigError(
-            f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
-            f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
-        )
-    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
 
 
 # ---- failures and stop requests during a run ----
@@ -415,10 +251,10 @@ class KDRecipe:
             torch.manual_seed(config.seed)
             if self.is_student:
                 with _about("model"):
-                    student_model = _load_model(config.model)
+                    student_model = load_section_model(config.model)
             if self.is_teacher:
                 with _about("teacher_model"):
-                    teacher_model = _load_model(config.teacher_model)
+                    teacher_model = load_section_model(config.teacher_model)
             if self.is_student:
                 with _about("dataset"):
                     self.train_set, self.val_set = data.build_datasets(

@@ -492,7 +492,7 @@ PREFLIGHT_CASES = [
 
 @pytest.mark.parametrize("case", PREFLIGHT_CASES)
 def test_bad_input_fails_preflight_naming_the_key_or_file(case, tmp_path):
-    from meshkd.recipe import preflight
+    from meshkd.preflight import preflight
 
     changes, error_type, message = preflight_cases(tmp_path)[case]
     config = config_from_dict(tiny(tmp_path, **changes))  # valid as a config: only the files tell
@@ -501,7 +501,7 @@ def test_bad_input_fails_preflight_naming_the_key_or_file(case, tmp_path):
 
 
 def test_the_tiny_config_passes_preflight(tmp_path):
-    from meshkd.recipe import preflight
+    from meshkd.preflight import preflight
 
     preflight(config_from_dict(tiny(tmp_path)))
 
