@@ -6,6 +6,8 @@ API:
   times T^2.
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
+- `kd_loss_encoded(student_logits, teacher, labels, ...)`: `kd_loss` against teacher logits in a
+  transport encoding (`meshkd.logits_transport`: full, full_bf16, or top-k with a tail bucket).
 - `kd_objective(ce, kd, kd_ratio)`: (1 - kd_ratio) * ce + kd_ratio * kd.
 
 Conventions shared by both losses:
@@ -43,12 +45,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+
+from meshkd.logits_transport import check_encoded_logits
+
+# Vocab entries per slice where a chunk's temporaries are taken column-wise (bounds them to [c, _COLUMNS]).
+_COLUMNS = 8192
+_TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-# (student rows [c, v], teacher rows [c, v] or None, labels [c], valid [c]) -> (loss sum, d sum / d student)
-_ChunkFn = Callable[[Tensor, Tensor | None, Tensor, Tensor], tuple[Tensor, Tensor]]
+# (student rows [c, v], teacher rows [c, v] / a tuple of per-token fields / None, labels [c], valid [c])
+#   -> (loss sum, d sum / d student)
+_ChunkFn = Callable[[Tensor, Tensor | tuple[Tensor, ...] | None, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def kd_loss(
@@ -107,6 +116,89 @@ def kd_loss(
     log_p_s = F.log_softmax(student_logits.flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
     log_p_t = F.log_softmax(teacher.detach().flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
     kl = _kl_terms(log_p_s, log_p_t, valid).sum()
+    return kl * temperature**2 / _normalizer(num_valid_tokens, valid, compute_dtype)
+
+
+def kd_loss_encoded(
+    student_logits: Tensor,
+    teacher: dict,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    num_valid_tokens: int | Tensor | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """`kd_loss` against teacher logits in a transport encoding (`meshkd.logits_transport`).
+
+    "full" and "full_bf16" are `kd_loss` on the logits they carry. "topk" is the KL over the teacher's k
+    tokens plus its tail (a rest bucket, or sampled tail tokens; see `meshkd.logits_transport`), times
+    T^2, with the same conventions and the same three paths as `kd_loss`: plain (autograd, the
+    reference), chunked, and vocab-parallel for a student DTensor sharded on the vocab dim (each rank
+    reads the entries it owns; one MAX and one SUM all-reduce per chunk, the full vocabulary never
+    gathered).
+
+    Args:
+        student_logits: [batch, sequence, vocab] or [tokens, vocab], or a vocab-sharded DTensor.
+        teacher: the encoding, as `send_logits` delivers it; validated against the student's global shape.
+        labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
+        temperature: T > 0; a "topk" encoding must have been made at the same temperature.
+    """
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    mode = check_encoded_logits(teacher, student_logits.shape)
+    if mode != "topk":
+        return kd_loss(
+            student_logits, teacher["logits"], labels, temperature=temperature, ignore_index=ignore_index,
+            num_valid_tokens=num_valid_tokens, chunk_size=chunk_size,
+        )  # fmt: skip
+    if not math.isclose(teacher["temperature"], temperature, rel_tol=1e-9):
+        raise ValueError(
+            f"the topk teacher logits were encoded at temperature {teacher['temperature']}, the loss asks for "
+            f"{temperature}: encode at the loss temperature"
+        )
+    _check_chunk_size(chunk_size)
+    _check_shapes(student_logits, labels)
+    labels = _full(labels)
+    fields = tuple(teacher[name] for name in _TOPK_FIELDS if name in teacher)
+    if isinstance(student_logits, DTensor):
+        student, group, offset = _vocab_shard(student_logits)
+        return _chunked(
+            student, fields, labels, ignore_index, num_valid_tokens, chunk_size, None,
+            lambda s, t, _, valid: _kd_topk_chunk(s, t, valid, temperature, offset, group),
+            scale=temperature**2,
+        )  # fmt: skip
+    if chunk_size is not None:
+        return _chunked(
+            student_logits, fields, labels, ignore_index, num_valid_tokens, chunk_size, None,
+            lambda s, t, _, valid: _kd_topk_chunk(s, t, valid, temperature, 0, None),
+            scale=temperature**2,
+        )  # fmt: skip
+
+    # The plain path: the formula with autograd, the reference for the other two.
+    compute_dtype = _compute_dtype(student_logits)
+    valid = (labels != ignore_index).reshape(-1)
+    vocab, k = student_logits.shape[-1], fields[0].shape[-1]
+    log_p = fields[0].reshape(-1, k).to(compute_dtype)
+    index = fields[1].reshape(-1, k).long().to(student_logits.device)
+    tail = fields[2].reshape(-1).to(compute_dtype)
+    log_q = F.log_softmax(student_logits.flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
+    p, p_rest = log_p.exp(), tail.exp()
+    top_terms = torch.where(valid[:, None] & (p > 0), p * (log_p - log_q.gather(-1, index)), 0.0)
+    has_tail = valid & (p_rest > 0)
+    if len(fields) == 5:  # sampled tail: P_rest * mean over samples of (log p_t - log q)
+        m = fields[3].shape[-1]
+        sample_index = fields[3].reshape(-1, m).long().to(student_logits.device)
+        sample_log_p = fields[4].reshape(-1, m).to(compute_dtype)
+        difference = torch.where(has_tail[:, None], sample_log_p - log_q.gather(-1, sample_index), 0.0)
+        tail_terms = torch.where(has_tail, p_rest * difference.mean(-1), 0.0)
+    else:  # rest bucket: P_rest * (log P_rest - log q_rest)
+        if k < vocab:
+            log_q_rest = log_q.scatter(-1, index, -math.inf).logsumexp(-1)
+        else:  # no rest (the teacher's tail is empty too); logsumexp over nothing has a NaN gradient
+            log_q_rest = torch.full_like(tail, -math.inf)
+        tail_terms = torch.where(has_tail, p_rest * (tail - log_q_rest), 0.0)
+    kl = top_terms.sum() + tail_terms.sum()
     return kl * temperature**2 / _normalizer(num_valid_tokens, valid, compute_dtype)
 
 
@@ -197,7 +289,7 @@ class _AttachGrad(torch.autograd.Function):
 
 def _chunked(
     student: Tensor,
-    teacher: Tensor | None,
+    teacher: Tensor | tuple[Tensor, ...] | None,
     labels: Tensor,
     ignore_index: int,
     num_valid_tokens: int | Tensor | None,
@@ -213,12 +305,15 @@ def _chunked(
     that the total still needs summing over it (KD); None when `chunk_fn` returns complete sums (CE).
     """
     rows = student.flatten(0, -2)
-    teacher_rows = None if teacher is None else teacher.flatten(0, -2)
+    num_tokens = rows.shape[0]
+    if isinstance(teacher, tuple):  # per-token teacher fields [..., *] of an encoding: rows of each
+        teacher_rows = tuple(t.reshape(num_tokens, *t.shape[labels.ndim :]) for t in teacher)
+    else:
+        teacher_rows = None if teacher is None else teacher.flatten(0, -2)
     flat_labels = labels.reshape(-1).to(student.device)
     valid = flat_labels != ignore_index
-    num_tokens = rows.shape[0]
     chunk_size = num_tokens if chunk_size is None else chunk_size
-    compute_dtype = _compute_dtype(student) if teacher is None else _compute_dtype(student, teacher)
+    compute_dtype = _compute_dtype(student) if not isinstance(teacher, Tensor) else _compute_dtype(student, teacher)
     normalizer = _normalizer(num_valid_tokens, valid, compute_dtype)
     needs_grad = student.requires_grad and torch.is_grad_enabled()
 
@@ -227,11 +322,14 @@ def _chunked(
         grad = torch.empty_like(rows) if needs_grad else None
         for start in range(0, num_tokens, chunk_size):
             chunk = slice(start, start + chunk_size)
-            t = None if teacher_rows is None else teacher_rows[chunk]
+            if isinstance(teacher_rows, tuple):
+                t = tuple(field[chunk] for field in teacher_rows)
+            else:
+                t = None if teacher_rows is None else teacher_rows[chunk]
             loss_sum, chunk_grad = chunk_fn(rows[chunk], t, flat_labels[chunk], valid[chunk])
             total += loss_sum
             if grad is not None:
-                grad[chunk] = chunk_grad / normalizer
+                grad[chunk] = chunk_grad.div_(normalizer)
         if partial_over is not None:
             # Each rank summed its vocab slice's share of every token's loss; one scalar completes them all.
             dist.all_reduce(total, group=partial_over)
@@ -244,14 +342,110 @@ def _chunked(
 def _kd_chunk(
     student: Tensor, teacher: Tensor, valid: Tensor, temperature: float, group: dist.ProcessGroup | None
 ) -> tuple[Tensor, Tensor]:
-    """Local share of sum_tokens KL for one chunk [c, v], and T^2 * d KL / d student = T * (p_s - p_t)."""
+    """Local share of sum_tokens KL for one chunk [c, v], and T^2 * d KL / d student = T * (p_s - p_t).
+
+    Two [c, v] blocks live at a time: log p_s, which becomes the gradient, and log p_t, which becomes p_t.
+    Everything else is done in slices of `_COLUMNS` vocab entries, so the chunk's working memory is about
+    twice its logits.
+    """
     compute_dtype = _compute_dtype(student, teacher)
-    log_p_s, log_p_t = _log_softmax(
-        [student.to(compute_dtype) / temperature, teacher.to(compute_dtype) / temperature], group
-    )
-    kl_sum = _kl_terms(log_p_s, log_p_t, valid).sum()
-    grad = torch.where(valid[:, None], (log_p_s.exp() - log_p_t.exp()) * temperature, 0.0)
+    # copy=True: the in-place steps below must never write into the caller's logits.
+    log_p_s = student.to(compute_dtype, copy=True).div_(temperature)
+    log_p_t = teacher.to(compute_dtype, copy=True).div_(temperature)
+    _log_softmax_([log_p_s, log_p_t], group)
+    invalid = ~valid[:, None]
+    kl_sum = log_p_s.new_zeros(())
+    for start in range(0, log_p_s.shape[-1], _COLUMNS):
+        columns = slice(start, start + _COLUMNS)
+        p_t = log_p_t[:, columns].exp().masked_fill_(invalid, 0.0)
+        # Zero where p_t == 0 (0 log 0 = 0), which also clears an ignored row's NaN.
+        kl_sum += torch.where(p_t > 0, p_t * (log_p_t[:, columns] - log_p_s[:, columns]), 0.0).sum()
+    p_t = log_p_t.exp_().masked_fill_(invalid, 0.0)
+    grad = log_p_s.exp_().sub_(p_t).mul_(temperature).masked_fill_(invalid, 0.0)
     return kl_sum, grad
+
+
+def _kd_topk_chunk(
+    student: Tensor,
+    teacher: tuple[Tensor, ...],
+    valid: Tensor,
+    temperature: float,
+    vocab_offset: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[Tensor, Tensor]:
+    """Top-k KD for one chunk: sum over tokens of the top-k KL, and T^2 times its gradient [c, v].
+
+    `teacher`: (log_probs [c, k], indices [c, k], tail_log_prob [c]) and optionally (tail_indices [c, m],
+    tail_log_probs [c, m]). With s = student / T, q = softmax(s), P the teacher's top-k probabilities and
+    P_rest its tail mass, d KL / d s_v = q_v * (sum P + P_rest) - P_v on the k tokens, and on the rest
+    - P_rest * q_v / q_rest with a rest bucket, or - P_rest * (times v was sampled) / m with tail samples
+    (sum P + P_rest is 1 up to rounding; keeping it makes the gradient exact for the value computed).
+    On a vocab shard each rank reads the entries it owns; row maxima and sums (and the gathered logits
+    of the k tokens and the samples) are completed with one MAX and one SUM all-reduce, so the loss comes
+    out complete on every rank.
+    """
+    compute_dtype = _compute_dtype(student)
+    log_p, index, tail = teacher[:3]
+    sampled = len(teacher) == 5
+    log_p, tail = log_p.to(compute_dtype), tail.to(compute_dtype)
+    s = student.to(compute_dtype) / temperature
+    num_rows, local_vocab = s.shape
+
+    def local_entries(global_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(clamped local column, owned mask, the student's s there or 0) for global vocab indices [c, n]."""
+        local = global_index.long().to(s.device) - vocab_offset
+        owned = (local >= 0) & (local < local_vocab)  # the entry falls in this rank's vocab slice
+        local = local.clamp(0, max(local_vocab - 1, 0))
+        values = torch.where(owned, s.gather(-1, local), 0.0) if local_vocab else torch.zeros_like(local, dtype=s.dtype)
+        return local, owned, values
+
+    top_local, top_owned, s_top = local_entries(index)
+    rows_of = [s]
+    if sampled:
+        sample_local, sample_owned, s_samples = local_entries(teacher[3])
+        sample_log_p = teacher[4].to(compute_dtype)
+        gathered = torch.cat([s_top, s_samples], dim=-1)
+    else:
+        in_top = torch.zeros_like(s)
+        if local_vocab:
+            # scatter_add, not scatter: clamped non-owned entries land on real columns and must add nothing.
+            in_top.scatter_add_(-1, top_local, top_owned.to(s.dtype))
+        rows_of.append(s.masked_fill(in_top > 0, -math.inf))  # the rest: everything but the k tokens
+        gathered = s_top
+    maxima = torch.stack([x.amax(-1) if local_vocab else x.new_full((num_rows,), -math.inf) for x in rows_of])
+    if group is not None:
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    maxima = torch.where(maxima.isfinite(), maxima, 0.0)
+    exps = [(x - m[:, None]).exp() for x, m in zip(rows_of, maxima)]
+    sums = torch.cat([torch.stack([e.sum(-1) for e in exps]), gathered.T])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    sum_exp, gathered = sums[: len(exps)], sums[len(exps) :].T
+    lse = maxima[0] + sum_exp[0].log()
+    k = index.shape[-1]
+    p, p_rest = log_p.exp(), tail.exp()
+    top_terms = torch.where(valid[:, None] & (p > 0), p * (log_p - (gathered[:, :k] - lse[:, None])), 0.0)
+    has_tail = valid & (p_rest > 0)
+    if sampled:
+        log_q_samples = gathered[:, k:] - lse[:, None]
+        difference = torch.where(has_tail[:, None], sample_log_p - log_q_samples, 0.0)
+        tail_terms = torch.where(has_tail, p_rest * difference.mean(-1), 0.0)
+    else:
+        log_q_rest = maxima[1] + sum_exp[1].log() - lse
+        tail_terms = torch.where(has_tail, p_rest * (tail - log_q_rest), 0.0)
+    loss_sum = top_terms.sum() + tail_terms.sum()
+
+    grad = exps[0] / sum_exp[0][:, None] * (p.sum(-1) + p_rest)[:, None]
+    if local_vocab:
+        grad.scatter_add_(-1, top_local, -torch.where(top_owned, p, 0.0))
+        if sampled:
+            weight = torch.where(sample_owned, (p_rest / sample_log_p.shape[-1])[:, None], 0.0)
+            grad.scatter_add_(-1, sample_local, -weight)
+    if not sampled:
+        # P_rest * q_v / q_rest = P_rest * exp(s_v - max_rest) / sum_rest on the rest (zero on the k tokens).
+        grad -= exps[1] * torch.where(p_rest > 0, p_rest / sum_exp[1], 0.0)[:, None]
+    grad = torch.where(valid[:, None], grad * temperature, 0.0)
+    return loss_sum, grad
 
 
 def _ce_chunk(
@@ -277,11 +471,13 @@ def _ce_chunk(
     return loss_sum, grad
 
 
-def _log_softmax(xs: list[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
-    """Log-softmax of each [c, v] tensor over its (possibly vocab-sharded) last dim, two all-reduces in all."""
+def _log_softmax_(xs: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Log-softmax of each [c, v] tensor over its (possibly vocab-sharded) last dim, in place; two
+    all-reduces in all."""
     maxima, (sum_exp,) = _reduced_max_and_sums(xs, [], group)
     lse = maxima + sum_exp.log()
-    return [x - row_lse[:, None] for x, row_lse in zip(xs, lse)]
+    for x, row_lse in zip(xs, lse):
+        x.sub_(row_lse[:, None])
 
 
 def _reduced_max_and_sums(
@@ -294,7 +490,11 @@ def _reduced_max_and_sums(
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     # A row that is -inf everywhere (an ignored token, say) would give NaN from -inf - -inf; shift it by 0.
     maxima = torch.where(maxima.isfinite(), maxima, 0.0)
-    sum_exp = torch.stack([(x - m[:, None]).exp().sum(-1) for x, m in zip(xs, maxima)])
+    sum_exp = torch.stack([
+        sum((x[:, i : i + _COLUMNS] - m[:, None]).exp_().sum(-1) for i in range(0, x.shape[-1], _COLUMNS))
+        if x.shape[-1] else x.new_zeros(x.shape[:-1])
+        for x, m in zip(xs, maxima)
+    ])  # fmt: skip
     sums = torch.cat([sum_exp, *(e[None] for e in extras)])
     if group is not None:
         dist.all_reduce(sums, group=group)

@@ -7,15 +7,24 @@ partner in the last wave still receives student replica 0's batch, so every rank
 collectives in the same order, but it has no output route. All route groups are created at
 construction by every rank (new_group is collective), in one deterministic order.
 
-A value travels along a route as two broadcasts of metadata (spec length, then spec: `meshkd.wire`) and
-one broadcast of all its tensor bytes. A sender with nothing valid to send broadcasts an error spec
-instead, so its receivers raise too rather than wait forever.
+A value travels along a route as a one-word header, the structure spec (`meshkd.wire`) only when it
+differs from the last one on that route, and one broadcast of all its tensor bytes; once a spec keeps
+repeating, the header travels with the data (see `KDMeshBridge._broadcast_tree`), so steady-state
+batches and logits cost one transfer each. A sender with nothing valid to send broadcasts an error spec
+instead, so its receivers raise too rather than wait forever. On the CPU, transfer buffers are reused
+once released (`_BufferPool`).
+
+`TeacherPrefetcher` runs the student's side of the exchange on a background thread, one micro-batch
+ahead of training, so that the teacher's forward overlaps the student's step.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,68 @@ RUN_TEACHER = 1
 STOP_TEACHER = 0
 # Broadcast in place of a command when the first student rank passed an invalid one.
 _INVALID_COMMAND = -1
+
+
+# Consecutive repeats of a route's spec after which the header and the data travel together (see
+# `KDMeshBridge._broadcast_tree`). Two, not one: a spec that alternates in pairs (A A B B) never pays for a
+# filler transfer, and a changed spec pays at most one filler per three calls.
+_SPECULATE_AFTER = 2
+_WORD_BYTES = 8  # an int64 header word appended to a packed buffer
+
+
+class _RouteState:
+    """What both ends of a route know about its last spec: the sender its JSON document, receivers the
+    decoded spec and leaves; both the data size and how many times in a row the spec has repeated."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self.document: bytes | None = None
+        self.spec: Any = None
+        self.leaves: list = []
+        self.nbytes = 0
+        self.repeats = 0
+        self.inband = False
+
+    def remember(self, document: bytes | None, spec: Any, nbytes: int, *, num_leaves: int) -> None:
+        self.document, self.spec, self.nbytes, self.repeats = document, spec, nbytes, 0
+        self.leaves = wire.leaf_specs(spec) if spec is not None else []
+        # Several leaves are packed by a copy anyway, so the header word can ride in the same buffer; a
+        # single leaf travels from its own memory, so the word goes alongside it instead.
+        self.inband = num_leaves > 1
+
+    @property
+    def speculating(self) -> bool:
+        return self.repeats >= _SPECULATE_AFTER and self.nbytes > 0
+
+
+class _BufferPool:
+    """Reusable CPU transfer buffers of one route.
+
+    Why: a fresh buffer of N bytes costs N / 4096 page faults and the kernel's zeroing on first touch, which
+    on the CPU is as slow as the transfer itself at large sizes. A receive buffer is handed out as the
+    storage of the received tensors, so it is reused only once the caller has dropped every tensor that
+    views it (the storage's reference count is 1: the pool's own). At most `capacity` buffers are kept (the
+    double-buffered loop holds two received values and receives a third). CUDA needs none of this: its
+    caching allocator reuses memory already.
+    """
+
+    def __init__(self, capacity: int = 3) -> None:
+        self.capacity = capacity
+        self._storages: list[torch.UntypedStorage] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor of `nbytes`, on a storage no one else references."""
+        # The storage's use count (torch's own cudagraph trees reuse outputs the same way): tensors and
+        # Python storage objects that refer to it each hold one reference; the pool's object is the one.
+        for storage in self._storages:
+            if storage.nbytes() == nbytes and torch._C._storage_Use_Count(storage._cdata) == 1:
+                break
+        else:
+            storage = torch.UntypedStorage(nbytes)
+            self._storages = [storage, *self._storages[: self.capacity - 1]]
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 @dataclass(frozen=True)
@@ -68,6 +139,10 @@ class KDMeshBridge:
         self.is_student = self.rank in self.student_ranks
         self.is_teacher = self.rank in self.teacher_ranks
         self._timeout = timeout
+        self._owner_thread: int | None = None  # set while a TeacherPrefetcher drives the bridge
+        # Per route: the last spec and its repeat streak (`_broadcast_tree`), and CPU buffers to reuse.
+        self._pools: dict[tuple, _BufferPool] = {}
+        self._route_states: dict[tuple[int, tuple[int, ...]], _RouteState] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.control_group = self._group(sorted(self.student_ranks + self.teacher_ranks))
         self.student_group = self._group(self.student_ranks)
@@ -99,6 +174,16 @@ class KDMeshBridge:
         ranks = tuple(sorted({src, *receivers}))
         return _Route(src=src, ranks=ranks, group=self._group(ranks))
 
+    def _check_caller(self) -> None:
+        """While a TeacherPrefetcher drives this bridge, only its thread may issue the bridge's collectives:
+        another thread's would interleave with the prefetcher's in an order the other ranks cannot know."""
+        owner = self._owner_thread
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError(
+                "this KDMeshBridge is driven by a running TeacherPrefetcher: close it (or let it finish) before "
+                "using the bridge from another thread"
+            )
+
     def _check_wave(self, wave: int) -> None:
         if not 0 <= wave < self.num_waves:
             raise ValueError(f"wave {wave} out of range: this bridge has {self.num_waves} wave(s)")
@@ -116,30 +201,34 @@ class KDMeshBridge:
             `device`); None on student ranks.
         """
         self._check_wave(wave)
+        self._check_caller()
         error = None
         if self.is_student and batch is None:
             error = f"student rank {self.rank} is an input rank but passed batch=None"
         received = self._broadcast_along(self.input_routes[wave], batch, error)
         return received if self.is_teacher else None
 
-    def send_logits(self, wave: int, logits: torch.Tensor | None) -> torch.Tensor | None:
-        """Send full teacher logits back to the assigned student replica.
+    def send_logits(self, wave: int, logits: Any | None) -> Any | None:
+        """Send teacher logits back to the assigned student replica.
 
         Args:
             wave: routing wave index.
-            logits: [batch, sequence, vocab] full, replicated teacher logits on teacher output ranks;
-                None elsewhere. An unpaired teacher replica in the last wave has no route: its logits
-                are dropped.
+            logits: on teacher output ranks, [batch, sequence, vocab] full, replicated teacher logits, or
+                their encoded form (a dict from `meshkd.logits_transport.encode_teacher_logits`); None
+                elsewhere. An unpaired teacher replica in the last wave has no route: its logits are
+                dropped.
 
         Returns:
-            [batch, sequence, vocab] on every rank of the student replica served in this wave; None
-            elsewhere.
+            What the teacher sent ([batch, sequence, vocab], or the encoded dict) on every rank of the
+            student replica served in this wave; None elsewhere.
         """
         self._check_wave(wave)
+        self._check_caller()
         error = None
-        if isinstance(logits, DTensor):
+        values = logits.values() if isinstance(logits, dict) else [logits]
+        if any(isinstance(value, DTensor) for value in values):
             error = f"teacher rank {self.rank} passed a DTensor: call materialize_teacher_logits first"
-        elif not isinstance(logits, torch.Tensor):
+        elif not isinstance(logits, (torch.Tensor, dict)):
             error = f"teacher rank {self.rank} is an output rank but passed logits={type(logits).__name__}"
         received = self._broadcast_along(self.output_routes[wave], logits, error)
         return received if self.is_student else None
@@ -169,6 +258,7 @@ class KDMeshBridge:
         Teacher ranks pass None and wait. An invalid command on the first student rank raises
         ValueError there and RuntimeError on every other rank.
         """
+        self._check_caller()
         source = self.student_ranks[0]
         value = _INVALID_COMMAND
         if self.rank == source and command in (RUN_TEACHER, STOP_TEACHER) and not isinstance(command, bool):
@@ -184,6 +274,7 @@ class KDMeshBridge:
 
     def synchronize(self) -> None:
         """Wait for both model roles without using the default process group."""
+        self._check_caller()
         dist.barrier(group=self.control_group)
 
     def move_to_device(self, value: Any) -> Any:
@@ -205,36 +296,133 @@ class KDMeshBridge:
             value: the nested value on `route.src`, None elsewhere. Tensor leaves of any shape and dtype.
             route: source, members and group of the broadcast.
             error: set on the source instead of a value: the receivers raise RuntimeError with it and the
-                source raises ValueError, so no member is left waiting.
+                source raises ValueError, so no member is left waiting. A value that cannot be sent
+                (TypeError from the wire format) is reported the same way.
 
         Returns:
             The value on route members (tensors on `device`, views of one received buffer); None on
             ranks outside the route.
+
+        Collectives, in this order on every member:
+        1. a one-word header: the spec's length, or SAME_SPEC when it repeats the route's last spec;
+        2. the spec, only when it changed (or the error document);
+        3. the data buffer, when the value has tensor leaves.
+        Once a route's spec has repeated `_SPECULATE_AFTER` times in a row, receivers expect it again and
+        post the data buffer of the cached size together with the header: a value of several leaves
+        (packed by a copy anyway) carries the header word at the end of its buffer, one collective in
+        all; a single leaf, sent from its own memory, has the word broadcast alongside it asynchronously.
+        If the spec changed after all, that buffer travels as filler, and the header's new length is
+        followed by 2 and 3 as usual.
+        Both ends keep the same per-route state (`_RouteState`), updated by the same events (a repeat
+        extends the streak; a new spec, an error or a failure clears it), so they always agree on which
+        collectives come next.
         """
         if self.rank not in route.ranks:
             return None
-        is_source = self.rank == route.src
+        state = self._route_states.setdefault((route.src, route.ranks), _RouteState())
+        try:
+            if self.rank == route.src:
+                return self._send_tree(value, route, state, error)
+            return self._receive_tree(route, state)
+        except BaseException:
+            state.forget()
+            raise
+
+    def _send_tree(self, value: Any, route: _Route, state: _RouteState, error: str | None) -> Any:
         tensors: list[torch.Tensor] = []
-        if is_source:
-            header = wire.encode_error(error) if error else wire.encode_spec(wire._tree_spec(value, tensors))
-            header = header.to(self.device)
-            length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
+        document = None
+        if not error:
+            try:
+                document = wire.spec_bytes(wire._tree_spec(value, tensors))
+            except TypeError as raised:  # unsendable: tell the receivers instead of leaving them waiting
+                error = f"rank {self.rank} cannot send its value: {raised}"
+        same = document is not None and document == state.document
+        header = None if same else (wire.encode_error(error) if error else wire.bytes_tensor(document)).to(self.device)
+        word = torch.tensor([wire.SAME_SPEC if same else header.numel()], dtype=torch.int64, device=self.device)
+        if state.speculating and state.inband:
+            # The word rides at the end of the packed buffer (packing copies anyway); filler when the spec changed.
+            buffer = self._pool(route, "send").take(state.nbytes + _WORD_BYTES)
+            if same:
+                wire.pack_leaves(tensors, self.device, out=buffer[: state.nbytes])
+            buffer[state.nbytes :].view(torch.int64).copy_(word)
+            dist.broadcast(buffer, src=route.src, group=route.group)
+        elif state.speculating:
+            # Filler when the spec changed: the receivers posted a buffer of the cached size.
+            data = self._pack(tensors, route) if same else torch.empty(state.nbytes, dtype=torch.uint8, device=self.device)
+            self._broadcast_pair(word, data, route)
         else:
-            length = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=route.src, group=route.group)
-        if not is_source:
-            header = torch.empty(wire.checked_spec_length(int(length.item())), dtype=torch.uint8, device=self.device)
+            dist.broadcast(word, src=route.src, group=route.group)
+            if same and tensors:
+                dist.broadcast(self._pack(tensors, route), src=route.src, group=route.group)
+        if same:
+            state.repeats += 1
+            return value
+        state.forget()
         dist.broadcast(header, src=route.src, group=route.group)
         if error:
             raise ValueError(error)
-        spec = wire.decode_spec(header)  # on receivers, raises the source's error message if it sent one
-        leaves = wire.leaf_specs(spec)
+        state.remember(document, None, wire.receive_nbytes(wire.leaves_of(tensors)), num_leaves=len(tensors))
+        if tensors:
+            dist.broadcast(self._pack(tensors, route), src=route.src, group=route.group)
+        return value
+
+    def _receive_tree(self, route: _Route, state: _RouteState) -> Any:
+        word = torch.empty(1, dtype=torch.int64, device=self.device)
+        if state.speculating:
+            if state.inband:
+                buffer = self._receive_buffer(state.nbytes + _WORD_BYTES, route)
+                dist.broadcast(buffer, src=route.src, group=route.group)
+                word = buffer[state.nbytes :].view(torch.int64)
+            else:
+                buffer = self._receive_buffer(state.nbytes, route)
+                self._broadcast_pair(word, buffer, route)
+            if int(word.item()) == wire.SAME_SPEC:
+                state.repeats += 1
+                return wire._tree_from_spec(state.spec, wire.unpack_leaves(buffer, state.leaves))
+            word = word.clone()
+            del buffer  # filler
+        else:
+            dist.broadcast(word, src=route.src, group=route.group)
+        length = int(word.item())
+        if length == wire.SAME_SPEC:
+            if state.spec is None:
+                raise wire.WireFormatError(f"rank {route.src} reused a structure spec this rank never received")
+            state.repeats += 1
+            spec, leaves = state.spec, state.leaves
+        else:
+            state.forget()
+            header = torch.empty(wire.checked_spec_length(length), dtype=torch.uint8, device=self.device)
+            dist.broadcast(header, src=route.src, group=route.group)
+            spec = wire.decode_spec(header)  # validates, or raises the source's error message if it sent one
+            leaves = wire.leaf_specs(spec)
+            state.remember(None, spec, wire.receive_nbytes(leaves) if leaves else 0, num_leaves=len(leaves))
+        tensors: list[torch.Tensor] = []
         if leaves:
-            buffer = wire.pack_leaves(tensors, self.device) if is_source else wire.receive_buffer(leaves, self.device)
+            buffer = self._receive_buffer(state.nbytes, route)
             dist.broadcast(buffer, src=route.src, group=route.group)
-            if not is_source:
-                tensors = wire.unpack_leaves(buffer, leaves)
-        return value if is_source else wire._tree_from_spec(spec, tensors)
+            tensors = wire.unpack_leaves(buffer, leaves)
+        return wire._tree_from_spec(spec, tensors)
+
+    @staticmethod
+    def _broadcast_pair(word: torch.Tensor, data: torch.Tensor, route: _Route) -> None:
+        """Header word and data buffer in flight together; both complete before either is read."""
+        works = [dist.broadcast(tensor, src=route.src, group=route.group, async_op=True) for tensor in (word, data)]
+        for work in works:
+            work.wait()
+
+    def _pack(self, tensors: list[torch.Tensor], route: _Route) -> torch.Tensor:
+        out = None
+        if self.device.type == "cpu" and not wire.packs_in_place(tensors, self.device):
+            out = self._pool(route, "send").take(wire.receive_nbytes(wire.leaves_of(tensors)))
+        return wire.pack_leaves(tensors, self.device, out=out)
+
+    def _receive_buffer(self, nbytes: int, route: _Route) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self._pool(route, "receive").take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _pool(self, route: _Route, direction: str) -> _BufferPool:
+        return self._pools.setdefault((direction, route.src, route.ranks), _BufferPool())
 
     @staticmethod
     def match_student_vocab_shard(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -270,4 +458,140 @@ class KDMeshBridge:
         return teacher_logits.narrow(-1, offset[vocab_dim], local_shape[vocab_dim])
 
 
-__all__ = ["RUN_TEACHER", "STOP_TEACHER", "KDMeshBridge", "_Route", "_Replica"]
+class TeacherPrefetcher:
+    """Fetch teacher logits for upcoming micro-batches on a background thread while the caller trains.
+
+    The student side of the teacher loop, double-buffered: while the caller trains on micro-batch i, a
+    background thread already runs the request for micro-batch i + 1 (RUN_TEACHER, then send_batch and
+    send_logits for every wave), the very collectives a synchronous student issues, in the same order.
+    The teacher loop is unchanged: it serves requests in order. The logits, and so the loss curve, are
+    those of the synchronous loop.
+
+    Why it cannot deadlock: while the prefetcher runs only its thread issues the bridge's collectives (the
+    bridge refuses other threads), so every rank sees them in request order exactly as in the synchronous
+    loop. The caller's own collectives (data-parallel reductions, FSDP) are on other process groups, which
+    progress independently of the bridge's; under NCCL that relies on kernels of two communicators running
+    concurrently, which NCCL allows but does not guarantee for every launch configuration. Uneven replica
+    counts need nothing special: every request runs every wave, as `KDMeshBridge` requires, and a failure
+    in one wave does not skip the later waves (their routes' peers would wait forever).
+
+    Args:
+        bridge: the bridge the teacher loop serves; claimed by the prefetcher until it is closed.
+        items: the micro-batches, or any items from which `batch_fn` extracts the nested batch to send
+            (only the student input ranks' batches travel). Drawn lazily on the background thread: at most
+            `depth` items beyond the one the caller holds have been drawn.
+        depth: requests ahead of the item the caller holds. 1 (default) is double buffering; 0 fetches
+            only on demand, which is the synchronous loop (for comparisons).
+        batch_fn: item -> nested batch to send; default the item itself.
+
+    Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
+    tensor, or an encoded dict). An error on the background thread (a teacher that sent an error, a
+    timeout) is raised by the iteration, on the caller's thread. Exhausting the items or calling `close()`
+    (also on leaving a `with` block) ends the thread: a request in flight completes (the teacher answers
+    it; its logits are dropped), no new one starts, and the bridge is released, so the caller can then
+    send STOP_TEACHER itself.
+    """
+
+    _END = object()
+
+    def __init__(
+        self,
+        bridge: KDMeshBridge,
+        items: Iterable[Any],
+        *,
+        depth: int = 1,
+        batch_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if not bridge.is_student:
+            raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks prefetch teacher logits")
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        if bridge._owner_thread is not None:
+            raise RuntimeError("this KDMeshBridge is already driven by another TeacherPrefetcher")
+        self.bridge = bridge
+        self.depth = depth
+        self._items = iter(items)
+        self._batch_fn = batch_fn or (lambda item: item)
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        # One permit per request the thread may start: `depth` up front, one more each time the caller asks.
+        self._permits = threading.Semaphore(depth)
+        self._closing = False
+        self._closed = False
+        self.num_fetched = 0  # requests answered so far (the caller may not have taken them yet)
+        self._thread = threading.Thread(target=self._run, name="meshkd-teacher-prefetch", daemon=True)
+        self._thread.start()
+        bridge._owner_thread = self._thread.ident
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self._closed:
+            raise StopIteration
+        self._permits.release()
+        kind, payload = self._ready.get()
+        if kind == "item":
+            return payload
+        self.close()
+        if kind == "error":
+            raise payload
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop requesting, wait for a request in flight to complete, and release the bridge."""
+        if self._closed:
+            return
+        self._closing = True
+        self._permits.release()  # wakes the thread if it waits for a permit; it then sees `_closing`
+        self._thread.join()
+        self._closed = True
+        self.bridge._owner_thread = None
+
+    def __enter__(self) -> TeacherPrefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            if self.bridge.device.type == "cuda":
+                torch.cuda.set_device(self.bridge.device)
+            while True:
+                self._permits.acquire()
+                if self._closing:
+                    return
+                item = next(self._items, self._END)
+                if item is self._END:
+                    self._ready.put(("end", None))
+                    return
+                logits = self._request(self._batch_fn(item))
+                self.num_fetched += 1
+                self._ready.put(("item", (item, logits)))
+        except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            self._ready.put(("error", raised))
+
+    def _request(self, batch: Any) -> Any:
+        """One synchronous teacher request: what the student's synchronous loop does per micro-batch."""
+        bridge = self.bridge
+        if bridge.broadcast_command(RUN_TEACHER) != RUN_TEACHER:
+            # Only the first student rank's command counts: it has stopped the teacher loop (its own run
+            # failed, say), so there is nobody left to serve this request.
+            raise RuntimeError(f"student rank {bridge.student_ranks[0]} stopped the teacher loop")
+        received, failure = None, None
+        for wave in range(bridge.num_waves):
+            try:
+                bridge.send_batch(wave, batch)
+                logits = bridge.send_logits(wave, None)
+                if logits is not None:
+                    received = logits
+            except (ValueError, RuntimeError) as raised:
+                failure = failure or raised
+        if failure is not None:
+            raise failure
+        if received is None:
+            raise RuntimeError(f"student rank {bridge.rank} received no teacher logits")
+        return received
+
+
+__all__ = ["RUN_TEACHER", "STOP_TEACHER", "KDMeshBridge", "TeacherPrefetcher", "_Replica", "_Route"]

@@ -5,6 +5,11 @@ describes the structure, dtypes and shapes, and the list of its tensor leaves. T
 JSON in a uint8 tensor, versioned and validated before anything is allocated: peer data is never
 unpickled. The leaves travel as one uint8 buffer with each leaf at an aligned offset, so a route costs
 one data collective whatever the number of leaves and dtypes.
+
+Before the spec travels a one-word header: the spec's length in bytes, or SAME_SPEC when the spec is
+byte-for-byte the one sent last time on the same route. Both ends of a route remember that spec (the
+receiver keeps it decoded and validated), so a route whose structure, shapes and dtypes repeat costs
+one tiny broadcast plus the data broadcast per call.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ _ALIGNMENT = 16
 # A spec describing more than this is rejected as corrupt rather than allocated.
 MAX_PAYLOAD_BYTES = 1 << 42
 MAX_SPEC_BYTES = 1 << 24
+# Header word meaning "the spec sent last time on this route, again" (a real spec is never empty).
+SAME_SPEC = 0
 
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -106,10 +113,19 @@ def leaf_specs(spec: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return [leaf for child in _children(spec) for leaf in leaf_specs(child)]
 
 
+def spec_bytes(spec: Any) -> bytes:
+    """The spec as a versioned UTF-8 JSON document (what `encode_spec` puts in a tensor)."""
+    return json.dumps({"version": WIRE_VERSION, "tree": spec}, separators=(",", ":")).encode()
+
+
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    """`data` as a 1-D uint8 tensor (a copy: the tensor owns its memory)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def encode_spec(spec: Any) -> torch.Tensor:
     """The spec as a versioned UTF-8 JSON document in a 1-D uint8 tensor."""
-    data = json.dumps({"version": WIRE_VERSION, "tree": spec}, separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return bytes_tensor(spec_bytes(spec))
 
 
 def encode_error(message: str) -> torch.Tensor:
@@ -119,7 +135,10 @@ def encode_error(message: str) -> torch.Tensor:
 
 
 def checked_spec_length(length: int) -> int:
-    """`length` if it is a plausible spec size, else WireFormatError (checked before allocating)."""
+    """`length` if it is a plausible spec size, else WireFormatError (checked before allocating).
+
+    SAME_SPEC (0) is not a length: the caller handles it before asking.
+    """
     if not 0 < length <= MAX_SPEC_BYTES:
         raise WireFormatError(f"structure spec length {length} is outside 1..{MAX_SPEC_BYTES}")
     return length
@@ -157,7 +176,8 @@ def decode_spec(data: torch.Tensor) -> Any:
 def _validate_node(node: Any, indices: list[int], *, depth: int) -> None:
     if depth > 64:
         raise WireFormatError("structure spec is nested more than 64 levels deep")
-    if not isinstance(node, dict) or len(node) not in (1, 3):
+    is_tensor = isinstance(node, dict) and set(node) == {"tensor", "dtype", "shape"}
+    if not isinstance(node, dict) or not (is_tensor or len(node) == 1):
         raise WireFormatError(f"malformed spec node {str(node)[:80]}")
     if "tensor" in node:
         index, dtype, shape = node.get("tensor"), node.get("dtype"), node.get("shape")
@@ -192,7 +212,15 @@ def _validate_node(node: Any, indices: list[int], *, depth: int) -> None:
 
 
 def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of this dtype and shape."""
     return math.prod(shape) * dtype.itemsize
+
+
+def payload_nbytes(value: Any) -> int:
+    """Bytes the data collective of a nested value carries (its tensor leaves, aligned as on the wire)."""
+    tensors: list[torch.Tensor] = []
+    _tree_spec(value, tensors)
+    return receive_nbytes(leaves_of(tensors))
 
 
 def buffer_layout(leaves: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
@@ -204,17 +232,43 @@ def buffer_layout(leaves: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[li
     return offsets, end
 
 
-def pack_leaves(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Copy the leaves into one uint8 buffer on `device`; a single contiguous leaf is used in place."""
-    if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == device:
-        return tensors[0].detach().reshape(-1).view(torch.uint8)
-    leaves = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-    offsets, total = buffer_layout(leaves)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+def leaves_of(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """The (dtype, shape) of each tensor."""
+    return [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
+
+
+def packs_in_place(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether `pack_leaves` sends these leaves from their own memory (one contiguous leaf on `device`)."""
+    return len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == device
+
+
+def pack_leaves(tensors: list[torch.Tensor], device: torch.device, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the leaves into one uint8 buffer on `device`; a single contiguous leaf is used in place.
+
+    `out`: a uint8 buffer of exactly the packed size to copy into instead of allocating one.
+    """
+    if packs_in_place(tensors, device):
+        return _as_bytes(tensors[0])
+    offsets, total = buffer_layout(leaves_of(tensors))
+    if out is None:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    elif out.dtype != torch.uint8 or out.shape != (total,) or out.device != device:
+        raise ValueError(f"out must be a uint8 buffer of {total} bytes on {device}, got {out.dtype} {tuple(out.shape)}")
+    else:
+        buffer = out
     for tensor, offset in zip(tensors, offsets):
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = _as_bytes(tensor)
         buffer[offset : offset + flat.numel()].copy_(flat)
     return buffer
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The leaf's bytes as a 1-D uint8 tensor (a view where possible)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(-1) != 1:
+        # torch calls a tensor of 0 or 1 elements contiguous whatever its stride, but a dtype view needs 1.
+        flat = flat.as_strided(flat.shape, (1,))
+    return flat.contiguous().view(torch.uint8)
 
 
 def unpack_leaves(buffer: torch.Tensor, leaves: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -229,9 +283,13 @@ def unpack_leaves(buffer: torch.Tensor, leaves: list[tuple[torch.dtype, tuple[in
     ]
 
 
+def receive_nbytes(leaves: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    """Size of the buffer `pack_leaves` produces for these leaves."""
+    if len(leaves) == 1:
+        return nbytes(*leaves[0])
+    return buffer_layout(leaves)[1]
+
+
 def receive_buffer(leaves: list[tuple[torch.dtype, tuple[int, ...]]], device: torch.device) -> torch.Tensor:
     """An empty uint8 buffer the size `pack_leaves` produces for these leaves."""
-    if len(leaves) == 1:
-        dtype, shape = leaves[0]
-        return torch.empty(nbytes(dtype, shape), dtype=torch.uint8, device=device)
-    return torch.empty(buffer_layout(leaves)[1], dtype=torch.uint8, device=device)
+    return torch.empty(receive_nbytes(leaves), dtype=torch.uint8, device=device)

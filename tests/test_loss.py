@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkd.loss import cross_entropy_loss, kd_loss, kd_objective
+from meshkd.logits_transport import encode_teacher_logits
+from meshkd.loss import cross_entropy_loss, kd_loss, kd_loss_encoded, kd_objective
 from tests.world import world_test
 
 
@@ -240,6 +241,138 @@ def test_argument_errors():
         kd_loss(student, teacher, labels, num_valid_tokens=-1)
 
 
+def test_chunked_kd_leaves_its_inputs_untouched():
+    # The chunked path works in place on its own copies only.
+    student, teacher, labels = _inputs(dtype=torch.float32)
+    before = (student.detach().clone(), teacher.clone())
+    for temperature in (1.0, 2.0):
+        kd_loss(student, teacher, labels, temperature=temperature, chunk_size=3).backward()
+    assert torch.equal(student.detach(), before[0]) and torch.equal(teacher, before[1])
+
+
+# ------------------------------------------------------------------------------- encoded teacher logits
+
+
+def _reference_topk(student, encoded, labels, temperature, ignore_index=-100):
+    """The top-k KL written out token by token in float64 with autograd: the k tokens, then the rest bucket
+    (via 1 - sum of the student's top-k probabilities, not the implementation's logsumexp) or the tail samples."""
+    vocab = student.shape[-1]
+    k = encoded["log_probs"].shape[-1]
+    rows = student.double().reshape(-1, vocab)
+    log_p = encoded["log_probs"].double().reshape(-1, k)
+    index = encoded["indices"].long().reshape(-1, k)
+    tail = encoded["tail_log_prob"].double().reshape(-1)
+    sampled = "tail_indices" in encoded
+    if sampled:
+        m = encoded["tail_indices"].shape[-1]
+        sample_index = encoded["tail_indices"].long().reshape(-1, m)
+        sample_log_p = encoded["tail_log_probs"].double().reshape(-1, m)
+    total, count = rows.new_zeros(()), 0
+    for token, label in enumerate(labels.reshape(-1).tolist()):
+        if label == ignore_index:
+            continue
+        count += 1
+        log_q = torch.log_softmax(rows[token] / temperature, dim=-1)
+        p = log_p[token].exp()
+        total = total + (p * (log_p[token] - log_q[index[token]])).sum()
+        p_rest = tail[token].exp()
+        if p_rest > 0 and sampled:
+            total = total + p_rest * (sample_log_p[token] - log_q[sample_index[token]]).mean()
+        elif p_rest > 0:
+            q_rest = 1 - log_q[index[token]].exp().sum()
+            total = total + p_rest * (tail[token] - q_rest.log())
+    return temperature**2 * total / max(count, 1)
+
+
+TOPK_CASES = [(1, 0), (3, 0), (7, 0), (3, 4), (1, 2)]  # (k, tail samples) on a vocab of 7
+
+
+@pytest.mark.parametrize("k, samples", TOPK_CASES)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_matches_the_reference_formula_and_its_autograd_gradient(k, samples, temperature):
+    student, teacher, labels = _inputs()
+    encoded = encode_teacher_logits(teacher, "topk", k=k, temperature=temperature, tail_samples=samples, seed=1)
+    leaf = student.detach().clone().requires_grad_()
+    want = _reference_topk(leaf, encoded, labels, temperature)
+    want.backward()
+    for chunk_size in (None, 3, 100):
+        got, grad = _value_and_grad(kd_loss_encoded, student, encoded, labels, temperature=temperature,
+                                    chunk_size=chunk_size)  # fmt: skip
+        assert got.dtype == torch.float64
+        assert got.item() == pytest.approx(want.item(), rel=1e-10)
+        torch.testing.assert_close(grad, leaf.grad, rtol=1e-9, atol=1e-12)
+        assert torch.isfinite(grad).all()
+
+
+def test_topk_rest_bucket_never_overestimates_and_is_exact_at_full_k():
+    student, teacher, labels = _inputs(shape=(3, 8, 30), seed=2)
+    full = kd_loss(student, teacher, labels, temperature=1.5).item()
+    previous = 0.0
+    for k in (1, 4, 12, 29):
+        value = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=k, temperature=1.5), labels,
+                                temperature=1.5).item()  # fmt: skip
+        # A finer partition of the vocabulary: closer from below (to float32 log-probabilities' precision).
+        assert previous - 1e-6 * full <= value <= full * (1 + 1e-6)
+        previous = value
+    exact = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=30, temperature=1.5), labels,
+                            temperature=1.5)  # fmt: skip
+    assert exact.item() == pytest.approx(full, rel=1e-6)  # float32 log-probs on the wire
+
+
+def test_topk_sampled_tail_is_unbiased():
+    student, teacher, labels = _inputs(shape=(2, 10, 50), seed=3)
+    full = kd_loss(student, teacher, labels, temperature=2.0).item()
+    estimates = [
+        kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=5, temperature=2.0, tail_samples=4, seed=seed),
+                        labels, temperature=2.0).item()
+        for seed in range(200)
+    ]  # fmt: skip
+    mean = sum(estimates) / len(estimates)
+    spread = (sum((e - mean) ** 2 for e in estimates) / (len(estimates) - 1)) ** 0.5
+    assert abs(mean - full) < 4 * spread / len(estimates) ** 0.5 + 1e-9
+    bucket = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=5, temperature=2.0), labels,
+                             temperature=2.0).item()  # fmt: skip
+    assert abs(mean - full) < abs(bucket - full)
+
+
+def test_encoded_full_modes_are_kd_loss_on_the_carried_logits():
+    student, teacher, labels = _inputs(dtype=torch.float32)
+    for chunk_size in (None, 4):
+        full = kd_loss_encoded(student, encode_teacher_logits(teacher, "full"), labels, temperature=2.0,
+                               chunk_size=chunk_size)  # fmt: skip
+        assert full.item() == kd_loss(student, teacher, labels, temperature=2.0, chunk_size=chunk_size).item()
+        half = kd_loss_encoded(student, encode_teacher_logits(teacher, "full_bf16"), labels, temperature=2.0,
+                               chunk_size=chunk_size)  # fmt: skip
+        rounded = kd_loss(student, teacher.to(torch.bfloat16), labels, temperature=2.0, chunk_size=chunk_size)
+        assert half.item() == rounded.item() and half.dtype == torch.float32
+        assert half.item() == pytest.approx(full.item(), rel=2e-2)
+
+
+@pytest.mark.parametrize("samples", [0, 3])
+def test_topk_ignored_tokens_and_all_ignored(samples):
+    student, teacher, labels = _inputs(seed=5)
+    encoded = encode_teacher_logits(teacher, "topk", k=3, tail_samples=samples)
+    for chunk_size in (None, 3):
+        _, grad = _value_and_grad(kd_loss_encoded, student, encoded, labels, chunk_size=chunk_size)
+        assert torch.all(grad.view(-1, 7)[[1, 6]] == 0)
+        nothing = labels.clone().fill_(-100)
+        loss, grad = _value_and_grad(kd_loss_encoded, student, encoded, nothing, chunk_size=chunk_size)
+        assert loss.item() == 0.0 and torch.all(grad == 0)
+
+
+def test_encoded_loss_argument_errors():
+    student, teacher, labels = _inputs()
+    encoded = encode_teacher_logits(teacher, "topk", k=3, temperature=2.0)
+    with pytest.raises(ValueError, match="encoded at temperature 2.0, the loss asks for 1.0"):
+        kd_loss_encoded(student, encoded, labels, temperature=1.0)
+    with pytest.raises(ValueError, match="do not fit student logits"):
+        kd_loss_encoded(student[:1], encoded, labels[:1], temperature=2.0)
+    with pytest.raises(ValueError, match="need a mode"):
+        kd_loss_encoded(student, teacher, labels)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kd_loss_encoded(student, encoded, labels, temperature=2.0, chunk_size=0)
+
+
 # ------------------------------------------------------------------------------------ vocab-parallel
 # One 4-rank world. Every rank builds the same inputs from a seed, computes the single-process plain
 # reference itself, and compares it with the vocab-parallel loss and the gathered student gradient.
@@ -379,6 +512,34 @@ def check_vocab_parallel_communication():
         assert backward.get_total_counts() == 0, backward.get_comm_counts()
 
 
+def check_kd_topk_vocab_parallel():
+    # vocab 10 on tp 4 (3, 3, 3, 1) and vocab 5 (2, 2, 1, 0: a rank owns nothing), rest bucket and tail samples.
+    for vocab, k, samples in ((10, 3, 0), (10, 3, 2), (5, 2, 0), (5, 1, 3), (10, 10, 0)):
+        student, teacher, labels = _inputs((2, 5, vocab), dtype=torch.float64, seed=vocab + k)
+        for temperature in (1.0, 2.0):
+            encoded = encode_teacher_logits(teacher, "topk", k=k, temperature=temperature, tail_samples=samples)
+            for chunk_size in (None, 3):
+                want, want_grad = _value_and_grad(kd_loss_encoded, student, encoded, labels,
+                                                  temperature=temperature)  # fmt: skip
+                sharded = _sharded(student, _tp4(), requires_grad=True)
+                got = kd_loss_encoded(sharded, encoded, labels, temperature=temperature, chunk_size=chunk_size)
+                got.backward()
+                torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(sharded.grad.full_tensor(), want_grad, rtol=1e-9, atol=1e-12)
+    # One MAX and one SUM all-reduce per chunk, all in forward; nothing else.
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    student, teacher, labels = _inputs((2, 5, 10), seed=6)
+    sharded = _sharded(student, _tp4(), requires_grad=True)
+    with CommDebugMode() as forward:
+        loss = kd_loss_encoded(sharded, encode_teacher_logits(teacher, "topk", k=3), labels, chunk_size=3)
+    with CommDebugMode() as backward:
+        loss.backward()
+    counts = {str(op): count for op, count in forward.get_comm_counts().items() if count}
+    assert counts == {"c10d.allreduce_": 8}, counts
+    assert backward.get_total_counts() == 0
+
+
 test_vocab_parallel = world_test(
     4,
     [
@@ -389,5 +550,6 @@ test_vocab_parallel = world_test(
         check_vocab_parallel_all_ignored,
         check_vocab_parallel_errors,
         check_vocab_parallel_communication,
+        check_kd_topk_vocab_parallel,
     ],
 )

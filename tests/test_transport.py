@@ -1,19 +1,25 @@
-"""KDMeshBridge and teacher-logits materialization on a real 5-rank gloo world.
+"""KDMeshBridge, TeacherPrefetcher and teacher-logits materialization on a real 5-rank gloo world.
 
 Each check lays the 5 ranks out differently: uneven replica counts (3 students on 2 teachers, 4 on 1,
-1 on 4), a TP x CP teacher, a TP student, and a teacher serving loop driven by commands.
+1 on 4), a TP x CP teacher, a TP student, and a teacher serving loop driven by commands. Later checks
+cover the per-route spec cache (fewer collectives and bytes when a structure repeats, exact values when
+it changes) and the prefetcher (the synchronous loop's logits, in order, fetched one ahead).
 """
 
+import contextlib
 import datetime
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from meshkd import wire
 from meshkd.logits import cp_shard, materialize_teacher_logits
+from meshkd.logits_transport import encode_teacher_logits
 from meshkd.topology import create_kd_distributed_setups
-from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
+from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
 from tests.trees import assert_same_tree, sample_batch
 from tests.world import world_test
 
@@ -212,6 +218,200 @@ def check_move_to_device_keeps_structure():
     assert_same_tree(bridge.move_to_device(value), value)
 
 
+@contextlib.contextmanager
+def counted_broadcasts():
+    """Count this rank's dist.broadcast calls and the bytes they carry (the bridge looks it up per call)."""
+    counts = {"calls": 0, "bytes": 0}
+    original = dist.broadcast
+
+    def counting(tensor, *args, **kwargs):
+        counts["calls"] += 1
+        counts["bytes"] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.broadcast = counting
+    try:
+        yield counts
+    finally:
+        dist.broadcast = original
+
+
+def my_student_replica(bridge: KDMeshBridge) -> int | None:
+    return next((i for i, r in enumerate(bridge.student_replicas) if dist.get_rank() in r.ranks), None)
+
+
+def check_repeated_structure_costs_fewer_collectives_and_bytes():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    per_call = []
+    for call in range(5):
+        with counted_broadcasts() as counts:
+            exchange_every_wave(bridge)
+        per_call.append(dict(counts))
+    calls = [c["calls"] for c in per_call]
+    sent = [c["bytes"] for c in per_call]
+    # Call 0 sends every spec; calls 1-2 only a header word (plus data); from call 3 on, the header rides
+    # with the data: in the packed batch buffer, or beside the single logits tensor.
+    assert calls[0] > calls[1] == calls[2] > calls[3] == calls[4], calls
+    assert sent[0] > sent[1] == sent[2], sent
+    assert sent[0] - sent[1] > len(wire.spec_bytes({"value": 0}))  # a spec travelled in call 0 only
+
+
+def layout_batch(step: int, replica: int, layout: tuple) -> dict:
+    shape, dtype = layout
+    generator = torch.Generator().manual_seed(step * 10 + replica)
+    ids = torch.randint(0, 50, shape, generator=generator)
+    return {"ids": ids, "x": torch.randn(shape, generator=generator).to(dtype), "step": step, "replica": replica}
+
+
+def layout_logits(batch: dict) -> torch.Tensor:
+    return (batch["x"] * 2 + batch["ids"].to(batch["x"].dtype)).unsqueeze(-1)
+
+
+def check_changing_shapes_dtypes_and_errors_arrive_exactly():
+    # Routes go through new specs, repeats (speculated after two), changes after a streak (filler), a
+    # sender error in the middle of a streak, and back: every value arrives equal, every time.
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    rank, replica = dist.get_rank(), my_student_replica(bridge)
+    output_ranks = {r.output_rank for r in bridge.teacher_replicas}
+    f32, f16 = torch.float32, torch.float16
+    layouts = [((2, 5), f32)] * 4 + [((3, 5), f32)] * 4 + [((3, 5), f16)] * 3 + [None] + [((2, 5), f32)] * 4
+    for step, layout in enumerate(layouts + [((1, 7), f32)]):
+        if layout is None:
+            # Student replica 0 forgets its batch: it raises on both its routes (wave 0 and the spare route of
+            # wave 1), and so do the teachers on them; the other routes carry on.
+            for wave in range(bridge.num_waves):
+                failing = {r for route in bridge.input_routes[wave] if route.src == 0 for r in route.ranks}
+                batch = layout_batch(step, replica, layouts[0]) if bridge.is_student and rank != 0 else None
+                if rank in failing:
+                    with pytest.raises(ValueError if rank == 0 else RuntimeError, match="passed batch=None"):
+                        bridge.send_batch(wave, batch)
+                else:
+                    bridge.send_batch(wave, batch)
+            continue
+        for wave in range(bridge.num_waves):
+            received = bridge.send_batch(wave, layout_batch(step, replica, layout) if bridge.is_student else None)
+            logits = None
+            if bridge.is_teacher:
+                partner = wave * 2 + (rank - 3)
+                assert_same_tree(received, layout_batch(step, partner if partner < 3 else 0, layout))
+                logits = layout_logits(received) if rank in output_ranks else None
+            arrived = bridge.send_logits(wave, logits)
+            if arrived is not None:
+                assert_same_tree(arrived, layout_logits(layout_batch(step, replica, layout)))
+
+
+def check_received_buffers_are_reused_only_once_released():
+    bridge = make_bridge({"dp_size": 1}, {"dp_size": 4})
+    route = bridge.output_routes[0][0]
+    logits = torch.arange(24.0).view(1, 4, 6)
+    def send(value):
+        bridge.send_batch(0, {"x": torch.zeros(1)} if bridge.is_student else None)
+        return bridge.send_logits(0, value if dist.get_rank() == route.src else None)
+    held = [send(logits + call) for call in range(4)]  # all kept: each arrives in its own memory
+    if bridge.is_student:
+        assert len({t.data_ptr() for t in held}) == 4
+        for call, value in enumerate(held):
+            assert torch.equal(value, logits + call)
+        pointers = {t.data_ptr() for t in held}
+        del held, value
+        again = send(logits + 10)
+        assert again.data_ptr() in pointers and torch.equal(again, logits + 10)
+    else:
+        del held
+        send(logits + 10)
+
+
+def check_encoded_logits_travel_as_sent():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    full = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(1))
+    for mode, options in (("full", {}), ("full_bf16", {}), ("topk", {"k": 4}), ("topk", {"k": 4, "tail_samples": 3})):
+        encoded = encode_teacher_logits(full, mode, temperature=1.5, **options)
+        for _ in range(3):
+            for wave in range(bridge.num_waves):
+                bridge.send_batch(wave, {"x": torch.zeros(1)} if bridge.is_student else None)
+                arrived = bridge.send_logits(wave, encoded if bridge.is_teacher else None)
+                if arrived is not None:
+                    assert_same_tree(arrived, encoded)
+
+
+def serve(bridge: KDMeshBridge, *, fail_on: int | None = None) -> int:
+    """A teacher loop like the recipe's; `fail_on`: a request whose logits every output rank refuses."""
+    rank, served = dist.get_rank(), 0
+    output_ranks = {r.output_rank for r in bridge.teacher_replicas}
+    while bridge.broadcast_command() == RUN_TEACHER:
+        for wave in range(bridge.num_waves):
+            batch = bridge.send_batch(wave, None)
+            time.sleep(0.01)
+            logits = logits_for(batch) if rank in output_ranks and served != fail_on else None
+            with contextlib.suppress(ValueError):  # this rank's own refusal
+                bridge.send_logits(wave, logits)
+        served += 1
+    return served
+
+
+def request_batch(index: int) -> dict:
+    return {"input_ids": torch.full((1, 3), index), "index": dist.get_rank() * 100 + index}
+
+
+def check_prefetcher_yields_the_synchronous_sequence_one_ahead():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    count = 5
+    if bridge.is_teacher:
+        assert serve(bridge) == count and serve(bridge) == count
+        return
+    synchronous = []
+    for index in range(count):
+        bridge.broadcast_command(RUN_TEACHER)
+        for wave in range(bridge.num_waves):
+            bridge.send_batch(wave, request_batch(index))
+            logits = bridge.send_logits(wave, None)
+            if logits is not None:
+                synchronous.append(logits)
+    bridge.broadcast_command(STOP_TEACHER)
+    prefetched = []
+    with TeacherPrefetcher(bridge, range(count), batch_fn=request_batch) as prefetcher:
+        for position, (item, logits) in enumerate(prefetcher):
+            assert item == position
+            prefetched.append(logits)
+            if position + 1 < count:  # the next request completes while this one is held
+                deadline = time.monotonic() + 30
+                while prefetcher.num_fetched < position + 2:
+                    assert time.monotonic() < deadline, "the next micro-batch was not fetched ahead"
+                    time.sleep(0.005)
+                # ... and no further: depth 1 keeps one request ahead of the caller.
+                time.sleep(0.05)
+                assert prefetcher.num_fetched == position + 2
+            with pytest.raises(RuntimeError, match="driven by a running TeacherPrefetcher"):
+                bridge.broadcast_command(STOP_TEACHER)
+    assert len(prefetched) == len(synchronous) == count
+    for got, want in zip(prefetched, synchronous):
+        assert_same_tree(got, want)
+    bridge.broadcast_command(STOP_TEACHER)  # released once the items ran out
+
+
+def check_prefetcher_raises_teacher_errors_and_closes_cleanly():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    if bridge.is_teacher:
+        assert serve(bridge, fail_on=2) == 3  # requests 0, 1 and the refused 2; then STOP
+        assert serve(bridge) == 2  # stopped early by the caller: the request in flight still completes
+        bridge.synchronize()
+        return
+    taken = []
+    prefetcher = TeacherPrefetcher(bridge, range(6), batch_fn=request_batch)
+    with pytest.raises(RuntimeError, match="passed logits=NoneType"), prefetcher:
+        for item, _ in prefetcher:
+            taken.append(item)
+    assert taken == [0, 1]
+    bridge.broadcast_command(STOP_TEACHER)
+    with TeacherPrefetcher(bridge, range(6), batch_fn=request_batch) as prefetcher:
+        item, _ = next(prefetcher)
+        while prefetcher.num_fetched < 2:  # request 1 is fetched ahead; then the caller stops early
+            time.sleep(0.005)
+    assert item == 0
+    bridge.broadcast_command(STOP_TEACHER)
+    bridge.synchronize()
+
+
 test_five_rank_world = world_test(
     WORLD,
     [
@@ -224,5 +424,11 @@ test_five_rank_world = world_test(
         check_commands_drive_a_teacher_loop_to_a_clean_stop,
         check_bad_use_raises_on_every_rank_and_leaves_no_peer_blocked,
         check_move_to_device_keeps_structure,
+        check_repeated_structure_costs_fewer_collectives_and_bytes,
+        check_changing_shapes_dtypes_and_errors_arrive_exactly,
+        check_received_buffers_are_reused_only_once_released,
+        check_encoded_logits_travel_as_sent,
+        check_prefetcher_yields_the_synchronous_sequence_one_ahead,
+        check_prefetcher_raises_teacher_errors_and_closes_cleanly,
     ],
 )

@@ -70,6 +70,7 @@ def tensor_node(index=0, dtype="float32", shape=(2,)):
         ({"version": 1, "tree": {"set": []}}, "unknown spec node kind 'set'"),
         ({"version": 1, "tree": {"dict": [["k"]]}}, r"\[key, value\] pairs"),
         ({"version": 1, "tree": {"value": [1, 2]}}, "invalid scalar leaf"),
+        ({"version": 1, "tree": {"list": [], "a": 1, "b": 2}}, "malformed spec node"),
         ({"version": 1, "tree": {"value": 1}, "pickle": "x"}, "unexpected fields"),
     ],
 )
@@ -88,3 +89,38 @@ def test_garbage_and_absurd_lengths_are_rejected():
 def test_a_sender_error_reaches_the_receiver_as_its_message():
     with pytest.raises(wire.SenderError, match="rank 3 had nothing to send"):
         wire.decode_spec(wire.encode_error("rank 3 had nothing to send"))
+
+
+def test_spec_bytes_is_what_encode_spec_carries():
+    spec = _tree_spec(sample_batch(2), [])
+    document = wire.spec_bytes(spec)
+    assert bytes(wire.encode_spec(spec).numpy()) == document == bytes(wire.bytes_tensor(document).numpy())
+    assert wire.decode_spec(wire.bytes_tensor(document)) == json.loads(document)["tree"]
+    # Equal structures give equal documents: the sender's "same spec as last time" test is a bytes comparison.
+    assert wire.spec_bytes(_tree_spec(sample_batch(2), [])) == document
+    assert wire.spec_bytes(_tree_spec(sample_batch(3), [])) != document
+
+
+def test_payload_nbytes_and_receive_nbytes_match_the_packed_buffer():
+    for value in (sample_batch(0), {"logits": torch.randn(2, 3, 5)}, {"x": 1}):
+        tensors = []
+        _tree_spec(value, tensors)
+        packed = wire.pack_leaves(tensors, torch.device("cpu")) if tensors else torch.empty(0, dtype=torch.uint8)
+        assert wire.payload_nbytes(value) == wire.receive_nbytes(wire.leaves_of(tensors)) == packed.numel()
+    assert wire.payload_nbytes({"logits": torch.randn(2, 3, 5)}) == 2 * 3 * 5 * 4  # one leaf: no padding
+
+
+def test_pack_leaves_into_a_given_buffer():
+    tensors = []
+    value = sample_batch(1)
+    _tree_spec(value, tensors)
+    size = wire.receive_nbytes(wire.leaves_of(tensors))
+    out = torch.full((size,), 7, dtype=torch.uint8)
+    packed = wire.pack_leaves(tensors, torch.device("cpu"), out=out)
+    assert packed.data_ptr() == out.data_ptr()
+    leaves = wire.leaves_of(tensors)
+    assert_same_tree(_tree_from_spec(_tree_spec(value, []), wire.unpack_leaves(out, leaves)), value)
+    with pytest.raises(ValueError, match="out must be a uint8 buffer"):
+        wire.pack_leaves(tensors, torch.device("cpu"), out=torch.empty(size + 1, dtype=torch.uint8))
+    assert wire.packs_in_place([torch.ones(3)], torch.device("cpu"))
+    assert not wire.packs_in_place([torch.ones(3, 2).t()], torch.device("cpu"))
