@@ -58,6 +58,9 @@ class KDConfig:
     temperature: float = 1.0
     ignore_index: int = -100
     chunk_size: int | None = None  # tokens per loss chunk; None: one chunk
+    logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.logits_transport)
+    topk: int = 64  # entries per token with logits_transport: topk
+    topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
 
 
 @dataclass
@@ -280,6 +283,10 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
     if kd.temperature <= 0:
         raise ConfigError(f"kd.temperature must be > 0, got {kd.temperature}")
+    if kd.logits_transport not in ("full", "full_bf16", "topk"):
+        raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
+    if kd.topk < 1 or kd.topk_tail_samples < 0:
+        raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
     if not config.dataset.paths:

@@ -471,13 +471,14 @@ def shard_teacher_logits(logits: torch.Tensor, setup: DistributedSetup) -> torch
 
     Returns [batch, padded_sequence / cp_size, vocab] (padding rows are zeros; their labels are ignored),
     so position i of the local teacher logits is the teacher's distribution for the student's local
-    position i. Returns `logits` itself when cp_size is 1.
+    position i. Any [batch, sequence, ...] tensor (e.g. a top-k encoding's parts) is cut the same way.
+    Returns `logits` itself when cp_size is 1.
     """
     cp_size, cp_rank = _cp_coordinate(setup)
     if cp_size == 1:
         return logits
-    if logits.dim() != 3:
-        raise ValueError(f"expected teacher logits [batch, sequence, vocab], got shape {tuple(logits.shape)}")
+    if logits.dim() < 2:
+        raise ValueError(f"expected teacher logits [batch, sequence, ...], got shape {tuple(logits.shape)}")
     return _pad_and_shard(logits, cp_size=cp_size, cp_rank=cp_rank)
 
 

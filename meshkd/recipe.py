@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
 from meshkd.config import KDRecipeConfig, expand_path
-from meshkd.loss import cross_entropy_loss, kd_loss, kd_objective
+from meshkd.logits_transport import encode_teacher_logits
+from meshkd.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
 from meshkd.parallel import (
@@ -58,7 +59,6 @@ from meshkd.parallel import (
 from meshkd.preflight import Preflight, _about, load_section_model, preflight
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
-
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
@@ -451,17 +451,26 @@ class KDRecipe:
         logits = self.teacher.logits(batch)
         return None if logits is None else logits[..., : self.vocab_size]
 
-    def _teacher_logits(self, micro_batch: dict) -> torch.Tensor:
-        """Full teacher logits [batch, sequence, common vocab] for this rank's micro-batch."""
+    def _encode(self, logits: torch.Tensor, batch: dict, mode: str) -> dict:
+        """Teacher logits in the transport encoding `mode` (kd.logits_transport, or "full" for evaluation)."""
+        kd = self.config.kd
+        # Tail samples are seeded by the batch itself, so a resumed run draws the same ones.
+        seed = self.config.seed + int(batch["input_ids"].sum())
+        return encode_teacher_logits(logits, mode, k=min(kd.topk, logits.shape[-1]), temperature=kd.temperature,
+                                     tail_samples=kd.topk_tail_samples, seed=seed)
+
+    def _teacher_logits(self, micro_batch: dict, *, mode: str | None = None) -> dict:
+        """Encoded teacher logits (`meshkd.logits_transport`) for this rank's micro-batch, all positions."""
+        mode = mode or self.config.kd.logits_transport
         if self.bridge is None:
             logits = self._teacher_logits_local(micro_batch)
             if logits is None:
                 raise RuntimeError("teacher pipeline stages are not supported on shared meshes")
-            return logits
+            return self._encode(logits, micro_batch, mode)
         self._bridge("broadcast_command", RUN_TEACHER)
         received = None
         for wave in range(self.bridge.num_waves):
-            self._bridge("send_batch", wave, micro_batch)
+            self._bridge("send_batch", wave, {"batch": micro_batch, "logits_transport": mode})
             logits = self._bridge("send_logits", wave, None)
             if logits is not None:
                 received = logits
@@ -470,14 +479,18 @@ class KDRecipe:
         return received
 
     def serve_teacher(self) -> None:
-        """Teacher-only ranks: answer RUN_TEACHER with logits until STOP_TEACHER."""
+        """Teacher-only ranks: answer RUN_TEACHER with encoded logits until STOP_TEACHER."""
         output_ranks = {replica.output_rank for replica in self.bridge.teacher_replicas}
         while self._bridge("broadcast_command") == RUN_TEACHER:
             for wave in range(self.bridge.num_waves):
-                batch = self._bridge("send_batch", wave, None)
+                request = self._bridge("send_batch", wave, None)
+                encoded = None
                 with self._watch("the teacher forward", "teacher"):
-                    logits = self._teacher_logits_local(self.bridge.move_to_device(batch))
-                self._bridge("send_logits", wave, logits if dist.get_rank() in output_ranks else None)
+                    batch = self.bridge.move_to_device(request["batch"])
+                    logits = self._teacher_logits_local(batch)
+                    if dist.get_rank() in output_ranks:
+                        encoded = self._encode(logits, batch, request["logits_transport"])
+                self._bridge("send_logits", wave, encoded)
 
     # ---- student ----
 
@@ -496,13 +509,17 @@ class KDRecipe:
             dist.all_reduce(tensor, group=self.setups.student.device_mesh.get_group("cp"))
         return tensor.tolist()
 
-    def _shard(self, micro_batch: dict, teacher_logits: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
-        """This cp rank's head-tail share of a micro-batch and of its teacher logits (identity without cp)."""
+    def _shard(self, micro_batch: dict, teacher: dict | None) -> tuple[dict, dict | None]:
+        """This cp rank's head-tail share of a micro-batch and of its encoded teacher logits (identity without cp)."""
         student = self.setups.student
         if student.cp_size == 1:
-            return micro_batch, teacher_logits
+            return micro_batch, teacher
         local, _ = shard_student_batch(micro_batch, student, ignore_index=self.config.kd.ignore_index)
-        return local, None if teacher_logits is None else shard_teacher_logits(teacher_logits, student)
+        if teacher is not None:
+            # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
+            teacher = {key: shard_teacher_logits(value, student) if isinstance(value, torch.Tensor) and value.ndim >= 2
+                       else value for key, value in teacher.items()}
+        return local, teacher
 
     def _student_logits(self, micro_batch: dict) -> torch.Tensor:
         output = self.model(
@@ -530,7 +547,7 @@ class KDRecipe:
             norm = max(num_valid, 1.0)
             ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                                     chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
-            kd = kd_loss(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
+            kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
                          ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                          chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
             loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
@@ -566,13 +583,14 @@ class KDRecipe:
             if steps.val_batches is not None and index >= steps.val_batches:
                 break
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
-            teacher_logits = self._teacher_logits(micro_batch) if with_teacher else None
+            teacher_logits = self._teacher_logits(micro_batch, mode="full") if with_teacher else None
             micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
             labels = micro_batch["labels"]
             logits = self._student_logits(micro_batch)
             sums[0] += float(cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1))
             if with_teacher:
-                sums[1] += float(cross_entropy_loss(teacher_logits, labels, ignore_index=ignore, num_valid_tokens=1))
+                sums[1] += float(cross_entropy_loss(teacher_logits["logits"], labels, ignore_index=ignore,
+                                                    num_valid_tokens=1))
             sums[2] += float((labels != ignore).sum())
         self.model.train()
         student_sum, teacher_sum, count = self._sum_over_dp(sums, and_cp=True)
