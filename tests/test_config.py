@@ -3,7 +3,13 @@
 import pytest
 import yaml
 
-from meshkd.config import ConfigError, apply_override, config_from_dict, load_config, required_world_size
+from meshkd.config import (
+    ConfigError,
+    apply_override,
+    config_from_dict,
+    load_config,
+    required_world_size,
+)
 from tests.tiny import base_config, with_layout
 
 

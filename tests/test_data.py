@@ -7,8 +7,8 @@ id maps back to exactly one character and packed rows can be read back as text.
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 import string
 
 import pytest

@@ -22,6 +22,7 @@ from meshkd.packing import (
     indexed_to_additive_mask,
     packing_layout,
 )
+from tests.tiny import tiny_llama_model
 from tests.world import world_test
 
 VOCAB = 64
@@ -31,20 +32,7 @@ ROW_LENGTH = 19
 
 def tiny_llama(attn: str = "sdpa", *, seed: int = 0) -> nn.Module:
     """A random-init LlamaForCausalLM small enough to run in milliseconds."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama_model(vocab=VOCAB, seed=seed, attn=attn, max_positions=64).eval()
 
 
 def packed_batch(rows=ROWS, *, seed: int = 1) -> dict[str, torch.Tensor]:

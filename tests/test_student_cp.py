@@ -30,6 +30,7 @@ from meshkd.parallel import (
     student_loss_scale,
 )
 from meshkd.topology import create_kd_distributed_setups
+from tests.tiny import tiny_llama_model
 from tests.world import world_test
 
 WORLD = 4
@@ -41,21 +42,7 @@ GRAD_ATOL = 1e-5
 
 
 def tiny_llama(*, seed: int = 0, tie: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama_model(vocab=VOCAB, layers=2, seed=seed, tie=tie)
 
 
 def packed_batch(document_lengths: list[list[int]], length: int, *, seed: int = 2) -> dict:

@@ -4,8 +4,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshkd.topology import DistributedSetup, _mesh_size, _model_replicas, _Replica, create_kd_distributed_setups
-from meshkd.topology import MESH_AXES, _validate_kd_config, get_current_setup
+from meshkd.topology import (
+    MESH_AXES,
+    DistributedSetup,
+    _mesh_size,
+    _model_replicas,
+    _Replica,
+    _validate_kd_config,
+    create_kd_distributed_setups,
+    get_current_setup,
+)
 from tests.world import world_test
 
 

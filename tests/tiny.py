@@ -1,9 +1,11 @@
-"""Tiny recipe configs: random-init Llamas, the byte tokenizer and a small generated text corpus."""
+"""Tiny models and recipe configs: random-init Llamas, the byte tokenizer and a small generated corpus."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+
+import torch
 
 STEPS = 5
 
@@ -50,3 +52,24 @@ def with_layout(config: dict, student: dict, teacher: dict | None) -> dict:
         config["separate_meshes"] = True
         config["teacher_distributed"] = teacher
     return config
+
+
+def tiny_llama_model(
+    *, vocab: int, layers: int = 2, seed: int = 0, tie: bool = False, attn: str = "sdpa", max_positions: int = 128
+) -> torch.nn.Module:
+    """A random-init LlamaForCausalLM (hidden 32, 4 heads, 2 KV heads) that runs in milliseconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config)
