@@ -101,6 +101,14 @@ def indexed_to_additive_mask(
     return additive.masked_fill_(allowed[:, None], 0.0)
 
 
+def forward_argument(args: tuple, kwargs: dict, positions: dict[str, int], name: str) -> Any:
+    """Argument `name` of a forward call seen by a pre-hook, passed by keyword or at `positions[name]`."""
+    if name in kwargs:
+        return kwargs[name]
+    index = positions.get(name)
+    return args[index] if index is not None and index < len(args) else None
+
+
 class _IndexedMaskHook:
     """Forward pre-hook converting an indexed 2D `attention_mask` argument into a 4D additive mask.
 
@@ -113,10 +121,7 @@ class _IndexedMaskHook:
         self.sliding_window = sliding_window
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        index = self.positions.get(name)
-        return args[index] if index is not None and index < len(args) else None
+        return forward_argument(args, kwargs, self.positions, name)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         mask = self._argument(args, kwargs, "attention_mask")

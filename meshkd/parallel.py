@@ -363,6 +363,18 @@ def _padded_length(length: int, cp_size: int) -> int:
     return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
 
 
+def _positions_and_documents(batch: dict, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's position_ids and document indices, defaulting to one document per row in order."""
+    batch_size, length = input_ids.shape
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+    documents = batch.get("attention_mask")
+    if documents is None:
+        documents = torch.ones_like(input_ids)
+    return position_ids, documents
+
+
 def _pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
     """`tensor` [batch, sequence, ...] padded on dim 1 with `value`, then this cp rank's head-tail share."""
     pad = _padded_length(tensor.shape[1], cp_size) - tensor.shape[1]
@@ -425,12 +437,7 @@ def _shard_batch(
     info = StudentShard(length, _padded_length(length, cp_size) if cp_size > 1 else length, cp_size, cp_rank)
     if cp_size == 1:
         return dict(batch), info
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(length, device=input_ids.device).expand(batch_size, length)
-    documents = batch.get("attention_mask")
-    if documents is None:
-        documents = torch.ones_like(input_ids)
+    position_ids, documents = _positions_and_documents(batch, input_ids)
     local = dict(batch)
     # Padding is document 0 (attends to itself only, seen by nobody) and its labels are ignored.
     sharded = {"input_ids": (input_ids, 0), "position_ids": (position_ids, 0), "attention_mask": (documents, 0)}
@@ -543,10 +550,9 @@ class _StudentCPMaskHook:
         self.positions = positions
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        index = self.positions.get(name)
-        return args[index] if index is not None and index < len(args) else None
+        from meshkd.packing import forward_argument
+
+        return forward_argument(args, kwargs, self.positions, name)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from meshkd.packing import _compute_dtype
@@ -675,13 +681,8 @@ class TeacherRunner:
     def _prepare(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(local input_ids, local position_ids, padded documents [batch, padded_sequence], sequence length)."""
         input_ids = batch["input_ids"].to(self.device)
-        batch_size, length = input_ids.shape
-        position_ids = batch.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=self.device).expand(batch_size, length)
-        documents = batch.get("attention_mask")
-        if documents is None:
-            documents = torch.ones_like(input_ids)
+        length = input_ids.shape[1]
+        position_ids, documents = _positions_and_documents(batch, input_ids)
         position_ids, documents = position_ids.to(self.device).long(), documents.to(self.device).long()
         if self.cp_size > 1:
             # Head-tail sharding needs 2 * cp equal chunks; padding is document 0, so nothing attends to it.
