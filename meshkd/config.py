@@ -61,6 +61,7 @@ class KDConfig:
     logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.logits_transport)
     topk: int = 64  # entries per token with logits_transport: topk
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
+    overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
 
 
 @dataclass

@@ -4,6 +4,9 @@ Student ranks train; teacher ranks serve. On shared meshes every rank is both: i
 its own micro-batch, then trains. On separate meshes the student drives the teacher through
 `KDMeshBridge`: RUN_TEACHER per micro-batch, its batch across, full logits back; the teacher loop serves
 until STOP_TEACHER, which the student sends when it is done or fails, unless the failure is a lost peer.
+With `kd.overlap_teacher` (the default) a `TeacherPrefetcher` issues those requests on a background
+thread one micro-batch ahead, so the teacher computes micro-batch i + 1 while the student trains on i;
+requests and logits are those of the synchronous loop, in the same order, so the loss curve is too.
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
@@ -33,6 +36,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,7 +62,7 @@ from meshkd.parallel import (
 )
 from meshkd.preflight import Preflight, _about, load_section_model, preflight
 from meshkd.topology import create_kd_distributed_setups
-from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
+from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
@@ -162,6 +166,11 @@ def _process_gone(pid: int) -> bool:
 
 def _pid_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "pids" / f"rank{rank}.pid"
+
+
+def _lost_file(run_dir: Path, rank: int) -> Path:
+    """Written by a rank that is about to fail because it lost a peer: it exits as a casualty, not a cause."""
+    return run_dir / "pids" / f"rank{rank}.lost"
 
 
 class _StopRequest:
@@ -346,6 +355,7 @@ class KDRecipe:
         path = _pid_file(self.run_dir, dist.get_rank())
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        _lost_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def _on_every_rank(self, stage: str):
@@ -398,11 +408,16 @@ class KDRecipe:
             raise PeerLostError(self._lost(operation, role, error)) from error
 
     def _lost(self, operation: str, role: str, error: BaseException) -> str:
+        """The PeerLostError message; also marks this rank as a casualty for the peers that outlive it."""
+        with contextlib.suppress(OSError):  # no pid directory yet: nobody can read the mark anyway
+            _lost_file(self.run_dir, dist.get_rank()).touch()
         dead = self._dead_ranks()
         exited = f"; {_ranks(dead)} exited" if dead else ""
         if not self.setups.separate:
             return f"lost a peer ({_ranks(self.setups.student_ranks)}{exited}) during {operation}: {_brief(error)}"
-        roles = {self._role_of(rank) for rank in dead}
+        # Ranks that exited because they lost a peer themselves do not tell which role failed first.
+        causes = [rank for rank in dead if not _lost_file(self.run_dir, rank).exists()] or dead
+        roles = {self._role_of(rank) for rank in causes}
         if len(roles) == 1:  # the pid files know better than the operation which role is gone
             role = roles.pop()
         role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
@@ -529,22 +544,53 @@ class KDRecipe:
         )
         return output.logits
 
-    def train_step(self, batch: dict) -> dict[str, float]:
+    def _step_items(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
+        ignore = self.config.kd.ignore_index
+        for _ in range(self.start_step, self.config.step_scheduler.max_steps):
+            micro_batches = self._micro_batches(next(batches))
+            valid = sum(int((micro_batch["labels"] != ignore).sum()) for micro_batch in micro_batches)
+            for micro_batch in micro_batches:
+                yield {"micro_batch": micro_batch, "step_valid": valid}
+
+    def _teacher_feed(self, items: Iterator[dict]) -> Iterator[tuple[dict, dict | None]]:
+        """(item, encoded teacher logits) in order; the logits are None when the loss needs no teacher.
+
+        On separate meshes with `kd.overlap_teacher` a `TeacherPrefetcher` asks the teacher for the next
+        micro-batch while this one trains: the same requests in the same order, so the same logits.
+        """
+        kd = self.config.kd
+        if kd.kd_ratio == 0:
+            return ((item, None) for item in items)
+        if self.bridge is not None and kd.overlap_teacher:
+            return TeacherPrefetcher(
+                self.bridge, items, depth=1,
+                batch_fn=lambda item: {"batch": item["micro_batch"], "logits_transport": kd.logits_transport},
+            )
+        return ((item, self._teacher_logits(item["micro_batch"])) for item in items)
+
+    def _next_from(self, feed: Iterator) -> tuple[tuple[dict, dict | None], float]:
+        """The next (item, teacher logits) of `feed` and the seconds spent waiting for it."""
+        started = time.perf_counter()
+        with self._watch("the teacher request", "teacher"):
+            pair = next(feed)
+        return pair, time.perf_counter() - started
+
+    def train_step(self, feed: Iterator[tuple[dict, dict | None]]) -> dict[str, float]:
+        """One optimizer step over the next `num_micro_batches` pairs of `feed` (see `_teacher_feed`)."""
         kd_cfg = self.config.kd
-        micro_batches = self._micro_batches(batch)
-        valid = sum(int((mb["labels"] != kd_cfg.ignore_index).sum()) for mb in micro_batches)
-        (num_valid,) = self._sum_over_dp([valid])
+        pair, wait = self._next_from(feed)
+        (num_valid,) = self._sum_over_dp([pair[0]["step_valid"]])
+        norm = max(num_valid, 1.0)
         totals = {"loss": 0.0, "ce_loss": 0.0, "kd_loss": 0.0}
-        wait = 0.0
-        for micro_batch in micro_batches:
-            started = time.perf_counter()
-            teacher_logits = self._teacher_logits(micro_batch) if kd_cfg.kd_ratio > 0 else None
-            wait += time.perf_counter() - started
-            micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
+        for index in range(self.num_micro_batches):
+            if index:
+                pair, waited = self._next_from(feed)
+                wait += waited
+            micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
             logits = self._student_logits(micro_batch)
             kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
             labels = micro_batch["labels"]
-            norm = max(num_valid, 1.0)
             ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                                     chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
             kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
@@ -648,6 +694,31 @@ class KDRecipe:
             self.train_set, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             seed=config.dataset.seed, start_step=self.start_step,
         )
+        feed = self._teacher_feed(self._step_items(batches))
+        try:
+            step, saved = self._train_steps(feed)
+        except PeerLostError:
+            raise  # a prefetch thread may wait on the lost peer forever: it ends with the process
+        except BaseException:
+            self._close_feed(feed)
+            raise
+        self._close_feed(feed)
+        if step < steps.max_steps:
+            self._stopped(step, saved)
+            return
+        with self._watch("the last evaluation", "student"):
+            after = self.evaluate()
+        self.metrics.log("eval", step, after)
+        self.summary["val_loss_after"] = after["val_loss"]
+        if config.checkpoint.enabled and config.checkpoint.save_hf:
+            with self._watch("the HF export", "student"):
+                self.summary["hf_dir"] = str(self.export_hf().resolve())
+        if is_logging_rank():
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+    def _train_steps(self, feed: Iterator) -> tuple[int, int]:
+        """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved)."""
+        config, steps = self.config, self.config.step_scheduler
         progress = self._progress(steps.max_steps)
         step = saved = self.start_step
         self.model.train()
@@ -656,7 +727,7 @@ class KDRecipe:
                 if self._stop_agreed():
                     break
                 started = time.perf_counter()
-                metrics = self.train_step(next(batches))
+                metrics = self.train_step(feed)
             step += 1
             elapsed = time.perf_counter() - started
             metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
@@ -674,18 +745,14 @@ class KDRecipe:
                 saved = step
         if progress is not None:
             progress.close()
-        if step < steps.max_steps:
-            self._stopped(step, saved)
-            return
-        with self._watch("the last evaluation", "student"):
-            after = self.evaluate()
-        self.metrics.log("eval", step, after)
-        self.summary["val_loss_after"] = after["val_loss"]
-        if config.checkpoint.enabled and config.checkpoint.save_hf:
-            with self._watch("the HF export", "student"):
-                self.summary["hf_dir"] = str(self.export_hf().resolve())
-        if is_logging_rank():
-            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        return step, saved
+
+    def _close_feed(self, feed: Iterator) -> None:
+        """End the teacher feed: a prefetched request in flight completes (its logits are dropped) and the
+        bridge is free again for evaluation and STOP_TEACHER."""
+        if isinstance(feed, TeacherPrefetcher):
+            with self._watch("the last teacher request", "teacher"):
+                feed.close()
 
     def _stopped(self, step: int, saved: int) -> None:
         """After an agreed stop at `step`: checkpoint it (unless it is on disk or nothing was trained)."""

@@ -125,6 +125,13 @@ class _Replica:
     ranks: tuple[int, ...]
     input_rank: int
     output_rank: int
+    # Ranks of the last pipeline stage: where the model's output (its logits) exists. None: all `ranks`.
+    last_stage_ranks: tuple[int, ...] | None = None
+
+    @property
+    def output_ranks(self) -> tuple[int, ...]:
+        """Ranks that need what a teacher sends this replica: its last pipeline stage (every rank without pp)."""
+        return self.last_stage_ranks if self.last_stage_ranks is not None else self.ranks
 
 
 _current_setup: DistributedSetup | None = None
@@ -326,7 +333,8 @@ def create_kd_distributed_setups(
 def _model_replicas(setup: DistributedSetup) -> list[_Replica]:
     """One `_Replica` per data-parallel coordinate, in coordinate order.
 
-    Input rank: pp = cp = tp = 0. Output rank: the last pipeline stage with cp = tp = 0.
+    Input rank: pp = cp = tp = 0. Output rank: the last pipeline stage with cp = tp = 0. Last-stage ranks:
+    every rank of the last pipeline stage.
     """
     mesh = setup.device_mesh
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else MESH_AXES
@@ -341,7 +349,10 @@ def _model_replicas(setup: DistributedSetup) -> list[_Replica]:
     num_stages = grid.shape[len(dp_axes)] if pp_axes else 1
     blocks = grid.reshape(math.prod(grid.shape[: len(dp_axes)]), num_stages, -1)
     return [
-        _Replica(ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]), output_rank=int(block[-1, 0]))
+        _Replica(
+            ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]), output_rank=int(block[-1, 0]),
+            last_stage_ranks=tuple(sorted(block[-1].tolist())),
+        )
         for block in blocks
     ]
 

@@ -4,7 +4,8 @@ Design. Every pairing of a student replica with a teacher replica is a `_Route`:
 process group over the source and its receivers. `num_waves = ceil(student replicas / teacher
 replicas)`; in wave w teacher replica t serves student replica w*T + t. A teacher replica without a
 partner in the last wave still receives student replica 0's batch, so every rank issues the same
-collectives in the same order, but it has no output route. All route groups are created at
+collectives in the same order, but it has no output route. Logits go to the last pipeline stage of the
+student replica only (all its ranks without pipeline parallelism). All route groups are created at
 construction by every rank (new_group is collective), in one deterministic order.
 
 A value travels along a route as a one-word header, the structure spec (`meshkd.wire`) only when it
@@ -160,7 +161,7 @@ class KDMeshBridge:
                 source = student or self.student_replicas[0]
                 inputs.append(self._route(source.input_rank, teacher.ranks))
                 if student is not None:
-                    outputs.append(self._route(teacher.output_rank, student.ranks))
+                    outputs.append(self._route(teacher.output_rank, student.output_ranks))
             self.input_routes.append(inputs)
             self.output_routes.append(outputs)
 
@@ -219,8 +220,9 @@ class KDMeshBridge:
                 dropped.
 
         Returns:
-            What the teacher sent ([batch, sequence, vocab], or the encoded dict) on every rank of the
-            student replica served in this wave; None elsewhere.
+            What the teacher sent ([batch, sequence, vocab], or the encoded dict) on every rank of the last
+            pipeline stage of the student replica served in this wave (every rank of it without pipeline
+            parallelism); None elsewhere.
         """
         self._check_wave(wave)
         self._check_caller()

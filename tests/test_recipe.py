@@ -93,6 +93,13 @@ def config_world_size(config: dict) -> int:
     return required_world_size(config_from_dict(config))
 
 
+def test_synchronous_teacher_loop_gives_the_same_curve(reference, tmp_path):
+    # Two student replicas on one teacher replica: two waves per request, issued on the main thread.
+    config = with_layout(base_config(tmp_path), {"dp_size": 2}, {"dp_size": 1})
+    config["kd"]["overlap_teacher"] = False
+    assert curve(train_in_world(3, config)) == pytest.approx(curve(reference), rel=1e-4)
+
+
 def test_bf16_logits_transport_follows_the_full_curve(reference, tmp_path):
     config = with_layout(base_config(tmp_path), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
     config["kd"]["logits_transport"] = "full_bf16"

@@ -1,7 +1,7 @@
 """KDMeshBridge, TeacherPrefetcher and teacher-logits materialization on a real 5-rank gloo world.
 
 Each check lays the 5 ranks out differently: uneven replica counts (3 students on 2 teachers, 4 on 1,
-1 on 4), a TP x CP teacher, a TP student, and a teacher serving loop driven by commands. Later checks
+1 on 4), a TP x CP teacher, a TP student, a pipelined student (logits to its last stage only), and a teacher serving loop driven by commands. Later checks
 cover the per-route spec cache (fewer collectives and bytes when a structure repeats, exact values when
 it changes) and the prefetcher (the synchronous loop's logits, in order, fetched one ahead).
 """
@@ -138,6 +138,21 @@ def check_logits_reach_every_rank_of_a_tp_student_and_match_its_vocab_shard():
         expected = full[..., :5] if dist.get_rank() == 0 else full[..., 5:]
         torch.testing.assert_close(shard, expected, rtol=0, atol=0)
         assert KDMeshBridge.match_student_vocab_shard(torch.zeros(1), arrived) is arrived
+
+
+def check_logits_reach_only_the_last_stage_of_a_pipelined_student():
+    # Student: ranks 0-3 as pp 2 x tp 2 (stage 1 = ranks 2-3). Teacher: rank 4. The batch leaves stage 0.
+    bridge = make_bridge({"dp_size": 1, "pp_size": 2, "tp_size": 2}, {"dp_size": 1})
+    rank = dist.get_rank()
+    batch = sample_batch(0) if rank == 0 else ({"ignored": torch.zeros(1)} if bridge.is_student else None)
+    received = bridge.send_batch(0, batch)
+    if bridge.is_teacher:
+        assert_same_tree(received, sample_batch(0))
+    arrived = bridge.send_logits(0, logits_for(received) if bridge.is_teacher else None)
+    if rank in (2, 3):
+        assert_same_tree(arrived, logits_for(sample_batch(0)))
+    else:
+        assert arrived is None
 
 
 def check_vocab_shard_follows_dtensor_chunks_when_vocab_does_not_divide():
@@ -420,6 +435,7 @@ test_five_rank_world = world_test(
         check_one_student_replica_on_four_teacher_replicas,
         check_tp_cp_sharded_teacher_logits_arrive_whole,
         check_logits_reach_every_rank_of_a_tp_student_and_match_its_vocab_shard,
+        check_logits_reach_only_the_last_stage_of_a_pipelined_student,
         check_vocab_shard_follows_dtensor_chunks_when_vocab_does_not_divide,
         check_commands_drive_a_teacher_loop_to_a_clean_stop,
         check_bad_use_raises_on_every_rank_and_leaves_no_peer_blocked,
