@@ -1,7 +1,8 @@
 """Sharded, atomic checkpoints of the student with torch.distributed.checkpoint (DCP).
 
-A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer, one small file
-per rank with what is rank-local (RNG states), and `meta.json` (step, scheduler state) written last. It is
+A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer (keyed by parameter
+name, so pipeline stages merge), one small file per rank with what is rank-local (RNG states), and
+`meta.json` (step, scheduler state) written last. It is
 first written under `step_00000042.partial` and renamed by the first student rank after every rank
 finished, so a process killed mid-save leaves the previous checkpoint as the latest and the partial one
 ignored (`latest_checkpoint` counts only `step_N` directories holding meta.json). The next save of that
@@ -21,9 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _PARTIAL = ".partial"
+# Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline
+# stages hold different parameters, and their positional param_groups would collide in one checkpoint.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _COMPLETE = re.compile(r"step_(\d+)")
 
 
@@ -81,7 +85,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier(group=group)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), process_group=group)
     torch.save(_rng_state(), partial / f"rng_rank{rank}.pt")
     dist.barrier(group=group)
@@ -105,10 +109,10 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and this rank's RNG from `path`; returns its meta.json."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():

@@ -50,6 +50,7 @@ class DistributedConfig:
     pp_size: int = 1
     ep_size: int = 1
     sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"  # student pipeline schedule: 1f1b or gpipe
 
 
 @dataclass

@@ -104,10 +104,13 @@ def preflight(config: KDRecipeConfig) -> Preflight:
             "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
             "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
         )
-    if student_layout.pp_size > 1 or student_layout.sequence_parallel:
+    if student_layout.sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
+    if student_layout.pp_size > 1 and (student_layout.cp_size > 1 or student_layout.strategy == "ddp"):
         raise ConfigError(
-            f"distributed: student pipeline parallel and sequence parallel are not supported; got "
-            f"pp_size({student_layout.pp_size}), sequence_parallel({student_layout.sequence_parallel})"
+            f"distributed.pp_size({student_layout.pp_size}) > 1 combines with tp_size, dp_size and "
+            f"dp_replicate_size under strategy fsdp2; got cp_size({student_layout.cp_size}), "
+            f"strategy({student_layout.strategy!r})"
         )
     if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
         raise ConfigError(
@@ -164,11 +167,28 @@ def preflight(config: KDRecipeConfig) -> Preflight:
                     f"{key}.tp_size({layout.tp_size}) must divide {label}'s {name}({heads}): attention heads are "
                     "split whole"
                 )
-    num_layers = teacher.config.num_hidden_layers
-    if teacher_layout.pp_size > num_layers:
+    for key, layout, label, model, section in (("distributed", student_layout, "model", student, config.model),
+                                               (teacher_key, teacher_layout, "teacher_model", teacher,
+                                                config.teacher_model)):
+        num_layers = model.config.num_hidden_layers
+        if layout.pp_size > num_layers:
+            raise ConfigError(
+                f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
+                + (" (after keep_layers)" if section.keep_layers is not None else "")
+            )
+    dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
+    micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
+    if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:
         raise ConfigError(
-            f"{teacher_key}.pp_size({teacher_layout.pp_size}) exceeds teacher_model's {num_layers} decoder layers"
-            + (" (after keep_layers)" if config.teacher_model.keep_layers is not None else "")
+            f"distributed.pp_schedule '1f1b' needs at least pp_size({student_layout.pp_size}) micro-batches per "
+            f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
+            "step_scheduler.global_batch_size or use pp_schedule: gpipe"
+        )
+    if student_layout.pp_size > 1 and getattr(student.config, "tie_word_embeddings", False):
+        raise ConfigError(
+            f"distributed.pp_size({student_layout.pp_size}) > 1 needs a student with untied input and output "
+            "embeddings (model.config.tie_word_embeddings is true: the first and last stages cannot share one "
+            "matrix)"
         )
     if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
         raise ConfigError(

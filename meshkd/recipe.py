@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
@@ -51,6 +52,11 @@ from meshkd.logits_transport import encode_teacher_logits
 from meshkd.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
+from meshkd.pipeline_parallel import (
+    _group_device,
+    broadcast_loss_metrics_from_last_stage,
+    broadcast_tensors_from_last_stage,
+)
 from meshkd.parallel import (
     TeacherRunner,
     flatten_student_cp_axes,
@@ -61,6 +67,7 @@ from meshkd.parallel import (
     student_loss_scale,
 )
 from meshkd.preflight import Preflight, _about, load_section_model, preflight
+from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
 
@@ -309,8 +316,16 @@ class KDRecipe:
                 if teacher_model is not None
                 else None
             )
-            if self.is_student:
+            self.pipeline = None
+            if self.is_student and student.pp_size > 1:
+                self.pipeline = StudentPipeline(
+                    student_model.to(self.device), student, device=self.device, schedule=student.pp_schedule,
+                    num_micro_batches=self.num_micro_batches,
+                )
+                self.model = self.pipeline.stage_model
+            elif self.is_student:
                 self.model = parallelize_student(student_model.to(self.device), student)
+            if self.is_student:
                 opt = config.optimizer
                 if opt.name == "adamw":
                     self.optimizer = torch.optim.AdamW(
@@ -474,14 +489,16 @@ class KDRecipe:
         return encode_teacher_logits(logits, mode, k=min(kd.topk, logits.shape[-1]), temperature=kd.temperature,
                                      tail_samples=kd.topk_tail_samples, seed=seed)
 
-    def _teacher_logits(self, micro_batch: dict, *, mode: str | None = None) -> dict:
-        """Encoded teacher logits (`meshkd.logits_transport`) for this rank's micro-batch, all positions."""
+    def _teacher_logits(self, micro_batch: dict, *, mode: str | None = None) -> dict | None:
+        """Encoded teacher logits (`meshkd.logits_transport`) for this rank's micro-batch, all positions.
+
+        None on the pipeline stages of a student before its last: only the last stage computes the loss.
+        """
         mode = mode or self.config.kd.logits_transport
         if self.bridge is None:
+            # Shared meshes: the teacher's pipeline stages are the student's, its logits on the last one.
             logits = self._teacher_logits_local(micro_batch)
-            if logits is None:
-                raise RuntimeError("teacher pipeline stages are not supported on shared meshes")
-            return self._encode(logits, micro_batch, mode)
+            return None if logits is None else self._encode(logits, micro_batch, mode)
         self._bridge("broadcast_command", RUN_TEACHER)
         received = None
         for wave in range(self.bridge.num_waves):
@@ -489,7 +506,7 @@ class KDRecipe:
             logits = self._bridge("send_logits", wave, None)
             if logits is not None:
                 received = logits
-        if received is None:
+        if received is None and self.bridge.receives_logits:
             raise RuntimeError(f"student rank {dist.get_rank()} received no teacher logits")
         return received
 
@@ -536,7 +553,10 @@ class KDRecipe:
                        else value for key, value in teacher.items()}
         return local, teacher
 
-    def _student_logits(self, micro_batch: dict) -> torch.Tensor:
+    def _student_logits(self, micro_batch: dict) -> torch.Tensor | None:
+        """The student's logits for a micro-batch (forward only under pipeline parallel: None before the last stage)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(micro_batch)
         output = self.model(
             input_ids=micro_batch["input_ids"],
             position_ids=micro_batch["position_ids"],
@@ -557,14 +577,15 @@ class KDRecipe:
         """(item, encoded teacher logits) in order; the logits are None when the loss needs no teacher.
 
         On separate meshes with `kd.overlap_teacher` a `TeacherPrefetcher` asks the teacher for the next
-        micro-batch while this one trains: the same requests in the same order, so the same logits.
+        micro-batch while this one trains (the next step's micro-batches under pipeline parallel, whose
+        schedule takes a whole step at once): the same requests in the same order, so the same logits.
         """
         kd = self.config.kd
         if kd.kd_ratio == 0:
             return ((item, None) for item in items)
         if self.bridge is not None and kd.overlap_teacher:
             return TeacherPrefetcher(
-                self.bridge, items, depth=1,
+                self.bridge, items, depth=self.num_micro_batches if self.pipeline is not None else 1,
                 batch_fn=lambda item: {"batch": item["micro_batch"], "logits_transport": kd.logits_transport},
             )
         return ((item, self._teacher_logits(item["micro_batch"])) for item in items)
@@ -576,45 +597,75 @@ class KDRecipe:
             pair = next(feed)
         return pair, time.perf_counter() - started
 
+    def _micro_batch_loss(
+        self, logits: torch.Tensor, micro_batch: dict, teacher_logits: dict | None, norm: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the loss to backpropagate, its loss / ce_loss / kd_loss values) of one micro-batch."""
+        kd_cfg = self.config.kd
+        labels = micro_batch["labels"]
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
+                                chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
+        kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
+                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
+                             chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
+        loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
+        values = {"loss": float(loss.detach()), "ce_loss": float(ce.detach()) if ce is not None else 0.0,
+                  "kd_loss": float(kd.detach()) if kd is not None else 0.0}
+        # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
+        return loss * student_loss_scale(self.setups.student), values
+
     def train_step(self, feed: Iterator[tuple[dict, dict | None]]) -> dict[str, float]:
         """One optimizer step over the next `num_micro_batches` pairs of `feed` (see `_teacher_feed`)."""
-        kd_cfg = self.config.kd
         pair, wait = self._next_from(feed)
         (num_valid,) = self._sum_over_dp([pair[0]["step_valid"]])
         norm = max(num_valid, 1.0)
-        totals = {"loss": 0.0, "ce_loss": 0.0, "kd_loss": 0.0}
-        for index in range(self.num_micro_batches):
-            if index:
+        records: list[dict[str, float]] = []
+        if self.pipeline is None:
+            for index in range(self.num_micro_batches):
+                if index:
+                    pair, waited = self._next_from(feed)
+                    wait += waited
+                micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
+                loss, values = self._micro_batch_loss(self._student_logits(micro_batch), micro_batch, teacher_logits, norm)
+                loss.backward()
+                records.append(values)
+        else:
+            # The schedule runs every micro-batch of the step at once: all teacher logits first (the last
+            # stage's; None on the others), while the prefetcher already asks for the next step's.
+            pairs = [pair]
+            for _ in range(1, self.num_micro_batches):
                 pair, waited = self._next_from(feed)
+                pairs.append(pair)
                 wait += waited
-            micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
-            logits = self._student_logits(micro_batch)
-            kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
-            labels = micro_batch["labels"]
-            ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
-                                    chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
-            kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
-                         ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
-                         chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
-            loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
-            # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
-            (loss * student_loss_scale(self.setups.student)).backward()
-            totals["loss"] += float(loss.detach())
-            totals["ce_loss"] += float(ce.detach()) if ce is not None else 0.0
-            totals["kd_loss"] += float(kd.detach()) if kd is not None else 0.0
+            micro_batches = [item["micro_batch"] for item, _ in pairs]
+            by_index: dict[int, dict[str, float]] = {}
+
+            def loss_fn(index: int, logits: torch.Tensor) -> torch.Tensor:
+                loss, by_index[index] = self._micro_batch_loss(logits, micro_batches[index], pairs[index][1], norm)
+                return loss
+
+            self.pipeline.step(micro_batches, loss_fn)
+            # Only the last stage computed losses; every stage logs and checkpoints the same values.
+            records = broadcast_loss_metrics_from_last_stage(
+                [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None,
+                pp_group=self.setups.student.pp_group,
+            )
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        summed = self._sum_over_dp([totals["loss"], totals["ce_loss"], totals["kd_loss"]], and_cp=True)
+        summed = self._sum_over_dp([sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")],
+                                   and_cp=True)
         return {
             "loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
             "num_tokens": num_valid, "teacher_wait_s": wait,
         }
 
     def _clip_gradients(self) -> float:
-        return clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm)
+        stages = self.setups.student.pp_group if self.pipeline is not None else None
+        return clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm, stages_group=stages)
 
     @torch.no_grad()
     def evaluate(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -633,12 +684,17 @@ class KDRecipe:
             micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
             labels = micro_batch["labels"]
             logits = self._student_logits(micro_batch)
+            if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
+                continue
             sums[0] += float(cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1))
             if with_teacher:
                 sums[1] += float(cross_entropy_loss(teacher_logits["logits"], labels, ignore_index=ignore,
                                                     num_valid_tokens=1))
             sums[2] += float((labels != ignore).sum())
         self.model.train()
+        if self.pipeline is not None:
+            last = {"sums": torch.tensor(sums, dtype=torch.float64)} if self.pipeline.is_last else None
+            sums = broadcast_tensors_from_last_stage(last, pp_group=self.setups.student.pp_group)["sums"].tolist()
         student_sum, teacher_sum, count = self._sum_over_dp(sums, and_cp=True)
         count = max(count, 1.0)
         result = {"val_loss": student_sum / count, "val_perplexity": math.exp(min(student_sum / count, 50.0))}
@@ -774,9 +830,15 @@ class KDRecipe:
 
     def export_hf(self) -> Path:
         out_dir = self.run_dir / "hf_student"
-        state_dict = gather_full_state_dict(self.model)
+        if self.pipeline is None:
+            state_dict, model = gather_full_state_dict(self.model), _unwrap(self.model)
+        else:
+            # This rank holds one stage: the whole model is written from an empty (meta) shell of its config.
+            state_dict = self.pipeline.full_state_dict()
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.model.config)
         if is_logging_rank():
-            models.save_hf_model(_unwrap(self.model), self.tokenizer, out_dir, state_dict=state_dict)
+            models.save_hf_model(model, self.tokenizer, out_dir, state_dict=state_dict)
         if self.student_group is not None or dist.get_world_size() > 1:
             dist.barrier(group=self.student_group)
         return out_dir
@@ -803,8 +865,11 @@ class KDRecipe:
         return self.summary
 
 
-def clip_grad_norm(parameters, max_norm: float | None) -> float:
+def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.ProcessGroup | None = None) -> float:
     """Clip gradients to a total norm of `max_norm` (None: only measure); returns the total norm.
+
+    Under pipeline parallel each rank holds one stage's parameters: `stages_group` (the pp group) adds up
+    the stages' squared norms so that every stage clips by the same total.
 
     Gradients may mix plain tensors (e.g. replicated norms under TP without FSDP) and DTensors on different
     meshes and placements, which torch's clip_grad_norm_ cannot combine; so each (mesh, placements) group
@@ -822,6 +887,10 @@ def clip_grad_norm(parameters, max_norm: float | None) -> float:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares += float(norm) ** 2
+    if stages_group is not None:
+        summed = torch.tensor([squares], dtype=torch.float64, device=_group_device(stages_group))
+        dist.all_reduce(summed, group=stages_group)
+        squares = float(summed.item())
     total = math.sqrt(squares)
     if max_norm is not None and total > max_norm:
         scale = max_norm / (total + 1e-6)

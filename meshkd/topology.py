@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
-SECTION_KEYS = frozenset((*SIZE_KEYS, "strategy", "sequence_parallel"))
+SECTION_KEYS = frozenset((*SIZE_KEYS, "strategy", "sequence_parallel", "pp_schedule"))
 STRATEGIES = ("fsdp2", "ddp")
+PP_SCHEDULES = ("1f1b", "gpipe")
 
 
 class _ConfigLike(Protocol):
@@ -59,6 +60,7 @@ class DistributedSetup:
     pp_size: int = 1
     ep_size: int = 1
     sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"  # a trained (student) pipeline's schedule, one of PP_SCHEDULES
     device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -125,13 +127,6 @@ class _Replica:
     ranks: tuple[int, ...]
     input_rank: int
     output_rank: int
-    # Ranks of the last pipeline stage: where the model's output (its logits) exists. None: all `ranks`.
-    last_stage_ranks: tuple[int, ...] | None = None
-
-    @property
-    def output_ranks(self) -> tuple[int, ...]:
-        """Ranks that need what a teacher sends this replica: its last pipeline stage (every rank without pp)."""
-        return self.last_stage_ranks if self.last_stage_ranks is not None else self.ranks
 
 
 _current_setup: DistributedSetup | None = None
@@ -186,6 +181,9 @@ def _resolve_section(section: Any, label: str, *, world_size: int | None) -> Dis
     sequence_parallel = values.get("sequence_parallel") or False
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"{label}.sequence_parallel must be true or false, got {sequence_parallel!r}")
+    pp_schedule = values.get("pp_schedule") or "1f1b"
+    if pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"{label}.pp_schedule must be one of {list(PP_SCHEDULES)}, got {pp_schedule!r}")
 
     model_parallel = sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"]
     if sizes["dp_size"] is None:
@@ -201,7 +199,9 @@ def _resolve_section(section: Any, label: str, *, world_size: int | None) -> Dis
         raise ValueError(
             f"{label}.dp_replicate_size({sizes['dp_replicate_size']}) must divide {label}.dp_size({sizes['dp_size']})"
         )
-    return DistributedSetup(ranks=(), strategy=strategy, sequence_parallel=sequence_parallel, **sizes)
+    return DistributedSetup(
+        ranks=(), strategy=strategy, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, **sizes
+    )
 
 
 def _num_ranks(setup: DistributedSetup) -> int:
@@ -333,9 +333,21 @@ def create_kd_distributed_setups(
 def _model_replicas(setup: DistributedSetup) -> list[_Replica]:
     """One `_Replica` per data-parallel coordinate, in coordinate order.
 
-    Input rank: pp = cp = tp = 0. Output rank: the last pipeline stage with cp = tp = 0. Last-stage ranks:
-    every rank of the last pipeline stage.
+    Input rank: pp = cp = tp = 0. Output rank: the last pipeline stage with cp = tp = 0.
     """
+    return [
+        _Replica(ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]), output_rank=int(block[-1, 0]))
+        for block in _replica_blocks(setup)
+    ]
+
+
+def _last_stage_ranks(setup: DistributedSetup) -> list[tuple[int, ...]]:
+    """Per replica (in `_model_replicas` order): the ranks of its last pipeline stage, where the logits are."""
+    return [tuple(sorted(block[-1].tolist())) for block in _replica_blocks(setup)]
+
+
+def _replica_blocks(setup: DistributedSetup) -> torch.Tensor:
+    """Global ranks as [replica, pipeline stage, rank within the stage], replicas in coordinate order."""
     mesh = setup.device_mesh
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else MESH_AXES
     grid = setup.rank_grid if mesh is None else _full_rank_grid(mesh)
@@ -347,14 +359,7 @@ def _model_replicas(setup: DistributedSetup) -> list[_Replica]:
     # Reorder to [dp..., pp, inner...] so each replica is one [pp, inner] block.
     grid = grid.permute(*dp_axes, *pp_axes, *inner_axes)
     num_stages = grid.shape[len(dp_axes)] if pp_axes else 1
-    blocks = grid.reshape(math.prod(grid.shape[: len(dp_axes)]), num_stages, -1)
-    return [
-        _Replica(
-            ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]), output_rank=int(block[-1, 0]),
-            last_stage_ranks=tuple(sorted(block[-1].tolist())),
-        )
-        for block in blocks
-    ]
+    return grid.reshape(math.prod(grid.shape[: len(dp_axes)]), num_stages, -1)
 
 
 def _full_rank_grid(mesh: DeviceMesh) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshkd import wire
-from meshkd.topology import KDDistributedSetups, _model_replicas, _Replica
+from meshkd.topology import KDDistributedSetups, _last_stage_ranks, _model_replicas, _Replica
 
 RUN_TEACHER = 1
 STOP_TEACHER = 0
@@ -151,6 +151,9 @@ class KDMeshBridge:
         self.student_replicas = _model_replicas(setups.student)
         self.teacher_replicas = _model_replicas(setups.teacher)
         self.num_waves = math.ceil(len(self.student_replicas) / len(self.teacher_replicas))
+        # Student ranks that get teacher logits: the last pipeline stage of each replica (all without pp).
+        student_receivers = _last_stage_ranks(setups.student)
+        self.receives_logits = any(self.rank in ranks for ranks in student_receivers)
         self.input_routes: list[list[_Route]] = []
         self.output_routes: list[list[_Route]] = []
         for wave in range(self.num_waves):
@@ -161,7 +164,7 @@ class KDMeshBridge:
                 source = student or self.student_replicas[0]
                 inputs.append(self._route(source.input_rank, teacher.ranks))
                 if student is not None:
-                    outputs.append(self._route(teacher.output_rank, student.output_ranks))
+                    outputs.append(self._route(teacher.output_rank, student_receivers[partner]))
             self.input_routes.append(inputs)
             self.output_routes.append(outputs)
 
@@ -487,7 +490,7 @@ class TeacherPrefetcher:
         batch_fn: item -> nested batch to send; default the item itself.
 
     Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
-    tensor, or an encoded dict). An error on the background thread (a teacher that sent an error, a
+    tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the background thread (a teacher that sent an error, a
     timeout) is raised by the iteration, on the caller's thread. Exhausting the items or calling `close()`
     (also on leaving a `with` block) ends the thread: a request in flight completes (the teacher answers
     it; its logits are dropped), no new one starts, and the bridge is released, so the caller can then
@@ -591,7 +594,7 @@ class TeacherPrefetcher:
                 failure = failure or raised
         if failure is not None:
             raise failure
-        if received is None:
+        if received is None and bridge.receives_logits:
             raise RuntimeError(f"student rank {bridge.rank} received no teacher logits")
         return received
 

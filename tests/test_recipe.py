@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,20 +18,55 @@ from tests.world import run_world
 
 
 class TrainRun:
-    """A check that trains `config` in the world it runs in (picklable for spawned ranks)."""
+    """A check that trains `config` in the world it runs in (picklable for spawned ranks).
+
+    Every rank also writes what it logs (each step's metrics) to RUN_DIR/logged/rank{r}.jsonl, although
+    only rank 0 writes the metrics file: so tests can compare what the ranks would log.
+    """
 
     def __init__(self, config: dict, resume: bool = False) -> None:
         self.config, self.resume, self.__name__ = config, resume, "train"
 
     def __call__(self) -> None:
+        import torch.distributed as dist
+
         from meshkd.recipe import KDRecipe
 
-        KDRecipe(config_from_dict(self.config), resume=self.resume).run()
+        recipe = KDRecipe(config_from_dict(self.config), resume=self.resume)
+        try:
+            recipe.setup()
+            if recipe.is_student:
+                logged = Path(self.config["logging"]["run_dir"], "logged", f"rank{dist.get_rank()}.jsonl")
+                logged.parent.mkdir(parents=True, exist_ok=True)
+                log = recipe.metrics.log
+
+                def log_and_keep(kind: str, step: int, values: dict) -> None:
+                    with logged.open("a") as sink:
+                        sink.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+                    log(kind, step, values)
+
+                recipe.metrics.log = log_and_keep
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 def train_in_world(world_size: int, config: dict, *, resume: bool = False) -> list[dict]:
     run_world(world_size, [TrainRun(config, resume)], timeout_s=60, deadline_s=300).check("train")
     return read_metrics(config["logging"]["run_dir"])
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    timing = ("teacher_wait_s", "step_time_s", "tokens_per_s")
+    return [{key: value for key, value in record.items() if key not in timing} for record in records]
+
+
+def logged_per_rank(config: dict) -> dict[int, list[dict]]:
+    """What each student rank logged (see TrainRun), timing figures left out."""
+    logged = {}
+    for path in sorted(Path(config["logging"]["run_dir"], "logged").glob("rank*.jsonl")):
+        logged[int(path.stem[4:])] = without_timing([json.loads(line) for line in path.read_text().splitlines()])
+    return logged
 
 
 def curve(records: list[dict]) -> list[float]:
@@ -66,6 +102,11 @@ LAYOUTS = {
     "student_dp2": ({"dp_size": 2}, {"dp_size": 1}),
     "student_tp2": ({"dp_size": 1, "tp_size": 2}, {"dp_size": 1}),
     "student_cp2": ({"dp_size": 1, "cp_size": 2}, {"dp_size": 1}),
+    "student_pp2_1f1b": ({"dp_size": 1, "pp_size": 2, "pp_schedule": "1f1b"}, {"dp_size": 1}),
+    "student_pp2_gpipe": ({"dp_size": 1, "pp_size": 2, "pp_schedule": "gpipe"}, {"dp_size": 1}),
+    "student_pp2_dp2": ({"dp_size": 2, "pp_size": 2}, {"dp_size": 1}),
+    "student_pp2_tp2_teacher_tp2": ({"dp_size": 1, "pp_size": 2, "tp_size": 2}, {"dp_size": 1, "tp_size": 2}),
+    "shared_pp2": ({"dp_size": 1, "pp_size": 2}, None),
 }
 
 
@@ -85,6 +126,12 @@ def test_layout_loss_curve_equals_single_process(layout, request, tmp_path):
         config, expected = unpacked(config), request.getfixturevalue("unpacked_reference")
     records = train_in_world(config_world_size(config), config)
     assert curve(records) == pytest.approx(curve(expected), rel=1e-4)
+    # Every student rank (each pipeline stage, each replica) logs the values rank 0 wrote to the file.
+    logged = logged_per_rank(config)
+    assert len(logged) == math.prod(student.get(key, 1) for key in ("dp_size", "tp_size", "cp_size", "pp_size"))
+    assert logged[0] == without_timing(records)
+    for rank, records_of_rank in logged.items():
+        assert records_of_rank == logged[0], f"rank {rank} logged other values than rank 0"
 
 
 def config_world_size(config: dict) -> int:
@@ -119,20 +166,25 @@ def test_topk_logits_transport_trains_close_to_the_full_curve(reference, tmp_pat
     assert [r["kd_loss"] for r in records] == pytest.approx([r["kd_loss"] for r in expected], abs=0.02)
 
 
-def test_resume_after_a_stop_continues_the_curve_exactly(reference, tmp_path):
-    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+@pytest.mark.parametrize("student", [{"dp_size": 1}, {"dp_size": 1, "pp_size": 2}], ids=["plain", "pp2"])
+def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp_path):
+    config = with_layout(base_config(tmp_path), student, {"dp_size": 1})
     config["checkpoint"] = {"enabled": True, "save_hf": True}
     config["step_scheduler"]["ckpt_every_steps"] = 2
     first = copy.deepcopy(config)
     # Stops after step 3 of a 5-step schedule; the latest checkpoint is step 2.
     first["step_scheduler"]["max_steps"] = 3
     first["lr_scheduler"]["total_steps"] = STEPS
-    train_in_world(2, first)
-    records = train_in_world(2, config, resume=True)
+    world_size = config_world_size(config)
+    train_in_world(world_size, first)
+    records = train_in_world(world_size, config, resume=True)
     resumed = [r for r in records if r["kind"] == "train" and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4, 5]
     assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
+    # The export holds the whole model (every pipeline stage), loadable as is.
     summary = json.loads(Path(config["logging"]["run_dir"], "summary.json").read_text())
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(summary["hf_dir"]).config.num_hidden_layers == 2
+    model, info = AutoModelForCausalLM.from_pretrained(summary["hf_dir"], output_loading_info=True)
+    assert model.config.num_hidden_layers == 2
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

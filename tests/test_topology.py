@@ -8,6 +8,7 @@ from meshkd.topology import (
     MESH_AXES,
     DistributedSetup,
     _mesh_size,
+    _last_stage_ranks,
     _model_replicas,
     _Replica,
     _validate_kd_config,
@@ -67,9 +68,10 @@ def test_replica_endpoints_without_a_process_group():
     setup = DistributedSetup(ranks=tuple(range(8)), dp_size=2, pp_size=2, tp_size=2)
     # Axes (pp, dp_replicate, dp_shard, cp, tp): rank = 4 * pp + 2 * dp + tp.
     assert _model_replicas(setup) == [
-        _Replica(ranks=(0, 1, 4, 5), input_rank=0, output_rank=4, last_stage_ranks=(4, 5)),
-        _Replica(ranks=(2, 3, 6, 7), input_rank=2, output_rank=6, last_stage_ranks=(6, 7)),
+        _Replica(ranks=(0, 1, 4, 5), input_rank=0, output_rank=4),
+        _Replica(ranks=(2, 3, 6, 7), input_rank=2, output_rank=6),
     ]
+    assert _last_stage_ranks(setup) == [(4, 5), (6, 7)]
 
 
 # ---- checks on a real 8-rank world ----
@@ -88,8 +90,8 @@ def check_shared_mesh_has_fixed_axes_and_dp_view():
     assert dist.get_process_group_ranks(setups.student.pp_group) == sorted({rank, rank ^ 4})
     assert get_current_setup() is setups.student
     assert _model_replicas(setups.student) == [
-        _Replica(ranks=(0, 1, 4, 5), input_rank=0, output_rank=4, last_stage_ranks=(4, 5)),
-        _Replica(ranks=(2, 3, 6, 7), input_rank=2, output_rank=6, last_stage_ranks=(6, 7)),
+        _Replica(ranks=(0, 1, 4, 5), input_rank=0, output_rank=4),
+        _Replica(ranks=(2, 3, 6, 7), input_rank=2, output_rank=6),
     ]
     # The dp group works: sum of ranks over dp.
     total = torch.tensor([float(rank)])
@@ -120,10 +122,10 @@ def check_separate_meshes_span_only_their_ranks():
     assert dp_ranks == ([rank % 2, rank % 2 + 2] if rank < 4 else [rank])
     # Every rank (members or not) computes the same replicas.
     assert _model_replicas(setups.student) == [
-        _Replica(ranks=(0, 1), input_rank=0, output_rank=0, last_stage_ranks=(0, 1)),
-        _Replica(ranks=(2, 3), input_rank=2, output_rank=2, last_stage_ranks=(2, 3)),
+        _Replica(ranks=(0, 1), input_rank=0, output_rank=0),
+        _Replica(ranks=(2, 3), input_rank=2, output_rank=2),
     ]
-    assert _model_replicas(setups.teacher) == [_Replica(ranks=(4, 5, 6, 7), input_rank=4, output_rank=6, last_stage_ranks=(6, 7))]
+    assert _model_replicas(setups.teacher) == [_Replica(ranks=(4, 5, 6, 7), input_rank=4, output_rank=6)]
 
 
 def check_world_size_must_match_the_process_group():
