@@ -59,3 +59,11 @@ def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
             config[section] = values
     with pytest.raises(ConfigError, match=message):
         config_from_dict(config)
+
+
+@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "hf_gpu"])
+def test_example_configs_load(name):
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parent.parent / "examples" / f"{name}.yaml")
+    assert required_world_size(config) >= 2
