@@ -3,7 +3,8 @@
 Design (torchtitan style). Model code knows nothing of parallelism; these functions take an ordinary
 transformers decoder-only LM (Llama family: `model.model.{embed_tokens, layers, norm, rotary_emb}` and
 `model.lm_head`) and a `DistributedSetup`, and change the instance in place, in a fixed order:
-pipeline split (teacher only), then tensor parallel, then data parallel (student only).
+pipeline split, then tensor parallel, then data parallel (student only). A pipelined student is laid out
+by `meshkd.student_pipeline.StudentPipeline` with the same pieces; this module does the rest.
 
 - `parallelize_student`: TP over the `tp` axis (attention and MLP colwise/rowwise, vocab-sharded
   embedding, lm_head colwise with its output left as a DTensor Shard(-1) so the loss sees vocab-sharded
@@ -159,8 +160,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     backward.
 
     Raises:
-        ValueError: for layouts the student does not support (pp, sequence parallel, TP with DDP, CP with
-            DDP), a CP student not configured for NEAT packing, or head counts the tp size does not divide.
+        ValueError: for layouts this function does not lay out (pp: use `StudentPipeline`; sequence
+            parallel, TP with DDP, CP with DDP), a CP student not configured for NEAT packing, or head counts the tp size does not divide.
     """
     mesh = _member_mesh(setup)
     if setup.pp_size > 1 or setup.sequence_parallel:

@@ -8,6 +8,11 @@ With `kd.overlap_teacher` (the default) a `TeacherPrefetcher` issues those reque
 thread one micro-batch ahead, so the teacher computes micro-batch i + 1 while the student trains on i;
 requests and logits are those of the synchronous loop, in the same order, so the loss curve is too.
 
+A pipelined student (`meshkd.student_pipeline`) runs all micro-batches of a step in one schedule: its
+teacher logits are fetched first (they reach the last stage only), the loss is computed on the last
+stage, and its values reach every stage through `broadcast_loss_metrics_from_last_stage` (evaluation
+sums through `broadcast_tensors_from_last_stage`), so every rank logs, clips and checkpoints alike.
+
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
 average gradients over dp ranks, so the loss is multiplied by dp before backward to turn that average

@@ -166,7 +166,9 @@ def test_topk_logits_transport_trains_close_to_the_full_curve(reference, tmp_pat
     assert [r["kd_loss"] for r in records] == pytest.approx([r["kd_loss"] for r in expected], abs=0.02)
 
 
-@pytest.mark.parametrize("student", [{"dp_size": 1}, {"dp_size": 1, "pp_size": 2}], ids=["plain", "pp2"])
+@pytest.mark.parametrize(
+    "student", [{"dp_size": 1}, {"dp_size": 1, "pp_size": 2}, {"dp_size": 1, "cp_size": 2}], ids=["plain", "pp2", "cp2"]
+)
 def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp_path):
     config = with_layout(base_config(tmp_path), student, {"dp_size": 1})
     config["checkpoint"] = {"enabled": True, "save_hf": True}
