@@ -30,7 +30,7 @@ from meshkd.parallel import (
     student_loss_scale,
 )
 from meshkd.topology import create_kd_distributed_setups
-from tests.tiny import tiny_llama_model
+from tests.tiny import packed_llama_batch, tiny_llama_model
 from tests.world import world_test
 
 WORLD = 4
@@ -45,27 +45,8 @@ def tiny_llama(*, seed: int = 0, tie: bool = False) -> torch.nn.Module:
     return tiny_llama_model(vocab=VOCAB, layers=2, seed=seed, tie=tie)
 
 
-def packed_batch(document_lengths: list[list[int]], length: int, *, seed: int = 2) -> dict:
-    """NEAT rows: documents back to back, 1-based document index, positions restarting, padding 0."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = len(document_lengths)
-    input_ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
-    labels = torch.randint(0, VOCAB, (rows, length), generator=generator)
-    mask = torch.zeros(rows, length, dtype=torch.int64)
-    positions = torch.zeros_like(mask)
-    for row, lengths in enumerate(document_lengths):
-        start = 0
-        for index, size in enumerate(lengths, start=1):
-            mask[row, start : start + size] = index
-            positions[row, start : start + size] = torch.arange(size)
-            labels[row, start + size - 1] = -100  # last token of a document has no target
-            start += size
-    labels[mask == 0] = -100
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
-
-
 # 19 tokens: not a multiple of 2 * cp for cp 2 or 4, so the student pads; every row ends in padding.
-BATCH = packed_batch([[5, 4, 7], [9, 6], [3, 3, 3, 3, 3], [17]], 19)
+BATCH = packed_llama_batch([[5, 4, 7], [9, 6], [3, 3, 3, 3, 3], [17]], 19, vocab=VOCAB, seed=2)
 TEACHER_LOGITS = 3 * torch.randn(4, 19, VOCAB, generator=torch.Generator().manual_seed(5))
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 

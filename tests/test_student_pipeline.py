@@ -23,7 +23,7 @@ from meshkd.packing import configure_packing
 from meshkd.recipe import clip_grad_norm
 from meshkd.student_pipeline import SCHEDULES, StudentPipeline
 from meshkd.topology import DistributedSetup, create_kd_distributed_setups
-from tests.tiny import tiny_llama_model
+from tests.tiny import packed_llama_batch, tiny_llama_model
 from tests.world import world_test
 
 WORLD = 4
@@ -38,28 +38,9 @@ def tiny_llama(*, seed: int = 0, tie: bool = False, layers: int = LAYERS) -> tor
     return tiny_llama_model(vocab=VOCAB, layers=layers, seed=seed, tie=tie)
 
 
-def packed_batch(document_lengths: list[list[int]], length: int, *, seed: int) -> dict:
-    """NEAT rows: documents back to back, 1-based document index, positions restarting, padding 0."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = len(document_lengths)
-    input_ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
-    labels = torch.randint(0, VOCAB, (rows, length), generator=generator)
-    mask = torch.zeros(rows, length, dtype=torch.int64)
-    positions = torch.zeros_like(mask)
-    for row, lengths in enumerate(document_lengths):
-        start = 0
-        for index, size in enumerate(lengths, start=1):
-            mask[row, start : start + size] = index
-            positions[row, start : start + size] = torch.arange(size)
-            labels[row, start + size - 1] = -100  # last token of a document has no target
-            start += size
-    labels[mask == 0] = -100
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
-
-
 # Two data-parallel replicas x 4 micro-batches of 2 rows x 13 tokens; every row ends in padding.
 DOCUMENTS = [[[5, 4], [9, 2]], [[3, 3, 3], [12]], [[6, 6], [1, 4, 4]], [[2, 2, 2, 2], [7, 5]]]
-DATA = [[packed_batch(DOCUMENTS[m], 13, seed=10 * replica + m) for m in range(MICRO_BATCHES)] for replica in range(2)]
+DATA = [[packed_llama_batch(DOCUMENTS[m], 13, vocab=VOCAB, seed=10 * replica + m) for m in range(MICRO_BATCHES)] for replica in range(2)]
 TEACHER = [[3 * torch.randn(2, 13, VOCAB, generator=torch.Generator().manual_seed(100 + 10 * replica + m))
             for m in range(MICRO_BATCHES)] for replica in range(2)]  # fmt: skip
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")

@@ -73,3 +73,23 @@ def tiny_llama_model(
         attn_implementation=attn,
     )
     return LlamaForCausalLM(config)
+
+
+def packed_llama_batch(document_lengths: list[list[int]], length: int, *, vocab: int, seed: int) -> dict:
+    """NEAT rows of random tokens: documents back to back (1-based document index in attention_mask,
+    positions restarting), padding 0; no target for the last token of a document or for padding."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(document_lengths)
+    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
+    labels = torch.randint(0, vocab, (rows, length), generator=generator)
+    mask = torch.zeros(rows, length, dtype=torch.int64)
+    positions = torch.zeros_like(mask)
+    for row, lengths in enumerate(document_lengths):
+        start = 0
+        for index, size in enumerate(lengths, start=1):
+            mask[row, start : start + size] = index
+            positions[row, start : start + size] = torch.arange(size)
+            labels[row, start + size - 1] = -100
+            start += size
+    labels[mask == 0] = -100
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
