@@ -80,10 +80,10 @@ def _launch(nproc: int, args: list[str]) -> int:
 
     The launcher runs in its own session, so a Ctrl-C at the terminal reaches this process only. The first
     SIGINT / SIGTERM creates the stop file the workers poll at step boundaries (see
-    `meshkd.recipe.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
+    `meshkd.faults.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
     status, or 128 + the first signal's number when every process exited cleanly after it.
     """
-    from meshkd.recipe import STOP_FILE_ENV
+    from meshkd.faults import STOP_FILE_ENV
 
     with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
         stop_file = Path(scratch, "stop")
@@ -128,7 +128,8 @@ def _train_here(config: KDRecipeConfig, resume: bool) -> int:
 
     Other exceptions (bugs) keep their traceback.
     """
-    from meshkd.recipe import KDRecipe, PeerLostError, SetupError
+    from meshkd.faults import PeerLostError, SetupError
+    from meshkd.recipe import KDRecipe
     from meshkd.wire import SenderError  # a peer's own error, forwarded in place of its data
 
     # The recipe handles SIGINT / SIGTERM while it runs; before and after, a worker on its way out ignores

@@ -24,22 +24,17 @@ the layout) the same way on every rank, so a bad input raises everywhere without
 train` runs it before starting any process. What only one role finds out while setting up (its weights,
 its data, a checkpoint) is agreed over the world before the next collective, so every rank raises it
 (`SetupError` on the others). In training, a collective that fails because a peer died or stopped
-answering becomes `PeerLostError`, naming the role and ranks lost. A stop request (SIGINT, SIGTERM, or
+answering becomes `PeerLostError`, naming the role and ranks lost (both in `meshkd.faults`). A stop request (SIGINT, SIGTERM, or
 the stop file `meshkd train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a step
 boundary: they save a checkpoint of that step, send STOP_TEACHER and return.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import math
 import os
-import re
-import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +48,7 @@ from transformers import AutoModelForCausalLM
 from meshkd import checkpoint as ckpt
 from meshkd import data, models
 from meshkd.config import KDRecipeConfig, expand_path
+from meshkd.faults import FaultWatch, PeerLostError, StopRequest, brief
 from meshkd.logits_transport import encode_teacher_logits
 from meshkd.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
@@ -75,35 +71,6 @@ from meshkd.preflight import Preflight, _about, load_section_model, preflight
 from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
-
-STOP_FILE_ENV = "MESHKD_STOP_FILE"
-"""Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
-
-# Bytes of a setup error message sent to the other ranks (one fixed-size broadcast, longer ones cut).
-_MESSAGE_BYTES = 2048
-# How long a rank that saw a collective fail looks for the peer process that exited (same host only).
-_DEAD_PEER_WAIT_S = 1.0
-# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
-_PEER_FAILURE = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|[Tt]imeout|ECONNRESET|EPIPE|"
-    r"NCCL (error|communicator)|communicator was aborted|Socket Timeout"
-)
-
-
-class PeerLostError(RuntimeError):
-    """A collective failed because a peer rank died or stopped answering; the message names its role and ranks."""
-
-
-class SetupError(RuntimeError):
-    """Another rank failed during setup; raised on every rank that did not (the failing rank raises its own error).
-
-    `origin_rank` is the lowest rank that failed; the message carries its error.
-    """
-
-    def __init__(self, message: str, *, origin_rank: int) -> None:
-        super().__init__(message)
-        self.origin_rank = origin_rank
-
 
 def _device(config: KDRecipeConfig) -> torch.device:
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -130,95 +97,6 @@ def _lr_lambda(config: KDRecipeConfig):
     return factor
 
 
-# ---- failures and stop requests during a run ----
-
-
-def _ranks(ranks) -> str:
-    """'rank 0', 'ranks 1-3' (consecutive), 'ranks 0, 2'."""
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(str(rank) for rank in ranks)
-
-
-def _brief(error: BaseException) -> str:
-    """One ASCII line of a backend error: gloo's source location and its advice are dropped."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(" This is typically")[0]
-    return text.encode("ascii", "ignore").decode()[:300]
-
-
-def _is_peer_failure(error: BaseException) -> bool:
-    if isinstance(error, (PeerLostError, SetupError)):
-        return False
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(error, dist_error):
-        return True
-    return isinstance(error, RuntimeError) and _PEER_FAILURE.search(str(error)) is not None
-
-
-def _process_gone(pid: int) -> bool:
-    """True when `pid` exited (a zombie counts: it only waits for its parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-
-def _pid_file(run_dir: Path, rank: int) -> Path:
-    return run_dir / "pids" / f"rank{rank}.pid"
-
-
-def _lost_file(run_dir: Path, rank: int) -> Path:
-    """Written by a rank that is about to fail because it lost a peer: it exits as a casualty, not a cause."""
-    return run_dir / "pids" / f"rank{rank}.lost"
-
-
-class _StopRequest:
-    """SIGINT / SIGTERM, or the stop file named by MESHKD_STOP_FILE: stop at the next step boundary.
-
-    The handlers only record the signal (a collective cannot be left half-way); the student ranks agree
-    on stopping at step boundaries. Teacher-only ranks record it too and keep serving until the students
-    send STOP_TEACHER, so a signal sent to every process (torchrun, a batch scheduler) ends the run cleanly.
-    """
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self.file = os.environ.get(STOP_FILE_ENV) or None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; the stop file still works
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame) -> None:
-        self.signal = signum
-
-    def requested(self) -> bool:
-        return self.signal is not None or (self.file is not None and os.path.exists(self.file))
-
-    def reason(self) -> str:
-        return signal.Signals(self.signal).name if self.signal is not None else "a stop request"
-
-
 class KDRecipe:
     """Distill `config.teacher_model` into `config.model`; `run()` does setup, train and cleanup."""
 
@@ -229,7 +107,7 @@ class KDRecipe:
         self.bridge: KDMeshBridge | None = None
         self.summary: dict = {}
         self._owns_process_group = False
-        self._stop = _StopRequest()
+        self._stop = StopRequest()
 
     # ---- setup ----
 
@@ -243,6 +121,7 @@ class KDRecipe:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s))
             self._owns_process_group = True
         self.setups = create_kd_distributed_setups(config, dist.get_world_size())
+        self.faults = FaultWatch(self.setups, self.run_dir, self.device)
         flatten_student_cp_axes(self.setups.student)  # collective over the world: teacher ranks take part
         rank = dist.get_rank()
         self.is_student = rank in self.setups.student_ranks
@@ -257,7 +136,7 @@ class KDRecipe:
                 f"local_batch_size({steps.local_batch_size}) * data-parallel size({self.dp_size})"
             )
         self.num_micro_batches = steps.global_batch_size // (steps.local_batch_size * self.dp_size)
-        with self._watch("setup", "teacher" if self.is_student else "student"):
+        with self.faults.watch("setup", "teacher" if self.is_student else "student"):
             self._setup_models_and_data(checked)
 
     def _setup_models_and_data(self, checked: Preflight) -> None:
@@ -267,8 +146,8 @@ class KDRecipe:
         # Each role loads only its own model and data: a failure there is agreed over the world below, so
         # the other role raises too instead of waiting in the next collective.
         student_model = teacher_model = None
-        with self._on_every_rank("while loading models and data"):
-            self._write_pid_file()
+        with self.faults.on_every_rank("while loading models and data"):
+            self.faults.write_pid_file()
             torch.manual_seed(config.seed)
             if self.is_student:
                 with _about("model"):
@@ -315,7 +194,7 @@ class KDRecipe:
             [student_model] if student_model is not None else [],
             control_group=control,
         )
-        with self._on_every_rank("while laying out the models"):
+        with self.faults.on_every_rank("while laying out the models"):
             self.teacher = (
                 TeacherRunner(teacher_model.to(self.device), self.setups.teacher, device=self.device)
                 if teacher_model is not None
@@ -342,7 +221,7 @@ class KDRecipe:
                 self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
         self.start_step = 0
         self.checkpoint_root = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
-        with self._on_every_rank("while resuming and opening the run directory"):
+        with self.faults.on_every_rank("while resuming and opening the run directory"):
             if self.resume and self.is_student:
                 # Only complete checkpoints count: a save killed half-way left a `.partial` directory.
                 latest = ckpt.latest_checkpoint(self.checkpoint_root)
@@ -357,7 +236,7 @@ class KDRecipe:
                     except BaseException as error:  # DCP raises CheckpointException, a BaseException
                         raise ValueError(
                             f"checkpoint {latest} cannot be loaded into this run (a different model or layout?): "
-                            f"{_brief(error)}"
+                            f"{brief(error)}"
                         ) from error
                     self.start_step = meta["step"]
                     print0(f"resumed from {latest} at step {self.start_step}")
@@ -370,100 +249,9 @@ class KDRecipe:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
-    def _write_pid_file(self) -> None:
-        """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""
-        path = _pid_file(self.run_dir, dist.get_rank())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
-        _lost_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
-
-    @contextlib.contextmanager
-    def _on_every_rank(self, stage: str):
-        """Run a rank-local part of setup, then agree over the world: if it failed anywhere, raise everywhere.
-
-        The failing rank raises its own error; the others raise SetupError with the lowest failing rank's
-        message. Costs one all-reduce when nothing failed.
-        """
-        try:
-            yield
-        except Exception as error:
-            self._agree(error, stage)
-            raise
-        self._agree(None, stage)
-
-    def _agree(self, error: BaseException | None, stage: str) -> None:
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        first = torch.tensor([rank if error is not None else world_size], dtype=torch.int64, device=self.device)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        origin = int(first.item())
-        if origin == world_size:
-            return
-        message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
-        if rank == origin:
-            text = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
-            encoded = (text or type(error).__name__).encode()[:_MESSAGE_BYTES]
-            message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device)
-        dist.broadcast(message, src=origin)
-        if error is None:
-            text = bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-            raise SetupError(f"rank {origin} ({self._role_of(origin)}) failed {stage}: {text}", origin_rank=origin)
-
-    def _role_of(self, rank: int) -> str:
-        if not self.setups.separate:
-            return "student and teacher"
-        return "student" if rank in self.setups.student_ranks else "teacher"
-
-    @contextlib.contextmanager
-    def _watch(self, operation: str, role: str):
-        """Turn a collective that failed because a peer died or went silent into PeerLostError.
-
-        `role` ("student" or "teacher") is whose ranks the operation waits on; where the pid files show
-        which peer process exited (same host), the message names it.
-        """
-        try:
-            yield
-        except RuntimeError as error:
-            if not _is_peer_failure(error):
-                raise
-            raise PeerLostError(self._lost(operation, role, error)) from error
-
-    def _lost(self, operation: str, role: str, error: BaseException) -> str:
-        """The PeerLostError message; also marks this rank as a casualty for the peers that outlive it."""
-        with contextlib.suppress(OSError):  # no pid directory yet: nobody can read the mark anyway
-            _lost_file(self.run_dir, dist.get_rank()).touch()
-        dead = self._dead_ranks()
-        exited = f"; {_ranks(dead)} exited" if dead else ""
-        if not self.setups.separate:
-            return f"lost a peer ({_ranks(self.setups.student_ranks)}{exited}) during {operation}: {_brief(error)}"
-        # Ranks that exited because they lost a peer themselves do not tell which role failed first.
-        causes = [rank for rank in dead if not _lost_file(self.run_dir, rank).exists()] or dead
-        roles = {self._role_of(rank) for rank in causes}
-        if len(roles) == 1:  # the pid files know better than the operation which role is gone
-            role = roles.pop()
-        role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
-        return f"lost the {role} ({_ranks(role_ranks)}{exited}) during {operation}: {_brief(error)}"
-
-    def _dead_ranks(self) -> list[int]:
-        """Ranks of this host whose process exited, from the pid files (waits a moment for a dying peer)."""
-        host, me = socket.gethostname(), dist.get_rank()
-        pids = {}
-        for rank in range(dist.get_world_size()):
-            try:
-                pid, pid_host = _pid_file(self.run_dir, rank).read_text().split()
-            except (OSError, ValueError):
-                continue
-            if rank != me and pid_host == host:
-                pids[rank] = int(pid)
-        deadline = time.monotonic() + _DEAD_PEER_WAIT_S
-        while True:
-            dead = [rank for rank, pid in sorted(pids.items()) if _process_gone(pid)]
-            if dead or time.monotonic() > deadline:
-                return dead
-            time.sleep(0.05)
-
     def _bridge(self, operation: str, *args):
         """Call a bridge method; a lost peer is reported as the other role (separate meshes: roles are disjoint)."""
-        with self._watch(operation, "student" if self.is_teacher else "teacher"):
+        with self.faults.watch(operation, "student" if self.is_teacher else "teacher"):
             return getattr(self.bridge, operation)(*args)
 
     @property
@@ -522,7 +310,7 @@ class KDRecipe:
             for wave in range(self.bridge.num_waves):
                 request = self._bridge("send_batch", wave, None)
                 encoded = None
-                with self._watch("the teacher forward", "teacher"):
+                with self.faults.watch("the teacher forward", "teacher"):
                     batch = self.bridge.move_to_device(request["batch"])
                     logits = self._teacher_logits_local(batch)
                     if dist.get_rank() in output_ranks:
@@ -598,7 +386,7 @@ class KDRecipe:
     def _next_from(self, feed: Iterator) -> tuple[tuple[dict, dict | None], float]:
         """The next (item, teacher logits) of `feed` and the seconds spent waiting for it."""
         started = time.perf_counter()
-        with self._watch("the teacher request", "teacher"):
+        with self.faults.watch("the teacher request", "teacher"):
             pair = next(feed)
         return pair, time.perf_counter() - started
 
@@ -744,7 +532,7 @@ class KDRecipe:
 
     def _train_student(self) -> None:
         config, steps = self.config, self.config.step_scheduler
-        with self._watch("the first evaluation", "student"):
+        with self.faults.watch("the first evaluation", "student"):
             if self._stop_agreed():  # asked to stop during setup: not even the evaluation
                 self._stopped(self.start_step, self.start_step)
                 return
@@ -767,12 +555,12 @@ class KDRecipe:
         if step < steps.max_steps:
             self._stopped(step, saved)
             return
-        with self._watch("the last evaluation", "student"):
+        with self.faults.watch("the last evaluation", "student"):
             after = self.evaluate()
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
         if config.checkpoint.enabled and config.checkpoint.save_hf:
-            with self._watch("the HF export", "student"):
+            with self.faults.watch("the HF export", "student"):
                 self.summary["hf_dir"] = str(self.export_hf().resolve())
         if is_logging_rank():
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
@@ -784,7 +572,7 @@ class KDRecipe:
         step = saved = self.start_step
         self.model.train()
         while step < steps.max_steps:
-            with self._watch(f"step {step + 1}", "student"):
+            with self.faults.watch(f"step {step + 1}", "student"):
                 if self._stop_agreed():
                     break
                 started = time.perf_counter()
@@ -799,7 +587,7 @@ class KDRecipe:
                                      kd=f"{metrics['kd_loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 progress.update(1)
             if steps.val_every_steps and step % steps.val_every_steps == 0 and step < steps.max_steps:
-                with self._watch(f"the evaluation after step {step}", "student"):
+                with self.faults.watch(f"the evaluation after step {step}", "student"):
                     self.metrics.log("eval", step, self.evaluate())
             if config.checkpoint.enabled and steps.ckpt_every_steps and step % steps.ckpt_every_steps == 0:
                 self.save(step)
@@ -812,7 +600,7 @@ class KDRecipe:
         """End the teacher feed: a prefetched request in flight completes (its logits are dropped) and the
         bridge is free again for evaluation and STOP_TEACHER."""
         if isinstance(feed, TeacherPrefetcher):
-            with self._watch("the last teacher request", "teacher"):
+            with self.faults.watch("the last teacher request", "teacher"):
                 feed.close()
 
     def _stopped(self, step: int, saved: int) -> None:
@@ -827,7 +615,7 @@ class KDRecipe:
         print0(f"meshkd: stopped at step {step} on {self._stop.reason()}; {note}")
 
     def save(self, step: int) -> None:
-        with self._watch(f"saving the checkpoint of step {step}", "student"):
+        with self.faults.watch(f"saving the checkpoint of step {step}", "student"):
             ckpt.save_checkpoint(
                 self.checkpoint_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 group=self.student_group,

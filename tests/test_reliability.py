@@ -570,7 +570,8 @@ class ExpectSetupFailure:
     def __call__(self) -> None:
         import torch.distributed as dist
 
-        from meshkd.recipe import KDRecipe, SetupError
+        from meshkd.faults import SetupError
+        from meshkd.recipe import KDRecipe
 
         trained_before = _train_records(self.config)
         started = time.monotonic()
