@@ -519,11 +519,16 @@ def _check_student_cp(model: nn.Module, setup: DistributedSetup) -> None:
             f"cp_size({setup.cp_size}) > 1 reads the student's attention_mask as NEAT document indices: call "
             f"meshkd.packing.configure_packing(model) before parallelize_student"
         )
+    _ensure_student_cp_axis(setup)
+
+
+def _ensure_student_cp_axis(setup: DistributedSetup) -> None:
+    """The flattened `STUDENT_CP_AXIS`: created here when the student spans the world, else it must exist."""
     if not getattr(setup.device_mesh, _FLATTENED_ATTR, False):
         if setup.world_size != dist.get_world_size():
             raise ValueError(
                 f"the student spans {setup.world_size} of {dist.get_world_size()} ranks: call "
-                f"flatten_student_cp_axes(setup) on every rank of the world before parallelize_student"
+                f"flatten_student_cp_axes(setup) on every rank of the world before laying out the student"
             )
         flatten_student_cp_axes(setup)  # every rank is a student here, so every rank takes part
 

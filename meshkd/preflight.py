@@ -106,11 +106,10 @@ def preflight(config: KDRecipeConfig) -> Preflight:
         )
     if student_layout.sequence_parallel:
         raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
-    if student_layout.pp_size > 1 and (student_layout.cp_size > 1 or student_layout.strategy == "ddp"):
+    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
         raise ConfigError(
-            f"distributed.pp_size({student_layout.pp_size}) > 1 combines with tp_size, dp_size and "
-            f"dp_replicate_size under strategy fsdp2; got cp_size({student_layout.cp_size}), "
-            f"strategy({student_layout.strategy!r})"
+            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
+            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
         )
     if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
         raise ConfigError(

@@ -431,14 +431,14 @@ class KDRecipe:
                 pair, waited = self._next_from(feed)
                 pairs.append(pair)
                 wait += waited
-            micro_batches = [item["micro_batch"] for item, _ in pairs]
+            micro_batches, teacher_logits = zip(*(self._shard(item["micro_batch"], logits) for item, logits in pairs))
             by_index: dict[int, dict[str, float]] = {}
 
             def loss_fn(index: int, logits: torch.Tensor) -> torch.Tensor:
-                loss, by_index[index] = self._micro_batch_loss(logits, micro_batches[index], pairs[index][1], norm)
+                loss, by_index[index] = self._micro_batch_loss(logits, micro_batches[index], teacher_logits[index], norm)
                 return loss
 
-            self.pipeline.step(micro_batches, loss_fn)
+            self.pipeline.step(list(micro_batches), loss_fn)
             # Only the last stage computed losses; every stage logs and checkpoints the same values.
             records = broadcast_loss_metrics_from_last_stage(
                 [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None,

@@ -8,6 +8,11 @@ are disjoint slices of the HF state dict. Then TP (`apply_tensor_parallel` over 
 decoder layer and on the stage root over `dp_shard` (HSDP over (dp_replicate, dp_shard)), as
 `parallelize_student` does; no wrapper when dp_size is 1.
 
+Context parallel (cp_size > 1): the micro-batches are the cp rank's head-tail shards
+(`meshkd.parallel.shard_student_batch`); the attention gathers K/V over `cp` with a differentiable gather
+(as `parallelize_student`'s CP), the document indices of the whole sequence are gathered once per step,
+and FSDP2 shards over the flattened (dp_shard, cp) axis, so the loss scale stays dp * cp.
+
 A torch `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` runs the micro-batches. Only the hidden state
 travels between stages. Every rank of a data-parallel replica holds the same micro-batches, so
 position_ids and the NEAT document indices reach every stage as schedule kwargs (chunked per micro-batch
@@ -35,8 +40,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshkd.parallel import (
+    STUDENT_CP_AXIS,
     _cp_mask,
     _decoder,
+    _enable_cp_attention,
+    _ensure_student_cp_axis,
+    _gather_sequence,
     _is_tied,
     _member_mesh,
     _positions_and_documents,
@@ -44,6 +53,7 @@ from meshkd.parallel import (
     apply_tensor_parallel,
     gather_full_state_dict,
 )
+from meshkd.logits import cp_unshard
 from meshkd.topology import DistributedSetup
 
 __all__ = ["SCHEDULES", "StudentPipeline"]
@@ -65,7 +75,8 @@ class _StageModule(nn.Module):
     """
 
     def __init__(
-        self, causal_lm: nn.Module, *, is_first: bool, is_last: bool, sliding_window: int | None, dtype: torch.dtype
+        self, causal_lm: nn.Module, *, is_first: bool, is_last: bool, sliding_window: int | None, dtype: torch.dtype,
+        cp_size: int = 1, cp_rank: int = 0,
     ):
         super().__init__()
         self.model = _decoder(causal_lm)  # the inner decoder: names stay model.layers.N..., model.norm...
@@ -74,13 +85,15 @@ class _StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.sliding_window = sliding_window
         self.dtype = dtype
+        self.cp_size, self.cp_rank = cp_size, cp_rank
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
         device = hidden.device
         # The mask must have the attention scores' dtype: autocast's when it is on (like configure_packing).
         mask_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
-        mask = _cp_mask(documents, cp_size=1, cp_rank=0, dtype=mask_dtype, sliding_window=self.sliding_window)
+        mask = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=mask_dtype,
+                        sliding_window=self.sliding_window)
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.model.layers.values():
             hidden = layer(
@@ -152,6 +165,10 @@ class StudentPipeline:
         self.is_first = self.pp_rank == 0
         self.is_last = self.pp_rank == self.pp_size - 1
         self.tp_mesh = mesh["tp"] if setup.tp_size > 1 else None
+        self.cp_size, self.cp_rank = setup.cp_size, mesh.get_local_rank("cp")
+        self.cp_group = mesh.get_group("cp") if self.cp_size > 1 else None
+        if self.cp_size > 1:
+            _ensure_student_cp_axis(setup)
 
         # Pipeline split first, so that TP and FSDP only touch what this stage keeps.
         decoder = _decoder(model)
@@ -163,8 +180,12 @@ class StudentPipeline:
             decoder.embed_tokens = None
         if not self.is_last:
             decoder.norm = None
+        if self.cp_size > 1:
+            # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
+            _enable_cp_attention(model, self.cp_group)
         stage = _StageModule(
-            model, is_first=self.is_first, is_last=self.is_last, sliding_window=sliding_window, dtype=self.dtype
+            model, is_first=self.is_first, is_last=self.is_last, sliding_window=sliding_window, dtype=self.dtype,
+            cp_size=self.cp_size, cp_rank=self.cp_rank,
         )
         stage.to(self.device)
         if self.tp_mesh is not None:
@@ -176,7 +197,7 @@ class StudentPipeline:
             weight = stage.lm_head.weight
             self.vocab_size = weight.shape[0]  # global, also for a DTensor
             self.local_vocab_size = weight.to_local().shape[0] if isinstance(weight, DTensor) else self.vocab_size
-        if setup.dp_size > 1:
+        if setup.dp_size * setup.cp_size > 1:
             _apply_fsdp(stage, setup, mesh)
         self.stage_model = stage
 
@@ -191,7 +212,8 @@ class StudentPipeline:
         Args:
             micro_batches: `num_micro_batches` dicts with `input_ids`, `position_ids`, `attention_mask`
                 (NEAT document indices) [rows, seq], all of one shape; identical on every rank of the
-                data-parallel replica (all its stages and tp ranks). Other keys are ignored.
+                data-parallel replica (all its stages and tp ranks), or with cp_size > 1 this cp rank's
+                share from `shard_student_batch` (then seq is the local length). Other keys are ignored.
             loss_fn: `loss_fn(index, logits) -> Tensor`, called on the last stage only, once per
                 micro-batch `index` (0-based, in order), with logits [rows, seq, vocab] (a DTensor
                 Shard(-1) under tp). It returns the scalar loss to backpropagate, already normalized over
@@ -252,7 +274,11 @@ class StudentPipeline:
     # -- internals -------------------------------------------------------------------------------------
 
     def _inputs(self, micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids, position_ids, documents of all micro-batches concatenated on dim 0 (the schedule splits)."""
+        """input_ids, position_ids, documents of all micro-batches concatenated on dim 0 (the schedule splits).
+
+        Under context parallel the micro-batches are this rank's shards: the documents of the whole padded
+        sequence are gathered over cp here, before the schedule runs, since every stage's mask needs them.
+        """
         shape = tuple(micro_batches[0]["input_ids"].shape)
         if len(shape) != 2:
             raise ValueError(f"input_ids must be [rows, seq], got shape {shape}")
@@ -267,7 +293,11 @@ class StudentPipeline:
                         f"tensor must have the shape {shape} of the first input_ids"
                     )
                 part.append(tensor.to(self.device).long())
-        return tuple(torch.cat(part) for part in parts)  # type: ignore[return-value]
+        input_ids, position_ids, documents = (torch.cat(part) for part in parts)
+        if self.cp_size > 1:
+            gathered = _gather_sequence(documents, self.cp_group, dim=1, differentiable=False)
+            documents = cp_unshard(list(gathered.chunk(self.cp_size, dim=1)), dim=1)
+        return input_ids, position_ids, documents
 
     def _logits(self, local: torch.Tensor) -> torch.Tensor:
         """The last stage's local logits as the model returns them: a DTensor Shard(-1) under tp."""
@@ -351,8 +381,6 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
             f"schedule '1f1b' needs num_micro_batches({num_micro_batches}) >= pp_size({setup.pp_size}); "
             f"raise the number of micro-batches per step or use 'gpipe'"
         )
-    if setup.cp_size > 1:
-        raise ValueError(f"cp_size({setup.cp_size}) > 1 with pp_size({setup.pp_size}) > 1 is not supported yet")
     if setup.sequence_parallel:
         raise ValueError("sequence_parallel with pp_size > 1 is not supported")
     if setup.strategy == "ddp" and setup.dp_size > 1:
@@ -373,7 +401,9 @@ def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # slicing axes of the root mesh may warn; it is intended
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if setup.dp_replicate_size > 1 else mesh["dp_shard"]
+        # Under CP the parameters are sharded (and their gradients reduced) over dp_shard x cp together.
+        shard_axis = STUDENT_CP_AXIS if setup.cp_size > 1 else "dp_shard"
+        dp_mesh = mesh["dp_replicate", shard_axis] if setup.dp_replicate_size > 1 else mesh[shard_axis]
     # As torchtitan does with pp: keep the parameters gathered from forward to backward, since every
     # micro-batch would gather them again. The schedule reshards after the last backward.
     for layer in stage.model.layers.values():

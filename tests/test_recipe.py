@@ -106,6 +106,7 @@ LAYOUTS = {
     "student_pp2_gpipe": ({"dp_size": 1, "pp_size": 2, "pp_schedule": "gpipe"}, {"dp_size": 1}),
     "student_pp2_dp2": ({"dp_size": 2, "pp_size": 2}, {"dp_size": 1}),
     "student_pp2_tp2_teacher_tp2": ({"dp_size": 1, "pp_size": 2, "tp_size": 2}, {"dp_size": 1, "tp_size": 2}),
+    "student_pp2_cp2": ({"dp_size": 1, "pp_size": 2, "cp_size": 2}, {"dp_size": 1}),
     "shared_pp2": ({"dp_size": 1, "pp_size": 2}, None),
 }
 
