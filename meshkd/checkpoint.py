@@ -1,13 +1,12 @@
 """Sharded, atomic checkpoints of the student with torch.distributed.checkpoint (DCP).
 
-A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer (keyed by parameter
-name, so pipeline stages merge), one small file per rank with what is rank-local (RNG states), and
-`meta.json` (step, scheduler state) written last. It is
-first written under `step_00000042.partial` and renamed by the first student rank after every rank
-finished, so a process killed mid-save leaves the previous checkpoint as the latest and the partial one
-ignored (`latest_checkpoint` counts only `step_N` directories holding meta.json). The next save of that
-step removes the leftover partial directory first. The data position is the step itself: batches are a
-pure function of (seed, step).
+A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer (keyed by
+parameter name, so pipeline stages merge), one small file per rank with what is rank-local (RNG states),
+and `meta.json` (step, scheduler state) written last. It is first written under `step_00000042.partial`
+and renamed by the first student rank after every rank finished, so a process killed mid-save leaves the
+previous checkpoint as the latest and the partial one ignored (`latest_checkpoint` counts only `step_N`
+directories holding meta.json). The next save of that step removes the leftover partial directory first.
+The data position is the step itself: batches are a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -112,7 +111,9 @@ def load_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+    )
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():

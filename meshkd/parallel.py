@@ -161,7 +161,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
 
     Raises:
         ValueError: for layouts this function does not lay out (pp: use `StudentPipeline`; sequence
-            parallel, TP with DDP, CP with DDP), a CP student not configured for NEAT packing, or head counts the tp size does not divide.
+            parallel, TP with DDP, CP with DDP), a CP student not configured for NEAT packing, or head
+            counts the tp size does not divide.
     """
     mesh = _member_mesh(setup)
     if setup.pp_size > 1 or setup.sequence_parallel:

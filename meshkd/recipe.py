@@ -19,14 +19,14 @@ average gradients over dp ranks, so the loss is multiplied by dp before backward
 into the sum the normalization asks for. The curve then equals a single-process run on the same global
 batch.
 
-Failures. `meshkd.preflight` checks what needs no process group (data files, tokenizers, model configs against
-the layout) the same way on every rank, so a bad input raises everywhere without a collective; `meshkd
-train` runs it before starting any process. What only one role finds out while setting up (its weights,
-its data, a checkpoint) is agreed over the world before the next collective, so every rank raises it
-(`SetupError` on the others). In training, a collective that fails because a peer died or stopped
-answering becomes `PeerLostError`, naming the role and ranks lost (both in `meshkd.faults`). A stop request (SIGINT, SIGTERM, or
-the stop file `meshkd train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a step
-boundary: they save a checkpoint of that step, send STOP_TEACHER and return.
+Failures (`meshkd.faults`). `meshkd.preflight` checks what needs no process group (data files,
+tokenizers, model configs against the layout) the same way on every rank, so a bad input raises
+everywhere without a collective; `meshkd train` runs it before starting any process. What only one role
+finds out while setting up (its weights, its data, a checkpoint) is agreed over the world before the next
+collective, so every rank raises it (`SetupError` on the others). In training, a collective that fails
+because a peer died or stopped answering becomes `PeerLostError`, naming the role and ranks lost. A stop
+request (SIGINT, SIGTERM, or the stop file `meshkd train` names in MESHKD_STOP_FILE) is agreed among the
+student ranks at a step boundary: they save a checkpoint of that step, send STOP_TEACHER and return.
 """
 
 from __future__ import annotations
@@ -53,11 +53,6 @@ from meshkd.logits_transport import encode_teacher_logits
 from meshkd.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.metrics import MetricsSink, is_logging_rank, print0
 from meshkd.packing import configure_kd_teacher_packing, configure_packing
-from meshkd.pipeline_parallel import (
-    _group_device,
-    broadcast_loss_metrics_from_last_stage,
-    broadcast_tensors_from_last_stage,
-)
 from meshkd.parallel import (
     TeacherRunner,
     flatten_student_cp_axes,
@@ -67,10 +62,16 @@ from meshkd.parallel import (
     shard_teacher_logits,
     student_loss_scale,
 )
+from meshkd.pipeline_parallel import (
+    _group_device,
+    broadcast_loss_metrics_from_last_stage,
+    broadcast_tensors_from_last_stage,
+)
 from meshkd.preflight import Preflight, _about, load_section_model, preflight
 from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
+
 
 def _device(config: KDRecipeConfig) -> torch.device:
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -105,6 +106,7 @@ class KDRecipe:
         self.resume = resume
         self.run_dir = Path(config.logging.run_dir)
         self.bridge: KDMeshBridge | None = None
+        self.pipeline: StudentPipeline | None = None  # set up for a student with pp_size > 1
         self.summary: dict = {}
         self._owns_process_group = False
         self._stop = StopRequest()
@@ -200,7 +202,6 @@ class KDRecipe:
                 if teacher_model is not None
                 else None
             )
-            self.pipeline = None
             if self.is_student and student.pp_size > 1:
                 self.pipeline = StudentPipeline(
                     student_model.to(self.device), student, device=self.device, schedule=student.pp_schedule,
@@ -347,7 +348,7 @@ class KDRecipe:
         return local, teacher
 
     def _student_logits(self, micro_batch: dict) -> torch.Tensor | None:
-        """The student's logits for a micro-batch (forward only under pipeline parallel: None before the last stage)."""
+        """The student's logits for a micro-batch; under pipeline parallel forward only, None before the last stage."""
         if self.pipeline is not None:
             return self.pipeline.forward(micro_batch)
         output = self.model(
@@ -420,7 +421,8 @@ class KDRecipe:
                     pair, waited = self._next_from(feed)
                     wait += waited
                 micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
-                loss, values = self._micro_batch_loss(self._student_logits(micro_batch), micro_batch, teacher_logits, norm)
+                logits = self._student_logits(micro_batch)
+                loss, values = self._micro_batch_loss(logits, micro_batch, teacher_logits, norm)
                 loss.backward()
                 records.append(values)
         else:
@@ -435,7 +437,9 @@ class KDRecipe:
             by_index: dict[int, dict[str, float]] = {}
 
             def loss_fn(index: int, logits: torch.Tensor) -> torch.Tensor:
-                loss, by_index[index] = self._micro_batch_loss(logits, micro_batches[index], teacher_logits[index], norm)
+                loss, by_index[index] = self._micro_batch_loss(
+                    logits, micro_batches[index], teacher_logits[index], norm
+                )
                 return loss
 
             self.pipeline.step(list(micro_batches), loss_fn)
@@ -449,8 +453,8 @@ class KDRecipe:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        summed = self._sum_over_dp([sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")],
-                                   and_cp=True)
+        totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
+        summed = self._sum_over_dp(totals, and_cp=True)
         return {
             "loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
             "num_tokens": num_valid, "teacher_wait_s": wait,

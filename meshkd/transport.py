@@ -490,11 +490,11 @@ class TeacherPrefetcher:
         batch_fn: item -> nested batch to send; default the item itself.
 
     Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
-    tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the background thread (a teacher that sent an error, a
-    timeout) is raised by the iteration, on the caller's thread. Exhausting the items or calling `close()`
-    (also on leaving a `with` block) ends the thread: a request in flight completes (the teacher answers
-    it; its logits are dropped), no new one starts, and the bridge is released, so the caller can then
-    send STOP_TEACHER itself.
+    tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the
+    background thread (a teacher that sent an error, a timeout) is raised by the iteration, on the
+    caller's thread. Exhausting the items or calling `close()` (also on leaving a `with` block) ends the
+    thread: a request in flight completes (the teacher answers it; its logits are dropped), no new one
+    starts, and the bridge is released, so the caller can then send STOP_TEACHER itself.
     """
 
     _END = object()

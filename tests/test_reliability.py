@@ -500,8 +500,8 @@ PREFLIGHT_CASES = [
     "student_tp_splits_heads", "teacher_tp_splits_kv_heads", "teacher_pp_above_layers", "teacher_pp_above_kept_layers",
     "student_tp_with_a_larger_vocabulary", "keep_layers_out_of_range", "misspelled_model_size", "unknown_model_type",
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
-    "student_pp_with_tied_embeddings", "student_1f1b_with_too_few_micro_batches", "student_sequence_parallel", "ddp_with_tp_on_shared_meshes",
-    "teacher_layout_on_shared_meshes_with_open_dp",
+    "student_pp_with_tied_embeddings", "student_1f1b_with_too_few_micro_batches", "student_sequence_parallel",
+    "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp",
 ]
 
 

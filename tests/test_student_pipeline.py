@@ -42,7 +42,8 @@ def tiny_llama(*, seed: int = 0, tie: bool = False, layers: int = LAYERS) -> tor
 
 # Two data-parallel replicas x 4 micro-batches of 2 rows x 13 tokens; every row ends in padding.
 DOCUMENTS = [[[5, 4], [9, 2]], [[3, 3, 3], [12]], [[6, 6], [1, 4, 4]], [[2, 2, 2, 2], [7, 5]]]
-DATA = [[packed_llama_batch(DOCUMENTS[m], 13, vocab=VOCAB, seed=10 * replica + m) for m in range(MICRO_BATCHES)] for replica in range(2)]
+DATA = [[packed_llama_batch(DOCUMENTS[m], 13, vocab=VOCAB, seed=10 * replica + m) for m in range(MICRO_BATCHES)]
+        for replica in range(2)]
 TEACHER = [[3 * torch.randn(2, 13, VOCAB, generator=torch.Generator().manual_seed(100 + 10 * replica + m))
             for m in range(MICRO_BATCHES)] for replica in range(2)]  # fmt: skip
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")

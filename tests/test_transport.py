@@ -2,8 +2,8 @@
 
 Each check lays the 5 ranks out differently: uneven replica counts (3 students on 2 teachers, 4 on 1,
 1 on 4), a TP x CP teacher, a TP student, a pipelined student (logits to its last stage only), and a
-teacher serving loop driven by commands. Later checks cover the per-route spec cache (fewer collectives and bytes when a structure repeats, exact values when
-it changes) and the prefetcher (the synchronous loop's logits, in order, fetched one ahead).
+teacher serving loop driven by commands. Later checks cover the per-route spec cache (fewer collectives
+and bytes when a structure repeats, exact values when it changes) and the prefetcher (the synchronous loop's logits, in order, fetched one ahead).
 """
 
 import contextlib
