@@ -54,12 +54,9 @@ from meshkd.parallel import (
     gather_full_state_dict,
 )
 from meshkd.logits import cp_unshard
-from meshkd.topology import DistributedSetup
+from meshkd.topology import PP_SCHEDULES, DistributedSetup
 
-__all__ = ["SCHEDULES", "StudentPipeline"]
-
-SCHEDULES = ("gpipe", "1f1b")
-"""Valid `schedule` names: torch's ScheduleGPipe and Schedule1F1B."""
+__all__ = ["StudentPipeline"]
 
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
 _MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -134,7 +131,7 @@ class StudentPipeline:
             rotary_emb}`, `model.lm_head`), untied, sdpa or eager attention, identical on every rank.
         setup: the student's `DistributedSetup` with pp_size > 1 (this rank must be a member).
         device: where the stage runs.
-        schedule: one of `SCHEDULES`.
+        schedule: one of `meshkd.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
         num_micro_batches: micro-batches per `step` (1F1B needs at least pp_size).
     """
 
@@ -370,8 +367,8 @@ class StudentPipeline:
 
 def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, num_micro_batches: int) -> None:
     """ValueError for settings the student pipeline does not support (config and setup only, no collective)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules are {list(SCHEDULES)}")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules are {list(PP_SCHEDULES)}")
     if setup.pp_size < 2:
         raise ValueError(f"StudentPipeline needs pp_size > 1, got pp_size({setup.pp_size}); use parallelize_student")
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
