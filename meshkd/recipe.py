@@ -31,6 +31,7 @@ student ranks at a step boundary: they save a checkpoint of that step, send STOP
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -72,6 +73,9 @@ from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
 
+# After a rank-local failure in training: how long to try to hand off cleanly before simply exiting.
+_FAILURE_WAIT_S = 5.0
+
 
 def _device(config: KDRecipeConfig) -> torch.device:
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -107,6 +111,7 @@ class KDRecipe:
         self.run_dir = Path(config.logging.run_dir)
         self.bridge: KDMeshBridge | None = None
         self.pipeline: StudentPipeline | None = None  # set up for a student with pp_size > 1
+        self._bridge_free = True  # False while a prefetch thread that could not be stopped holds the bridge
         self.summary: dict = {}
         self._owns_process_group = False
         self._stop = StopRequest()
@@ -515,18 +520,22 @@ class KDRecipe:
         except PeerLostError:
             raise  # a peer is gone or silent: STOP_TEACHER would only fail or wait out the timeout
         except BaseException:
-            self._release_teacher(quiet=True)  # the teacher stops; this rank's error is the one to report
+            self._release_teacher_after_failure()
             raise
-        self._release_teacher()
-
-    def _release_teacher(self, *, quiet: bool = False) -> None:
-        if self.bridge is None:
-            return
-        try:
+        if self.bridge is not None:
             self._bridge("broadcast_command", STOP_TEACHER)
-        except PeerLostError:
-            if not quiet:
-                raise
+
+    def _release_teacher_after_failure(self) -> None:
+        """Tell the teacher to stop, briefly and only if it can help; this rank's error is the one to report.
+
+        Only the first student rank's command reaches the teacher. Peers of a rank that failed on its own
+        (out of memory, say) may be inside another collective and never take part, so the attempt is
+        bounded: past it the rank simply exits, and its peers then fail fast on the lost connection.
+        """
+        if self.bridge is None or not self._bridge_free or dist.get_rank() != self.setups.student_ranks[0]:
+            return
+        with contextlib.suppress(RuntimeError):  # timed out or a peer gone: nothing more to do here
+            self.bridge.broadcast_command(STOP_TEACHER, timeout=datetime.timedelta(seconds=_FAILURE_WAIT_S))
 
     def _stop_agreed(self) -> bool:
         """Whether any student rank was asked to stop: one all-reduce, so all stop at the same step."""
@@ -553,7 +562,8 @@ class KDRecipe:
         except PeerLostError:
             raise  # a prefetch thread may wait on the lost peer forever: it ends with the process
         except BaseException:
-            self._close_feed(feed)
+            # The prefetch thread may wait on peers that are stuck elsewhere: do not wait for it long.
+            self._bridge_free = not isinstance(feed, TeacherPrefetcher) or feed.close(timeout=_FAILURE_WAIT_S)
             raise
         self._close_feed(feed)
         if step < steps.max_steps:

@@ -257,11 +257,13 @@ class KDMeshBridge:
             raise failure
         return received
 
-    def broadcast_command(self, command: int | None = None) -> int:
+    def broadcast_command(self, command: int | None = None, *, timeout: datetime.timedelta | None = None) -> int:
         """Broadcast one worker command (RUN_TEACHER or STOP_TEACHER) from the first student rank.
 
         Teacher ranks pass None and wait. An invalid command on the first student rank raises
-        ValueError there and RuntimeError on every other rank.
+        ValueError there and RuntimeError on every other rank. `timeout` bounds this call's wait (default:
+        the bridge's); past it RuntimeError is raised and the broadcast is abandoned (for a last STOP_TEACHER
+        after a failure, when peers may never take part).
         """
         self._check_caller()
         source = self.student_ranks[0]
@@ -269,7 +271,11 @@ class KDMeshBridge:
         if self.rank == source and command in (RUN_TEACHER, STOP_TEACHER) and not isinstance(command, bool):
             value = int(command)
         flag = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(flag, src=source, group=self.control_group)
+        work = dist.broadcast(flag, src=source, group=self.control_group, async_op=True)
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timeout)
         received = int(flag.item())
         if received == _INVALID_COMMAND:
             if self.rank == source:
@@ -542,15 +548,23 @@ class TeacherPrefetcher:
             raise payload
         raise StopIteration
 
-    def close(self) -> None:
-        """Stop requesting, wait for a request in flight to complete, and release the bridge."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop requesting, wait for a request in flight to complete, and release the bridge.
+
+        With `timeout` (seconds) it waits at most that long: a request whose peers never take part (after
+        a failure elsewhere) would otherwise hold it until the collective timeout. Returns whether the
+        bridge was released; if not, the thread is left to the process exit and the bridge stays claimed.
+        """
         if self._closed:
-            return
+            return True
         self._closing = True
         self._permits.release()  # wakes the thread if it waits for a permit; it then sees `_closing`
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
         self._closed = True
         self.bridge._owner_thread = None
+        return True
 
     def __enter__(self) -> TeacherPrefetcher:
         return self

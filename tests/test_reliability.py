@@ -623,6 +623,38 @@ class SignalOneStudentRank:
             assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, stopped + 1))
 
 
+class FailOnStudentRankOne:
+    """A check: student rank 1 fails on its own inside step 2 (as out of memory would) while rank 0 waits in a
+    data-parallel collective. Rank 1 raises its error (and its process exits, as a worker's would); the
+    others must fail within seconds, not after the collective timeout."""
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.__name__, self.config = name, config
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        from meshkd.faults import PeerLostError
+        from meshkd.recipe import KDRecipe
+
+        recipe = KDRecipe(config_from_dict(self.config))
+        micro_batch_loss, calls = recipe._micro_batch_loss, []
+
+        def failing(*args):
+            calls.append(args)
+            if dist.get_rank() == 1 and len(calls) == 3:  # step 2, in the middle of its micro-batches
+                raise RuntimeError("out of memory (simulated)")
+            return micro_batch_loss(*args)
+
+        recipe._micro_batch_loss = failing
+        if dist.get_rank() == 1:
+            recipe.run()  # raises: the harness records it and ends this process
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match=r"lost the student \(ranks 0-1; rank.* exited\)"):
+            recipe.run()
+        assert time.monotonic() - started < WORLD_TIMEOUT_S / 2, "a rank waited for the collective timeout"
+
+
 def _read_quietly(run_dir: Path) -> list[dict]:
     try:
         return read_metrics(run_dir)
@@ -632,7 +664,8 @@ def _read_quietly(run_dir: Path) -> list[dict]:
 
 SETUP_CHECKS = ["student_data_leaves_no_training_document", "teacher_weights_missing",
                 "train_one_step_with_a_checkpoint", "resume_from_a_checkpoint_of_another_model",
-                "sigint_to_one_student_rank_stops_every_rank_at_the_same_step"]
+                "sigint_to_one_student_rank_stops_every_rank_at_the_same_step",
+                "a_rank_local_failure_in_training_ends_every_rank_within_seconds"]
 
 
 @pytest.fixture(scope="module")
@@ -667,10 +700,18 @@ def three_rank_world(tmp_path_factory):
         ExpectSetupFailure(SETUP_CHECKS[3], other_model, failing_ranks={0, 1}, resume=True,
                            match=r"checkpoint .*step_00000001 cannot be loaded into this run"),
         SignalOneStudentRank(SETUP_CHECKS[4], stopped),
+        # Last: rank 1's process exits, which ends this world.
+        FailOnStudentRankOne(SETUP_CHECKS[5], variant("rank_local_failure")),
     ]
     return run_world(3, checks, timeout_s=WORLD_TIMEOUT_S, deadline_s=300)
 
 
-@pytest.mark.parametrize("check", SETUP_CHECKS)
+@pytest.mark.parametrize("check", SETUP_CHECKS[:-1])
 def test_three_rank_world(check, three_rank_world):
     three_rank_world.check(check)
+
+
+def test_a_rank_local_failure_in_training_ends_every_rank_within_seconds(three_rank_world):
+    errors = three_rank_world.errors(SETUP_CHECKS[-1])
+    assert "out of memory (simulated)" in (errors.get(1) or ""), errors
+    assert errors.get(0) is None and errors.get(2) is None, errors

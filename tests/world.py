@@ -63,6 +63,10 @@ class WorldResults:
         self._errors = errors
         self._launch_error = launch_error
 
+    def errors(self, name: str) -> dict[int, str | None]:
+        """rank -> traceback (None where `name` passed) for the ranks that reported on `name`."""
+        return dict(self._errors.get(name, {}))
+
     def check(self, name: str) -> None:
         """Raise AssertionError with every failing rank's traceback if `name` failed or did not run."""
         per_rank = self._errors.get(name, {})
