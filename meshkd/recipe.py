@@ -3,7 +3,8 @@
 Student ranks train; teacher ranks serve. On shared meshes every rank is both: it runs the teacher on
 its own micro-batch, then trains. On separate meshes the student drives the teacher through
 `KDMeshBridge`: RUN_TEACHER per micro-batch, its batch across, full logits back; the teacher loop serves
-until STOP_TEACHER, which the student sends when it is done or fails, unless the failure is a lost peer.
+until STOP_TEACHER, which the student sends when it is done (after a failure of its own the first student
+rank tries for a few seconds; after a lost peer nobody tries).
 With `kd.overlap_teacher` (the default) a `TeacherPrefetcher` issues those requests on a background
 thread one micro-batch ahead, so the teacher computes micro-batch i + 1 while the student trains on i;
 requests and logits are those of the synchronous loop, in the same order, so the loss curve is too.
