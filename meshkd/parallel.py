@@ -191,19 +191,32 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
 
     from torch.distributed.fsdp import fully_shard
 
-    # Under CP the parameters are sharded (and their gradients reduced) over dp_shard x cp together, so the
-    # cp ranks' partial gradients are combined by the same reduce-scatter that combines dp_shard's.
-    shard_axis = STUDENT_CP_AXIS if setup.cp_size > 1 else "dp_shard"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # slicing a flattened axis from the root mesh warns; it is intended
-        # HSDP when replicated: shard within the shard axis, replicate across dp_replicate (a 2-D mesh).
-        dp_mesh = mesh["dp_replicate", shard_axis] if setup.dp_replicate_size > 1 else mesh[shard_axis]
+    dp_mesh = student_fsdp_mesh(setup, mesh)
     # Per-layer groups first, then the root (embedding, norm, lm_head), so each layer's parameters are
     # gathered just before it runs and freed after.
     for layer in _decoder(model).layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def student_fsdp_mesh(setup: DistributedSetup, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards a student over: `dp_shard`, or `STUDENT_CP_AXIS` under CP; 2-D with dp_replicate (HSDP).
+
+    Under CP the parameters are sharded (and their gradients reduced) over dp_shard x cp together, so the
+    cp ranks' partial gradients are combined by the same reduce-scatter that combines dp_shard's.
+    """
+    shard_axis = STUDENT_CP_AXIS if setup.cp_size > 1 else "dp_shard"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # slicing a flattened axis from the root mesh warns; it is intended
+        # HSDP when replicated: shard within the shard axis, replicate across dp_replicate (a 2-D mesh).
+        return mesh["dp_replicate", shard_axis] if setup.dp_replicate_size > 1 else mesh[shard_axis]
+
+
+def _gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
+    """NEAT document indices of the whole padded sequence from every cp rank's head-tail share [batch, local]."""
+    gathered = _gather_sequence(local.long(), group, dim=1, differentiable=False)
+    return cp_unshard(list(gathered.chunk(cp_size, dim=1)), dim=1)
 
 
 def student_loss_scale(setup: DistributedSetup) -> int:
@@ -580,8 +593,7 @@ class _StudentCPMaskHook:
                 f"context-parallel student: attention_mask {tuple(mask.shape)} must be this rank's share "
                 f"{(batch_size, local_length)} of the sequence; shard the batch with shard_student_batch"
             )
-        documents = _gather_sequence(mask.long(), self.group, dim=1, differentiable=False)
-        documents = cp_unshard(list(documents.chunk(self.cp_size, dim=1)), dim=1)
+        documents = _gather_documents(mask, self.group, self.cp_size)
         if isinstance(embeds, torch.Tensor) and embeds.is_floating_point():
             dtype = embeds.dtype
         else:

@@ -29,7 +29,6 @@ multiplied by `student_loss_scale(setup)`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,21 +38,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from meshkd.packing import _compute_dtype
 from meshkd.parallel import (
-    STUDENT_CP_AXIS,
     _cp_mask,
     _decoder,
     _enable_cp_attention,
     _ensure_student_cp_axis,
-    _gather_sequence,
+    _gather_documents,
     _is_tied,
     _member_mesh,
     _positions_and_documents,
     _stage_layers,
     apply_tensor_parallel,
     gather_full_state_dict,
+    student_fsdp_mesh,
 )
-from meshkd.logits import cp_unshard
 from meshkd.topology import PP_SCHEDULES, DistributedSetup
 
 __all__ = ["StudentPipeline"]
@@ -86,11 +85,8 @@ class _StageModule(nn.Module):
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
-        device = hidden.device
-        # The mask must have the attention scores' dtype: autocast's when it is on (like configure_packing).
-        mask_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
-        mask = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=mask_dtype,
-                        sliding_window=self.sliding_window)
+        mask = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                        dtype=_compute_dtype(self, hidden.device), sliding_window=self.sliding_window)
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.model.layers.values():
             hidden = layer(
@@ -292,8 +288,7 @@ class StudentPipeline:
                 part.append(tensor.to(self.device).long())
         input_ids, position_ids, documents = (torch.cat(part) for part in parts)
         if self.cp_size > 1:
-            gathered = _gather_sequence(documents, self.cp_group, dim=1, differentiable=False)
-            documents = cp_unshard(list(gathered.chunk(self.cp_size, dim=1)), dim=1)
+            documents = _gather_documents(documents, self.cp_group, self.cp_size)
         return input_ids, position_ids, documents
 
     def _logits(self, local: torch.Tensor) -> torch.Tensor:
@@ -396,11 +391,7 @@ def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
     """FSDP2 per decoder layer, then on the stage root, over dp_shard (HSDP with dp_replicate > 1)."""
     from torch.distributed.fsdp import fully_shard
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # slicing axes of the root mesh may warn; it is intended
-        # Under CP the parameters are sharded (and their gradients reduced) over dp_shard x cp together.
-        shard_axis = STUDENT_CP_AXIS if setup.cp_size > 1 else "dp_shard"
-        dp_mesh = mesh["dp_replicate", shard_axis] if setup.dp_replicate_size > 1 else mesh[shard_axis]
+    dp_mesh = student_fsdp_mesh(setup, mesh)
     # As torchtitan does with pp: keep the parameters gathered from forward to backward, since every
     # micro-batch would gather them again. The schedule reshards after the last backward.
     for layer in stage.model.layers.values():
