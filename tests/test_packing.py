@@ -22,7 +22,7 @@ from meshkd.packing import (
     indexed_to_additive_mask,
     packing_layout,
 )
-from tests.tiny import tiny_llama_model
+from tests.tiny import neat_layout, tiny_llama_model
 from tests.world import world_test
 
 VOCAB = 64
@@ -39,14 +39,7 @@ def packed_batch(rows=ROWS, *, seed: int = 1) -> dict[str, torch.Tensor]:
     """input_ids, indexed attention_mask and per-document position_ids [len(rows), ROW_LENGTH]."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (len(rows), ROW_LENGTH), generator=generator)
-    attention_mask = torch.zeros(len(rows), ROW_LENGTH, dtype=torch.long)
-    position_ids = torch.zeros(len(rows), ROW_LENGTH, dtype=torch.long)
-    for row, lengths in enumerate(rows):
-        start = 0
-        for document, length in enumerate(lengths, start=1):
-            attention_mask[row, start : start + length] = document
-            position_ids[row, start : start + length] = torch.arange(length)
-            start += length
+    attention_mask, position_ids = neat_layout(rows, ROW_LENGTH)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 

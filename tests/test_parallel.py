@@ -26,7 +26,7 @@ from meshkd.parallel import (
     parallelize_student,
 )
 from meshkd.topology import create_kd_distributed_setups
-from tests.tiny import tiny_llama_model
+from tests.tiny import neat_layout, tiny_llama_model
 from tests.world import world_test
 
 WORLD = 4
@@ -52,16 +52,9 @@ def plain_batch(rows: int, length: int, *, seed: int = 1) -> dict:
 
 
 def packed_batch(document_lengths: list[list[int]], length: int, *, seed: int = 2) -> dict:
-    """NEAT rows: documents back to back, 1-based document index, positions restarting, padding 0."""
+    """NEAT rows (`neat_layout`) of `plain_batch` tokens and labels."""
     batch = plain_batch(len(document_lengths), length, seed=seed)
-    mask = torch.zeros(len(document_lengths), length, dtype=torch.int64)
-    positions = torch.zeros_like(mask)
-    for row, lengths in enumerate(document_lengths):
-        start = 0
-        for index, size in enumerate(lengths, start=1):
-            mask[row, start : start + size] = index
-            positions[row, start : start + size] = torch.arange(size)
-            start += size
+    mask, positions = neat_layout(document_lengths, length)
     batch.update(attention_mask=mask, position_ids=positions)
     return batch
 

@@ -75,21 +75,28 @@ def tiny_llama_model(
     return LlamaForCausalLM(config)
 
 
-def packed_llama_batch(document_lengths: list[list[int]], length: int, *, vocab: int, seed: int) -> dict:
-    """NEAT rows of random tokens: documents back to back (1-based document index in attention_mask,
-    positions restarting), padding 0; no target for the last token of a document or for padding."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = len(document_lengths)
-    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
-    labels = torch.randint(0, vocab, (rows, length), generator=generator)
-    mask = torch.zeros(rows, length, dtype=torch.int64)
+def neat_layout(document_lengths: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention_mask, position_ids) of NEAT rows: documents back to back with 1-based document indices and
+    positions restarting per document, padding 0."""
+    mask = torch.zeros(len(document_lengths), length, dtype=torch.int64)
     positions = torch.zeros_like(mask)
     for row, lengths in enumerate(document_lengths):
         start = 0
         for index, size in enumerate(lengths, start=1):
             mask[row, start : start + size] = index
             positions[row, start : start + size] = torch.arange(size)
-            labels[row, start + size - 1] = -100
             start += size
-    labels[mask == 0] = -100
+    return mask, positions
+
+
+def packed_llama_batch(document_lengths: list[list[int]], length: int, *, vocab: int, seed: int) -> dict:
+    """NEAT rows of random tokens (`neat_layout`); no target for the last token of a document or for padding."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(document_lengths)
+    input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
+    labels = torch.randint(0, vocab, (rows, length), generator=generator)
+    mask, positions = neat_layout(document_lengths, length)
+    # A document's last token: the next position holds another document, padding, or is past the row's end.
+    last_tokens = (mask != 0) & (mask != torch.nn.functional.pad(mask[:, 1:], (0, 1)))
+    labels[last_tokens | (mask == 0)] = -100
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
