@@ -112,7 +112,6 @@ class KDRecipe:
         self.run_dir = Path(config.logging.run_dir)
         self.bridge: KDMeshBridge | None = None
         self.pipeline: StudentPipeline | None = None  # set up for a student with pp_size > 1
-        self._bridge_free = True  # False while a prefetch thread that could not be stopped holds the bridge
         self.summary: dict = {}
         self._owns_process_group = False
         self._stop = StopRequest()
@@ -533,8 +532,8 @@ class KDRecipe:
         (out of memory, say) may be inside another collective and never take part, so the attempt is
         bounded: past it the rank simply exits, and its peers then fail fast on the lost connection.
         """
-        if self.bridge is None or not self._bridge_free or dist.get_rank() != self.setups.student_ranks[0]:
-            return
+        if self.bridge is None or self.bridge.claimed or dist.get_rank() != self.setups.student_ranks[0]:
+            return  # a prefetch thread that could not be stopped still holds the bridge
         with contextlib.suppress(RuntimeError):  # timed out or a peer gone: nothing more to do here
             self.bridge.broadcast_command(STOP_TEACHER, timeout=datetime.timedelta(seconds=_FAILURE_WAIT_S))
 
@@ -564,7 +563,8 @@ class KDRecipe:
             raise  # a prefetch thread may wait on the lost peer forever: it ends with the process
         except BaseException:
             # The prefetch thread may wait on peers that are stuck elsewhere: do not wait for it long.
-            self._bridge_free = not isinstance(feed, TeacherPrefetcher) or feed.close(timeout=_FAILURE_WAIT_S)
+            if isinstance(feed, TeacherPrefetcher):
+                feed.close(timeout=_FAILURE_WAIT_S)
             raise
         self._close_feed(feed)
         if step < steps.max_steps:

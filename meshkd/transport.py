@@ -178,6 +178,11 @@ class KDMeshBridge:
         ranks = tuple(sorted({src, *receivers}))
         return _Route(src=src, ranks=ranks, group=self._group(ranks))
 
+    @property
+    def claimed(self) -> bool:
+        """Whether a TeacherPrefetcher drives this bridge (then only its thread may use it)."""
+        return self._owner_thread is not None
+
     def _check_caller(self) -> None:
         """While a TeacherPrefetcher drives this bridge, only its thread may issue the bridge's collectives:
         another thread's would interleave with the prefetcher's in an order the other ranks cannot know."""
@@ -517,7 +522,7 @@ class TeacherPrefetcher:
             raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks prefetch teacher logits")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
-        if bridge._owner_thread is not None:
+        if bridge.claimed:
             raise RuntimeError("this KDMeshBridge is already driven by another TeacherPrefetcher")
         self.bridge = bridge
         self.depth = depth
