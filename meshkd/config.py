@@ -36,6 +36,7 @@ class ModelConfig:
     tokenizer: str | None = None  # None: the model's own; "byte": meshkd's offline byte tokenizer
     dtype: str = "float32"
     seed: int = 0
+    attn_implementation: str | None = None  # sdpa | eager; None: sdpa where the model supports it, else eager
 
 
 @dataclass
@@ -280,6 +281,10 @@ def validate(config: KDRecipeConfig) -> None:
             raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
         if model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{label}.dtype must be float32, bfloat16 or float16, got {model.dtype!r}")
+        # The recipe hands attention prepared 4D masks, which flash and flex attention do not take.
+        if model.attn_implementation not in (None, "sdpa", "eager"):
+            raise ConfigError(f"{label}.attn_implementation: {model.attn_implementation!r} is not supported; "
+                              "use sdpa or eager")
     kd = config.kd
     if not 0.0 <= kd.kd_ratio <= 1.0:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")

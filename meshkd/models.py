@@ -3,7 +3,8 @@
 Design. Every model comes from exactly one source: a local Hugging Face directory (safetensors), a GGUF
 file, or a random initialization from config keywords; loading never touches the network. GGUF weights
 are always dequantized into a plain dense model and the GGUF quantizer is detached, so the result trains,
-shards and saves like any other checkpoint. `keep_layers` prunes decoder layers in place (student
+shards and saves like any other checkpoint. Attention defaults to sdpa where the model class supports it,
+else eager (both take the 4D masks the recipe prepares). `keep_layers` prunes decoder layers in place (student
 initialized from a teacher by layer dropping, as in DistilBERT and Minitron) and renumbers what depends on
 layer positions. `common_vocab_size` accepts a teacher and a student only when they share one token->id
 mapping, and returns how many logit columns both models can compare. `save_hf_model` writes a directory
@@ -13,10 +14,13 @@ that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import operator
 import os
+import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,10 @@ _PER_LAYER_CONFIG_KEYS = (
 _LAYER_INDEX_CONFIG_KEYS = ("mlp_only_layers",)
 # Legacy keywords that config classes still accept although their signature no longer names them.
 _LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling")
+# Config attributes a modeling module reads: `config.name`, `self.config.name`, `getattr(config, "name"`.
+_CONFIG_READ_PATTERN = re.compile(
+    r"""\bconfig\.([A-Za-z]\w*)|\bgetattr\(\s*(?:self\.)?config\s*,\s*["']([A-Za-z]\w*)["']"""
+)
 
 
 def load_causal_lm(
@@ -54,7 +62,7 @@ def load_causal_lm(
     random_init: Mapping[str, Any] | None = None,
     keep_layers: Sequence[int] | None = None,
     dtype: str | torch.dtype = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
 ):
     """Load a causal LM from exactly one source and optionally prune its decoder layers.
@@ -68,6 +76,8 @@ def load_causal_lm(
         left untouched.
 
     `keep_layers` lists the decoder layers to keep (sorted, distinct, in range); see `prune_layers`.
+    `attn_implementation` None picks the best the model class supports: "sdpa" when it supports sdpa (Gemma2
+    does not), else "eager"; other values go to transformers as given.
     Returns a `transformers.PreTrainedModel` in eval mode on the CPU.
 
     Raises ValueError when zero or several sources are given or an argument is invalid, and
@@ -326,20 +336,58 @@ def _random_causal_lm(random_init: Mapping[str, Any], dtype: torch.dtype, attn_i
     config = AutoConfig.for_model(model_type, **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        attn_implementation = attn_implementation or default_attn_implementation(type(config))
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     return model
 
 
-def _config_keys(config_class) -> set[str]:
+def default_attn_implementation(config_class) -> str:
+    """Return "sdpa" when the causal-LM class of `config_class` supports sdpa, else "eager" (e.g. Gemma2)."""
+    model_class = _causal_lm_class(config_class)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def _causal_lm_class(config_class):
+    """The *ForCausalLM class transformers builds for `config_class`, or None when there is none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[config_class]
+    except (KeyError, ValueError, ImportError, AttributeError):
+        return None
+
+
+@functools.cache
+def _config_keys(config_class) -> frozenset[str]:
+    """Keys that `config_class` or its model reads; anything else in `random_init` is taken for a typo.
+
+    Config classes keep any keyword as an attribute, and modeling code reads some that the class does not
+    declare (Qwen3-MoE: `getattr(config, "head_dim", ...)`), so the keys are: the constructor's parameters,
+    the fields declared as class annotations, the attribute map, the defaults' `to_dict()`, and the public
+    config attributes that the model class's modeling module reads.
+    """
     keys = {name for name, parameter in inspect.signature(config_class.__init__).parameters.items()
             if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
+    for klass in config_class.__mro__:  # dataclass-style fields; class-level settings are ClassVars
+        keys |= {name for name, hint in vars(klass).get("__annotations__", {}).items()
+                 if "ClassVar" not in str(hint) and not name.startswith("_")}
+    keys |= set(getattr(config_class, "attribute_map", {}))
     with contextlib.suppress(Exception):
         keys |= set(config_class().to_dict())
-    return (keys | set(_LEGACY_CONFIG_KEYS)) - {"self"}
+    model_class = _causal_lm_class(config_class)
+    module = sys.modules.get(model_class.__module__) if model_class is not None else None
+    with contextlib.suppress(OSError, TypeError):
+        source = inspect.getsource(module) if module is not None else ""
+        for match in _CONFIG_READ_PATTERN.finditer(source):
+            name = match.group(1) or match.group(2)
+            if not callable(getattr(config_class, name, None)):  # `config.to_dict()` is no key
+                keys.add(name)
+    return frozenset((keys | set(_LEGACY_CONFIG_KEYS)) - {"self"})
 
 
-def _pretrained_causal_lm(directory: Path, gguf_file: str | None, dtype: torch.dtype, attn_implementation: str):
-    from transformers import AutoModelForCausalLM
+def _pretrained_causal_lm(directory: Path, gguf_file: str | None, dtype: torch.dtype,
+                          attn_implementation: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {}
     if gguf_file is not None:
@@ -349,6 +397,10 @@ def _pretrained_causal_lm(directory: Path, gguf_file: str | None, dtype: torch.d
         # optional `kernels` package) or dequantizes but leaves its GGUF quantizer attached, which marks
         # the model untrainable and makes save_pretrained refuse it. A dequantized load detaches it.
         kwargs.update(gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True))
+    if attn_implementation is None:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True,
+                                            **({"gguf_file": gguf_file} if gguf_file is not None else {}))
+        attn_implementation = default_attn_implementation(type(config))
     model, info = AutoModelForCausalLM.from_pretrained(
         str(directory), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
         output_loading_info=True, **kwargs,

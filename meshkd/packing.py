@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -116,9 +116,9 @@ class _IndexedMaskHook:
     configured and self-contained. A mask that is already 4D (converted by an outer hook) passes through.
     """
 
-    def __init__(self, *, positions: dict[str, int], sliding_window: int | None):
+    def __init__(self, *, positions: dict[str, int], windows: dict[str, int | None]):
         self.positions = positions  # argument name -> positional index in forward
-        self.sliding_window = sliding_window
+        self.windows = windows  # attention kind -> sliding window (`attention_windows`)
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
         return forward_argument(args, kwargs, self.positions, name)
@@ -137,9 +137,10 @@ class _IndexedMaskHook:
                 break
         if dtype is None:
             dtype = _compute_dtype(module, device)
-        converted = indexed_to_additive_mask(
-            mask.to(device), query_length=query_length, dtype=dtype, sliding_window=self.sliding_window
-        )
+        mask = mask.to(device)
+        converted = masks_for_layers(self.windows, lambda window: indexed_to_additive_mask(
+            mask, query_length=query_length, dtype=dtype, sliding_window=window
+        ))
         if "attention_mask" in kwargs:
             kwargs = {**kwargs, "attention_mask": converted}
         else:
@@ -185,28 +186,42 @@ def _hf_models(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, PreTrainedModel)]
 
 
-def _sliding_window(config: Any, owner: nn.Module) -> int | None:
-    """Check the config's attention suits a 4D mask; return the sliding window baked into it, if any."""
+def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
+    """The attention kinds of a model's layers, each with its sliding window (None: full causal attention).
+
+    Keys are the kinds named in `config.layer_types` ("full_attention", "sliding_attention"); a config without
+    `layer_types` (Mistral style) has one kind whose window is `config.sliding_window`. Raises ValueError when
+    the attention implementation does not take a prepared 4D mask or a layer kind has no known mask rule.
+    """
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _SUPPORTED_ATTENTION:
         raise ValueError(
             f"NEAT packing needs attn_implementation in {_SUPPORTED_ATTENTION} (they take a prepared 4D mask); "
-            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa'."
+            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa' or 'eager'."
         )
+    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"}:
-            return getattr(config, "sliding_window", None)
-        # One prepared mask reaches every layer, so per-layer mask kinds cannot be honoured.
-        raise ValueError(
-            f"NEAT packing supports models whose layers all use the same attention kind; "
-            f"{type(owner).__name__} mixes {sorted(kinds)}"
-        )
-    # Models without layer_types (Mistral style) apply config.sliding_window to every layer when it is set.
-    return getattr(config, "sliding_window", None)
+    if not layer_types:
+        return {"full_attention": window}
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"NEAT packing has no mask rule for the layer types {unknown} of {type(owner).__name__}")
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
+
+
+def masks_for_layers(windows: dict[str, int | None], build: Callable[[int | None], torch.Tensor]):
+    """`build(window)` for each attention kind: one tensor when the layers share a kind, else {kind: mask}.
+
+    transformers models whose layers mix attention kinds (Gemma 2/3, Qwen2 with sliding layers, gpt-oss)
+    accept such a dict as `attention_mask` and hand each layer the mask of its kind; the others take a
+    tensor. Kinds with the same window share one mask.
+    """
+    built: dict[int | None, torch.Tensor] = {}
+    for window in windows.values():
+        if window not in built:
+            built[window] = build(window)
+    masks = {kind: built[window] for kind, window in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def configure_packing(model: nn.Module) -> nn.Module:
@@ -221,7 +236,7 @@ def configure_packing(model: nn.Module) -> nn.Module:
 
     Raises:
         ValueError: if no forward in `model` takes `attention_mask`, or a transformers config uses an
-            attention implementation other than sdpa/eager, or mixes attention kinds across layers.
+            attention implementation other than sdpa/eager, or a layer kind without a mask rule.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"configure_packing expects an nn.Module, got {type(model).__name__}")
@@ -239,8 +254,8 @@ def configure_packing(model: nn.Module) -> nn.Module:
         if not hasattr(config, "_attn_implementation"):  # not a transformers config: a wrapper's own settings
             # A wrapper around a transformers model attends the way that model does.
             config = hf_models[0].config if hf_models else None
-        window = _sliding_window(config, module) if config is not None else None
-        plans.append((module, _IndexedMaskHook(positions=positions, sliding_window=window)))
+        windows = attention_windows(config, module) if config is not None else {"full_attention": None}
+        plans.append((module, _IndexedMaskHook(positions=positions, windows=windows)))
     if not plans:
         raise ValueError(
             f"cannot configure NEAT packing on {type(model).__name__}: neither its forward nor a transformers "

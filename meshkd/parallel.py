@@ -32,6 +32,7 @@ by `meshkd.student_pipeline.StudentPipeline` with the same pieces; this module d
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshkd.logits import cp_shard, cp_unshard, materialize_teacher_logits
+from meshkd.stages import ModelStage, decoder_of
+from meshkd.tensor_parallel import apply_tensor_parallel
 from meshkd.topology import DistributedSetup, flatten_axes
 
 CP_ATTENTION = "meshkd_cp"
@@ -52,9 +53,10 @@ CP_ATTENTION = "meshkd_cp"
 STUDENT_CP_AXIS = "dp_shard_cp"
 """Flattened (dp_shard, cp) mesh axis over which FSDP2 shards a context-parallel student."""
 
-# Attribute on each attention module holding its cp process group; the registered attention function is
-# global to transformers, so the group travels with the module instance instead.
+# Attributes on each attention module holding its cp process group and the attention implementation it used
+# before; the registered attention function is global to transformers, so both travel with the instance.
 _CP_GROUP_ATTR = "_meshkd_cp_group"
+_CP_INNER_ATTR = "_meshkd_cp_inner_attention"
 # Attribute set on a root mesh once `flatten_student_cp_axes` ran for it, on members and non-members alike
 # (non-members cannot see the flattened axis, yet must not create its groups twice).
 _FLATTENED_ATTR = "_meshkd_student_cp_flattened"
@@ -69,70 +71,10 @@ _META_LENGTH = 7
 # Tensor parallel
 
 
-def _decoder(model: nn.Module) -> nn.Module:
-    """The inner decoder (`model.model`) of a transformers causal LM; ValueError for other layouts."""
-    decoder = getattr(model, "model", None)
-    if decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"{type(model).__name__} does not have the Llama-family layout (model.model.layers, model.lm_head) "
-            f"that meshkd.parallel knows how to split"
-        )
-    return decoder
-
-
-def _is_tied(model: nn.Module) -> bool:
-    embed = getattr(_decoder(model), "embed_tokens", None)
-    return embed is not None and model.lm_head is not None and model.lm_head.weight is embed.weight
-
-
-def _check_tp_sizes(config: Any, tp_size: int) -> None:
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        value = getattr(config, key, None)
-        if value is not None and value % tp_size:
-            raise ValueError(f"tp_size({tp_size}) must divide {key}({value}): attention heads are split whole")
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Apply the Llama-family TP plan over the 1-D `tp_mesh` in place.
-
-    Attention q/k/v and MLP gate/up are colwise (each rank holds whole heads / a slice of the intermediate
-    dim), o_proj and down_proj rowwise (their outputs are all-reduced back to replicated activations).
-    The embedding is rowwise (vocab-sharded weight, replicated output). lm_head is colwise with its output
-    kept as a DTensor sharded on the vocab dim: logits are never gathered here. Tied embeddings stay tied:
-    both layers shard the weight as Shard(0), so the lm_head is pointed back at the embedding's DTensor.
-    Modules absent on a pipeline stage (None) are skipped.
-    """
-    decoder = _decoder(model)
-    tp_size = tp_mesh.size()
-    _check_tp_sizes(model.config, tp_size)
-    tied = _is_tied(model)
-    layer_plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    for layer in decoder.layers:
-        parallelize_module(layer, tp_mesh, layer_plan)
-        # Attention reshapes with -1 heads in current transformers, but some model families still read
-        # per-module head counts; those must describe the local heads.
-        attention = layer.self_attn
-        for key in ("num_heads", "num_key_value_heads"):
-            if isinstance(getattr(attention, key, None), int):
-                setattr(attention, key, getattr(attention, key) // tp_size)
-    if decoder.embed_tokens is not None:
-        parallelize_module(
-            decoder.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        )
-    if model.lm_head is not None:
-        parallelize_module(
-            model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-        )
-        if tied and decoder.embed_tokens is not None:
-            model.lm_head.weight = decoder.embed_tokens.weight
+def is_tied(model: nn.Module) -> bool:
+    """Whether the input embedding and the output head share one weight."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return embedding is not None and head is not None and getattr(head, "weight", None) is embedding.weight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,7 +136,7 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     dp_mesh = student_fsdp_mesh(setup, mesh)
     # Per-layer groups first, then the root (embedding, norm, lm_head), so each layer's parameters are
     # gathered just before it runs and freed after.
-    for layer in _decoder(model).layers:
+    for layer in decoder_of(model).layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
@@ -262,20 +204,18 @@ def _cp_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """sdpa over this rank's queries and ALL cp ranks' keys/values (gathered in cp-rank order).
+) -> tuple[torch.Tensor, Any]:
+    """The model's own attention over this rank's queries and ALL cp ranks' keys/values (gathered in cp-rank order).
 
     query [batch, heads, local_sequence, head_dim], key/value [batch, kv_heads, local_sequence, head_dim].
-    `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the
-    gathered order; it already encodes causality and document boundaries in global positions (`_cp_mask`).
-    When autograd records (the student in training) the gather is differentiable (`_GatherSequence`): its
-    backward sums every rank's gradient for this rank's keys/values and hands it back here.
+    `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the gathered
+    order; it already encodes causality, sliding windows and document boundaries in global positions
+    (`_cp_mask`). The gathered keys/values then go to the attention function the model was loaded with
+    (sdpa, or the family's own eager function with its soft-capping or attention sinks). When autograd
+    records (the student in training) the gather is differentiable (`_GatherSequence`): its backward sums
+    every rank's gradient for this rank's keys/values and hands it back here.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     group = getattr(module, _CP_GROUP_ATTR, None)
     if group is None:
         raise RuntimeError(
@@ -288,9 +228,19 @@ def _cp_attention(
         )
     differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
     key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
-    )
+    # The mask is not causal in the gathered key order: no attention function may assume causality.
+    kwargs["is_causal"] = False
+    return _inner_attention(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _inner_attention(module: nn.Module):
+    """The attention function `module` used before context parallel: the family's eager function or a registered one."""
+    implementation = getattr(module, _CP_INNER_ATTR)
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def _gather_sequence(
@@ -337,9 +287,17 @@ def _enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Select the gathered-K/V attention on this instance only (its config), with `group` on its modules."""
     from transformers import AttentionInterface
 
+    inner = model.config._attn_implementation
+    if inner == CP_ATTENTION:
+        raise ValueError("context parallel is already enabled on this model")
+    if inner not in ("sdpa", "eager"):
+        raise ValueError(f"context parallel needs attn_implementation 'sdpa' or 'eager', got {inner!r}")
     AttentionInterface.register(CP_ATTENTION, _cp_attention)
-    for layer in _decoder(model).layers:
-        setattr(layer.self_attn, _CP_GROUP_ATTR, group)
+    for layer in decoder_of(model).layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None:
+            setattr(attention, _CP_GROUP_ATTR, group)
+            setattr(attention, _CP_INNER_ATTR, inner)
     try:
         model.set_attn_implementation(CP_ATTENTION)
     except (ValueError, AttributeError, KeyError):
@@ -400,21 +358,26 @@ def _pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: f
 
 
 def _cp_mask(
-    documents: torch.Tensor, *, cp_size: int, cp_rank: int, dtype: torch.dtype, sliding_window: int | None
-) -> torch.Tensor:
-    """Additive mask [batch, 1, local_sequence, padded_sequence] of one cp rank's queries against all keys.
+    documents: torch.Tensor, *, cp_size: int, cp_rank: int, dtype: torch.dtype, windows: dict[str, int | None]
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive masks [batch, 1, local_sequence, padded_sequence] of one cp rank's queries against all keys.
 
     documents [batch, padded_sequence]: document indices of the whole padded sequence in original order.
     Queries are this rank's head-tail positions; keys follow the order in which `_cp_attention` gathers
-    them (cp rank 0's share, then rank 1's, ...). With cp_size 1 it is the ordinary packed mask.
+    them (cp rank 0's share, then rank 1's, ...). With cp_size 1 it is the ordinary packed mask. One mask
+    per attention kind of `windows` (`meshkd.packing.attention_windows`), as `masks_for_layers` returns them.
     """
+    from meshkd.packing import masks_for_layers
+
     index = torch.arange(documents.shape[1], device=documents.device)
     if cp_size == 1:
         query_index = key_index = index
     else:
         query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
         key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
-    return _additive_mask(documents, query_index, key_index, dtype=dtype, sliding_window=sliding_window)
+    return masks_for_layers(windows, lambda window: _additive_mask(
+        documents, query_index, key_index, dtype=dtype, sliding_window=window
+    ))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -560,13 +523,13 @@ class _StudentCPMaskHook:
         group: dist.ProcessGroup,
         cp_size: int,
         cp_rank: int,
-        sliding_window: int | None,
+        windows: dict[str, int | None],
         positions: dict[str, int],
     ):
         self.group = group
         self.cp_size = cp_size
         self.cp_rank = cp_rank
-        self.sliding_window = sliding_window
+        self.windows = windows
         self.positions = positions
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
@@ -599,7 +562,7 @@ class _StudentCPMaskHook:
         else:
             dtype = _compute_dtype(module, reference.device)
         converted = _cp_mask(
-            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, sliding_window=self.sliding_window
+            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, windows=self.windows
         )
         index = self.positions.get("attention_mask")
         if "attention_mask" in kwargs or index is None or index >= len(args):
@@ -609,16 +572,16 @@ class _StudentCPMaskHook:
 
 def _enable_student_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Gathered-K/V attention with a differentiable gather, and the cp mask hook on the model."""
-    from meshkd.packing import _forward_positions, _sliding_window
+    from meshkd.packing import _forward_positions, attention_windows
 
-    # Read before the attention implementation changes: the window check knows sdpa/eager only.
-    sliding_window = _sliding_window(model.config, model)
+    # Read before the attention implementation changes: the check knows sdpa/eager only.
+    windows = attention_windows(model.config, model)
     group = mesh.get_group("cp")
     _enable_cp_attention(model, group)
     cp_size = mesh.size(mesh.mesh_dim_names.index("cp"))
-    options = dict(group=group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"), sliding_window=sliding_window)
+    options = dict(group=group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"), windows=windows)
     # The inner decoder too, so that calling it directly works; prepend so the packing hook sees 4D.
-    for module in (model, _decoder(model)):
+    for module in (model, decoder_of(model)):
         positions, _ = _forward_positions(module)
         module.register_forward_pre_hook(
             _StudentCPMaskHook(positions=positions, **options), with_kwargs=True, prepend=True
@@ -629,62 +592,42 @@ def _enable_student_cp(model: nn.Module, mesh: DeviceMesh) -> None:
 # Teacher
 
 
-def _stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Contiguous decoder layers of one stage; the first `num_layers % pp_size` stages take one extra."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
-
-
 class TeacherRunner:
     """Forward-only teacher over its `DistributedSetup`: pipeline split, TP, CP; full logits out.
 
-    Construction changes `model` in place (layers of other stages are dropped, TP applied, the CP
-    attention selected) and puts it in eval mode. `logits(batch)` must be called by every rank of the
-    teacher replica with the same batch (on pipeline stages after the first the batch is not read and may
-    be None: inputs travel with the activations).
+    Construction changes `model` in place (the pipeline split of `meshkd.stages.ModelStage`, TP by the
+    model's own plan, the CP attention selected) and puts it in eval mode. The model's own forward runs on
+    every stage. `logits(batch)` must be called by every rank of the teacher replica with the same batch
+    (on pipeline stages after the first the batch is not read and may be None: inputs travel with the
+    activations).
 
     Batch: `input_ids` [batch, sequence]; optional `position_ids` [batch, sequence] (restarting per
     document for NEAT packing; default 0..sequence-1) and `attention_mask` [batch, sequence] (1-based
     document index, 0 = padding; an ordinary 0/1 mask is the one-document case). Other keys are ignored.
 
-    The model must use sdpa or eager attention (the runner hands its layers a prepared 4D mask; under CP
-    the gathered-K/V attention calls sdpa). Teacher weights are replicated across dp: no FSDP here.
-    `is_first` / `is_last` tell whether this rank holds the first / last pipeline stage.
+    The model must use sdpa or eager attention (the runner hands the model prepared 4D masks, one per
+    attention kind of its layers; under CP the gathered-K/V attention calls the model's own attention).
+    Teacher weights are replicated across dp: no FSDP here. `is_first` / `is_last` tell whether this rank
+    holds the first / last pipeline stage.
     """
 
     def __init__(self, model: nn.Module, setup: DistributedSetup, *, device: torch.device | str):
-        mesh = _member_mesh(setup)
-        from meshkd.packing import _sliding_window  # the same validation the packed student path applies
+        from meshkd.packing import attention_windows
 
+        mesh = _member_mesh(setup)
         self.setup = setup
         self.device = torch.device(device)
         self.mesh = mesh
-        decoder = _decoder(model)
-        config = model.config
-        implementation = getattr(config, "_attn_implementation", None)
-        self.sliding_window = _sliding_window(config, model) if implementation != CP_ATTENTION else None
+        self.windows = attention_windows(model.config, model)
 
         self.pp_size = setup.pp_size
         self.pp_rank = mesh.get_local_rank("pp")
         self.pp_group = mesh.get_group("pp") if self.pp_size > 1 else None
         self.cp_size = setup.cp_size
         self.cp_rank = mesh.get_local_rank("cp")
-        self.is_first = self.pp_rank == 0
-        self.is_last = self.pp_rank == self.pp_size - 1
-
         # Pipeline split first, so TP only touches what this stage keeps.
-        if self.pp_size > 1:
-            owned = _stage_layers(len(decoder.layers), self.pp_size, self.pp_rank)
-            if not len(owned):
-                num_layers = len(decoder.layers)
-                raise ValueError(f"pp_size({self.pp_size}) exceeds the number of decoder layers ({num_layers})")
-            decoder.layers = nn.ModuleList(decoder.layers[i] for i in owned)
-            if not self.is_first:
-                decoder.embed_tokens = None
-            if not self.is_last:
-                decoder.norm = None
-                model.lm_head = None
+        self.stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
+        self.is_first, self.is_last = self.stage.is_first, self.stage.is_last
         model.to(self.device)
         if setup.tp_size > 1:
             apply_tensor_parallel(model, mesh["tp"])
@@ -692,7 +635,6 @@ class TeacherRunner:
             _enable_cp_attention(model, mesh.get_group("cp"))
         model.eval()
         self.model = model
-        self.decoder = decoder
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 
     # -- inputs ----------------------------------------------------------------------------------------
@@ -709,11 +651,6 @@ class TeacherRunner:
             input_ids, position_ids = _pad_and_shard(input_ids, **shard), _pad_and_shard(position_ids, **shard)
             documents = nn.functional.pad(documents, (0, _padded_length(length, self.cp_size) - length))
         return input_ids, position_ids, documents, length
-
-    def _mask(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return _cp_mask(
-            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, sliding_window=self.sliding_window
-        )
 
     # -- pipeline transport ----------------------------------------------------------------------------
 
@@ -754,36 +691,26 @@ class TeacherRunner:
 
         The result is identical on all tp and cp ranks of the last stage (gathered over both).
         """
-        if self.is_first:
-            try:
+        try:
+            if self.is_first:
                 if batch is None:
                     raise ValueError("TeacherRunner.logits needs the batch on the first pipeline stage")
-                input_ids, position_ids, documents, length = self._prepare(batch)
-                hidden = self.decoder.embed_tokens(input_ids)
-            except BaseException:
-                if not self.is_last:
-                    self._send_error()
-                raise
-        else:
-            hidden, position_ids, documents, length = self._receive()
-        try:
-            mask = self._mask(documents, hidden.dtype)
-            position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
-            for layer in self.decoder.layers:
-                hidden = layer(
-                    hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
-                )
+                inputs, position_ids, documents, length = self._prepare(batch)
+            else:
+                inputs, position_ids, documents, length = self._receive()
+            masks = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=self.dtype,
+                             windows=self.windows)
+            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         except BaseException:
             if not self.is_last:
                 self._send_error()
             raise
         if not self.is_last:
             meta = torch.tensor(
-                [1, *hidden.shape, documents.shape[1], length, _WIRE_DTYPES.index(hidden.dtype)],
+                [1, *output.shape, documents.shape[1], length, _WIRE_DTYPES.index(output.dtype)],
                 dtype=torch.int64,
                 device=self.device,
             )
-            self._send(meta, [hidden, position_ids, documents])
+            self._send(meta, [output, position_ids, documents])
             return None
-        logits = self.model.lm_head(self.decoder.norm(hidden))
-        return materialize_teacher_logits(logits, self.mesh, length)
+        return materialize_teacher_logits(output, self.mesh, length)

@@ -33,6 +33,7 @@ def load_section_model(section) -> torch.nn.Module:
         random_init=section.random_init,
         keep_layers=section.keep_layers,
         dtype=section.dtype,
+        attn_implementation=section.attn_implementation,
         seed=section.seed,
     )
 

@@ -41,18 +41,17 @@ from torch.distributed.tensor import DTensor, Shard
 from meshkd.packing import _compute_dtype
 from meshkd.parallel import (
     _cp_mask,
-    _decoder,
     _enable_cp_attention,
     _ensure_student_cp_axis,
     _gather_documents,
-    _is_tied,
     _member_mesh,
     _positions_and_documents,
-    _stage_layers,
-    apply_tensor_parallel,
     gather_full_state_dict,
+    is_tied,
     student_fsdp_mesh,
 )
+from meshkd.stages import ModelStage, decoder_of, is_pass_through
+from meshkd.tensor_parallel import apply_tensor_parallel
 from meshkd.topology import PP_SCHEDULES, DistributedSetup
 
 __all__ = ["StudentPipeline"]
@@ -62,41 +61,36 @@ _MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
 class _StageModule(nn.Module):
-    """One pipeline stage of a Llama-family causal LM, with the HF parameter names.
+    """One pipeline stage of a causal LM (`meshkd.stages.ModelStage`), with the HF parameter names.
 
+    The model's children are this module's children, so names stay `model.layers.N...`, `lm_head...`.
     forward(inputs, position_ids=, documents=): `inputs` is input_ids [rows, seq] on the first stage and the
-    previous stage's hidden state [rows, seq, hidden] elsewhere. Returns the hidden state, or on the last
-    stage this rank's local logits [rows, seq, local_vocab] as a plain tensor (the stage metadata then needs
-    no DTensor gradient description; `StudentPipeline` rebuilds the DTensor for the loss).
+    previous stage's hidden state [rows, seq, hidden] elsewhere; the model's own forward runs with the
+    masks built from `documents`. Returns the hidden state, or on the last stage this rank's local logits
+    [rows, seq, local_vocab] as a plain tensor (the stage metadata then needs no DTensor gradient
+    description; `StudentPipeline` rebuilds the DTensor for the loss).
     """
 
     def __init__(
-        self, causal_lm: nn.Module, *, is_first: bool, is_last: bool, sliding_window: int | None, dtype: torch.dtype,
-        cp_size: int = 1, cp_rank: int = 0,
+        self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, cp_size: int = 1,
+        cp_rank: int = 0,
     ):
         super().__init__()
-        self.model = _decoder(causal_lm)  # the inner decoder: names stay model.layers.N..., model.norm...
-        self.lm_head = causal_lm.lm_head if is_last else None
-        self.config = causal_lm.config  # read by apply_tensor_parallel
-        self.is_first, self.is_last = is_first, is_last
-        self.sliding_window = sliding_window
+        for name, child in stage.model.named_children():
+            self.add_module(name, child)
+        self.stage = stage  # a plain object: the model is reached through it, its children are registered above
+        self.windows = windows
         self.dtype = dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
-        mask = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                        dtype=_compute_dtype(self, hidden.device), sliding_window=self.sliding_window)
-        position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.model.layers.values():
-            hidden = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
-            )
-        if not self.is_last:
+        masks = _cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                         dtype=_compute_dtype(self, inputs.device), windows=self.windows)
+        output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
+        if not self.stage.is_last:
             # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
-            return hidden.to(self.dtype).contiguous()
-        logits = self.lm_head(self.model.norm(hidden))
-        return logits.to_local() if isinstance(logits, DTensor) else logits
+            return output.to(self.dtype).contiguous()
+        return output.to_local() if isinstance(output, DTensor) else output
 
 
 @dataclass
@@ -140,12 +134,12 @@ class StudentPipeline:
         schedule: str,
         num_micro_batches: int,
     ):
-        from meshkd.packing import _sliding_window
+        from meshkd.packing import attention_windows
 
         # Validation first: it reads only the config and the setup, so every rank raises the same error
         # before any collective.
         _check_settings(model, setup, schedule, num_micro_batches)
-        sliding_window = _sliding_window(model.config, model)
+        windows = attention_windows(model.config, model)
         mesh = _member_mesh(setup)
 
         self.setup = setup
@@ -164,30 +158,19 @@ class StudentPipeline:
             _ensure_student_cp_axis(setup)
 
         # Pipeline split first, so that TP and FSDP only touch what this stage keeps.
-        decoder = _decoder(model)
-        owned = _stage_layers(len(decoder.layers), self.pp_size, self.pp_rank)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.hidden_size = model.config.hidden_size
-        decoder.layers = nn.ModuleList(decoder.layers[i] for i in owned)
-        if not self.is_first:
-            decoder.embed_tokens = None
-        if not self.is_last:
-            decoder.norm = None
+        model_stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
+        model.to(self.device)
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(model, self.tp_mesh)
         if self.cp_size > 1:
             # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
             _enable_cp_attention(model, self.cp_group)
-        stage = _StageModule(
-            model, is_first=self.is_first, is_last=self.is_last, sliding_window=sliding_window, dtype=self.dtype,
-            cp_size=self.cp_size, cp_rank=self.cp_rank,
-        )
-        stage.to(self.device)
-        if self.tp_mesh is not None:
-            apply_tensor_parallel(stage, self.tp_mesh)
-        # After TP (which iterates the list): key the layers by their original index, so that their names
-        # are the HF names and DCP checkpoints of all stages merge without collisions.
-        decoder.layers = nn.ModuleDict({str(i): layer for i, layer in zip(owned, decoder.layers)})
+        stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, cp_size=self.cp_size,
+                             cp_rank=self.cp_rank)
         if self.is_last:
-            weight = stage.lm_head.weight
+            weight = model.get_output_embeddings().weight
             self.vocab_size = weight.shape[0]  # global, also for a DTensor
             self.local_vocab_size = weight.to_local().shape[0] if isinstance(weight, DTensor) else self.vocab_size
         if setup.dp_size * setup.cp_size > 1:
@@ -377,10 +360,10 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
         raise ValueError("sequence_parallel with pp_size > 1 is not supported")
     if setup.strategy == "ddp" and setup.dp_size > 1:
         raise ValueError(f"strategy 'ddp' with pp_size({setup.pp_size}) > 1 is not supported; use fsdp2")
-    num_layers = len(_decoder(model).layers)
+    num_layers = len(decoder_of(model).layers)
     if setup.pp_size > num_layers:
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")
-    if getattr(model.config, "tie_word_embeddings", False) or _is_tied(model):
+    if getattr(model.config, "tie_word_embeddings", False) or is_tied(model):
         raise ValueError(
             "tie_word_embeddings is true: with pp_size > 1 the embedding (first stage) and lm_head (last "
             "stage) cannot share one tensor; use a model with untied embeddings"
@@ -394,6 +377,7 @@ def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
     dp_mesh = student_fsdp_mesh(setup, mesh)
     # As torchtitan does with pp: keep the parameters gathered from forward to backward, since every
     # micro-batch would gather them again. The schedule reshards after the last backward.
-    for layer in stage.model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+    for layer in decoder_of(stage.stage.model).layers:
+        if not is_pass_through(layer):
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)

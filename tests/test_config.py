@@ -48,6 +48,9 @@ def test_missing_or_malformed_files_are_clear(tmp_path):
         ({"dataset": {"paths": []}}, r"dataset.paths is empty"),
         ({"model": {"path": "x", "random_init": {"model_type": "llama"}}}, r"exactly one of model.path"),
         ({"unknown_section": {}}, r"unknown config key\(s\) \['unknown_section'\]"),
+        ({"model": {"attn_implementation": "flash_attention_2"}},
+         r"model.attn_implementation: 'flash_attention_2' is not supported; use sdpa or eager"),
+        ({"teacher_model": {"attn_implementation": "flex_attention"}}, r"teacher_model.attn_implementation"),
     ],
 )
 def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):

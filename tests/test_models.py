@@ -102,6 +102,56 @@ def test_random_init_dtype_and_bad_arguments():
         load_causal_lm(random_init=TINY_LLAMA, dtype="int8")
 
 
+TINY_QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 258,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TINY_GEMMA2 = {
+    "model_type": "gemma2",
+    "vocab_size": 258,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
+
+
+def test_random_init_accepts_keys_the_modeling_code_reads():
+    # Qwen3MoeConfig does not declare head_dim, but its attention reads `getattr(config, "head_dim", ...)`.
+    model = load_causal_lm(random_init={**TINY_QWEN3_MOE, "head_dim": 16})
+    attention = model.model.layers[0].self_attn
+    assert model.config.head_dim == 16 and attention.head_dim == 16
+    assert attention.q_proj.out_features == 4 * 16 and attention.k_proj.out_features == 2 * 16
+    assert logits(model, tokens()).shape == (2, 12, 258)
+    # A key nothing reads is still a typo.
+    with pytest.raises(ValueError, match=r"head_dimm.*not Qwen3MoeConfig fields"):
+        load_causal_lm(random_init={**TINY_QWEN3_MOE, "head_dimm": 16})
+
+
+def test_default_attention_is_the_best_the_model_supports(tmp_path):
+    assert tiny_llama().config._attn_implementation == "sdpa"
+    # Gemma2 does not support sdpa: the default falls back to eager instead of failing.
+    gemma2 = load_causal_lm(random_init=TINY_GEMMA2)
+    assert type(gemma2).__name__ == "Gemma2ForCausalLM" and gemma2.config._attn_implementation == "eager"
+    assert logits(gemma2, tokens()).shape == (2, 12, 258)
+    assert load_causal_lm(random_init=TINY_LLAMA, attn_implementation="eager").config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM does not support"):  # asked for explicitly
+        load_causal_lm(random_init=TINY_GEMMA2, attn_implementation="sdpa")
+    # The same default for a Hugging Face directory.
+    save_hf_model(gemma2, None, tmp_path / "gemma2")
+    assert load_causal_lm(path=tmp_path / "gemma2").config._attn_implementation == "eager"
+
+
 # Sources ----------------------------------------------------------------------------------------------
 
 
@@ -341,6 +391,7 @@ def test_gguf_load_matches_the_written_model(tiny_gguf):
     for kwargs in ({"path": path.parent, "gguf_file": path.name}, {"path": path}):
         loaded = load_causal_lm(**kwargs)
         assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config.tie_word_embeddings
+        assert loaded.config._attn_implementation == "sdpa"
         assert getattr(loaded, "hf_quantizer", None) is None and not hasattr(loaded.config, "quantization_config")
         torch.testing.assert_close(logits(loaded, tokens()), logits(model, tokens()), rtol=1e-5, atol=1e-5)
     pruned = load_causal_lm(path=path, keep_layers=[1, 2], dtype="bfloat16")

@@ -249,8 +249,6 @@ def test_sliding_window_model():
 
 
 def test_unsupported_models_are_rejected_untouched():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     with pytest.raises(ValueError, match="attention_mask"):
         configure_packing(nn.Linear(4, 4))
     model = tiny_llama()
@@ -258,20 +256,23 @@ def test_unsupported_models_are_rejected_untouched():
     with pytest.raises(ValueError, match="flex_attention"):
         configure_packing(model)
     assert packing_layout(model) is None and not model._forward_pre_hooks
-    hybrid = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-        attn_implementation="sdpa",
-    )
-    with pytest.raises(ValueError, match="mixes"):
-        configure_packing(Qwen2ForCausalLM(hybrid))
+    model = tiny_llama()
+    model.config.layer_types = ["chunked_attention"] * model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="chunked_attention"):
+        configure_packing(model)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_models_mixing_attention_kinds(family):
+    """Sliding and full layers in one model: each layer gets the mask of its kind, as the model's own masks do."""
+    from meshkd.models import load_causal_lm
+
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=3)
+    extra = {"qwen2": dict(use_sliding_window=True, max_window_layers=1), "gemma2": dict(head_dim=8)}[family]
+    model = load_causal_lm(random_init={"model_type": family, **shape, **extra}, seed=0)
+    assert len(set(model.config.layer_types)) == 2
+    assert_packed_matches_documents(configure_packing(model))
 
 
 # ---- configure_kd_teacher_packing, same mesh (local check) ------------------------------------------

@@ -21,10 +21,10 @@ from meshkd.parallel import (
     CP_ATTENTION,
     TeacherRunner,
     _additive_mask,
-    _stage_layers,
     gather_full_state_dict,
     parallelize_student,
 )
+from meshkd.stages import stage_layers
 from meshkd.topology import create_kd_distributed_setups
 from tests.tiny import neat_layout, tiny_llama_model
 from tests.world import world_test
@@ -284,7 +284,7 @@ test_parallel_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=300.0
 
 def test_stage_layers_are_contiguous_and_cover_all_layers():
     for num_layers, pp_size in ((4, 2), (5, 2), (7, 3), (3, 3)):
-        stages = [_stage_layers(num_layers, pp_size, rank) for rank in range(pp_size)]
+        stages = [stage_layers(num_layers, pp_size, rank) for rank in range(pp_size)]
         assert [i for stage in stages for i in stage] == list(range(num_layers))
         assert max(map(len, stages)) - min(map(len, stages)) <= 1
 

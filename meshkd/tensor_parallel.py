@@ -1,0 +1,143 @@
+"""Tensor parallel from the model's own plan.
+
+Design. transformers ships, per model family, a tensor-parallel plan (`config.base_model_tp_plan` and the
+causal LM's own entries) and the DTensor styles that carry each entry out: colwise and rowwise projections,
+their gathered-output and split-input variants (Phi-3's fused projections, OLMo 2's q/k norms over all
+heads), packed (fused) expert projections, MoE expert blocks, and replicated parameters whose gradient is
+summed over tp (Qwen 3's per-head q/k norms). meshkd applies that plan with transformers' own
+`apply_tensor_parallelism` and overrides two entries for distillation: the input embedding is sharded over
+the vocabulary, and the output head keeps its logits as a DTensor Shard(-1) on the vocabulary dim, so the
+vocab-parallel KD loss never gathers the vocabulary. `tensor_parallel_plan` resolves the plan for one
+model instance (wildcards expanded to the modules it has, so a pipeline stage's pass-throughs are left
+out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshkd.stages import decoder_of, is_pass_through
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan"]
+
+VOCAB_PARALLEL_HEAD = "meshkd_vocab_parallel_head"
+"""Style of the output head: colwise, logits left as a DTensor Shard(-1) on the vocabulary dim."""
+VOCAB_PARALLEL_EMBEDDING = "embedding_rowwise"
+"""transformers' style for an embedding sharded over the vocabulary (partial lookups summed)."""
+# Styles after which attention sees only its local heads, so the head counts must divide by tp.
+_LOCAL_HEAD_STYLES = ("colwise", "packed_colwise")
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel
+
+    if VOCAB_PARALLEL_HEAD not in ALL_PARALLEL_STYLES:
+        head = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+        ALL_PARALLEL_STYLES.register(VOCAB_PARALLEL_HEAD, head)
+    return ALL_PARALLEL_STYLES
+
+
+def _declared_plan(model: nn.Module) -> dict[str, str]:
+    """The model's plan with full module names: the causal LM's entries, then its base model's, prefixed."""
+    decoder = decoder_of(model)
+    prefix = next(name for name, module in model.named_children() if module is decoder)
+    plan = dict(getattr(type(model), "_tp_plan", None) or {})
+    plan.update({f"{prefix}.{key}": style for key, style in (model.config.base_model_tp_plan or {}).items()})
+    return plan
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """{module or parameter name: style name} to shard `model` with, wildcards expanded.
+
+    The model's own plan, with the input embedding sharded over the vocabulary and the output head
+    vocab-parallel (`VOCAB_PARALLEL_HEAD`). Entries matching nothing in this instance (a layer another
+    pipeline stage owns) are left out.
+    """
+    plan = _declared_plan(model)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {module: name for name, module in model.named_modules()}
+    overrides = {}
+    if isinstance(embedding, nn.Embedding):
+        overrides[names[embedding]] = VOCAB_PARALLEL_EMBEDDING
+    if isinstance(head, nn.Linear):
+        overrides[names[head]] = VOCAB_PARALLEL_HEAD
+    plan = {key: style for key, style in plan.items() if key not in overrides} | overrides
+    modules = dict(model.named_modules())
+    targets = [name for name, module in modules.items() if not is_pass_through(module)]
+    targets += [name for name, _ in model.named_parameters()]
+    resolved: dict[str, str] = {}
+    for key, style in plan.items():
+        pattern = re.compile(re.escape(key).replace(r"\*", r"\d+"))
+        for name in targets:
+            if pattern.fullmatch(name):
+                resolved[name] = style
+    return resolved
+
+
+def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
+    """Raise ValueError when `model` cannot be split over `tp_size` ranks by its plan (config only, no weights).
+
+    Refused: a family without a plan; a style transformers does not implement, or an expert-parallel style
+    in the tensor-parallel plan; head counts the tp size does not divide where attention projections are
+    sharded by head. The message names the module and the number.
+    """
+    if tp_size == 1:
+        return
+    styles = _styles()
+    declared = _declared_plan(model)
+    if not declared:
+        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan)")
+    for key, style in declared.items():
+        if style not in styles:
+            raise ValueError(f"{type(model).__name__}: module {key!r} has the tensor-parallel style {style!r}, "
+                             "which this transformers release does not implement")
+    config = model.config
+    for key, style in declared.items():
+        if style in _LOCAL_HEAD_STYLES and key.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS:
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(config, name, None)
+                if isinstance(heads, int) and heads % tp_size:
+                    raise ValueError(f"tp_size({tp_size}) must divide {name}({heads}): {key} ({style}) splits "
+                                     "attention heads whole")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard `model` in place over the 1-D `tp_mesh` by its own plan (`tensor_parallel_plan`).
+
+    Tied input/output embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is
+    pointed back at the embedding's DTensor. Raises ValueError as `check_tensor_parallel`.
+    """
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_size = tp_mesh.size()
+    check_tensor_parallel(model, tp_size)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear)
+            and head.weight is embedding.weight)
+    plan = tensor_parallel_plan(model)
+    styles = _styles()
+    # transformers shards a module entry's parameters while it loads them; these are loaded already, so
+    # each is cut here to this rank's piece (no communication: every rank holds the same full tensor).
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if name in modules:
+            for parameter in [key for key, _ in modules[name].named_parameters(recurse=False)]:
+                styles[style].shard_param(modules[name], parameter, tp_mesh)
+    apply_tensor_parallelism(model, tp_mesh, plan)
+    if tied:
+        head.weight = embedding.weight
+    local_heads = any(style in _LOCAL_HEAD_STYLES and name.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS
+                      for name, style in plan.items())
+    if local_heads:
+        # Attention reshapes with -1 heads in transformers 5, but a family may still read per-module head
+        # counts; those must describe the local heads.
+        for layer in decoder_of(model).layers:
+            attention = getattr(layer, "self_attn", None)
+            for key in ("num_heads", "num_key_value_heads"):
+                if isinstance(getattr(attention, key, None), int):
+                    setattr(attention, key, getattr(attention, key) // tp_size)
