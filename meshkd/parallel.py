@@ -541,7 +541,7 @@ class _StudentCPMaskHook:
         from meshkd.packing import _compute_dtype
 
         mask = self._argument(args, kwargs, "attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
             return None  # already converted by an outer module's hook
         inputs = self._argument(args, kwargs, "input_ids")
         embeds = self._argument(args, kwargs, "inputs_embeds")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,6 +29,11 @@ VOCAB_PARALLEL_HEAD = "meshkd_vocab_parallel_head"
 """Style of the output head: colwise, logits left as a DTensor Shard(-1) on the vocabulary dim."""
 VOCAB_PARALLEL_EMBEDDING = "embedding_rowwise"
 """transformers' style for an embedding sharded over the vocabulary (partial lookups summed)."""
+GRAD_SUMMED_REPLICA = "meshkd_replicated_grad_sum"
+"""Replicated parameter whose gradient contribution is summed over tp, once per backward."""
+# transformers' style for such parameters all-reduces the ACCUMULATED gradient after every backward, which
+# counts earlier micro-batches again under gradient accumulation; it is replaced by GRAD_SUMMED_REPLICA.
+_REPLACED_STYLES = {"replicated_with_grad_allreduce": GRAD_SUMMED_REPLICA}
 # Styles after which attention sees only its local heads, so the head counts must divide by tp.
 _LOCAL_HEAD_STYLES = ("colwise", "packed_colwise")
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj")
@@ -39,7 +46,45 @@ def _styles():
     if VOCAB_PARALLEL_HEAD not in ALL_PARALLEL_STYLES:
         head = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
         ALL_PARALLEL_STYLES.register(VOCAB_PARALLEL_HEAD, head)
+        ALL_PARALLEL_STYLES.register(GRAD_SUMMED_REPLICA, _GradSummedReplica())
     return ALL_PARALLEL_STYLES
+
+
+def _sum_over(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+class _GradSummedReplica:
+    """A replicated parameter that sees only this rank's heads (Qwen 3's per-head q/k norms).
+
+    Its gradient contribution (not the accumulated .grad) is summed over tp by a tensor hook. The hook is
+    (re)attached in forward, because FSDP2 hands the module a different parameter object than the one
+    present when the style was applied.
+    """
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        original_forward = module.forward
+        hooked: dict[str, nn.Parameter] = {}
+        group = mesh.get_group()
+
+        def forward(*args, **kwargs):
+            if torch.is_grad_enabled():
+                for name, parameter in module.named_parameters(recurse=False):
+                    if parameter.requires_grad and hooked.get(name) is not parameter:
+                        parameter.register_hook(_sum_over(group))
+                        hooked[name] = parameter
+            return original_forward(*args, **kwargs)
+
+        module.forward = forward
+        return module
+
+    def shard_param(self, module: nn.Module, parameter: str, mesh: DeviceMesh) -> None:
+        pass  # replicated
 
 
 def _declared_plan(model: nn.Module) -> dict[str, str]:
@@ -66,7 +111,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
         overrides[names[embedding]] = VOCAB_PARALLEL_EMBEDDING
     if isinstance(head, nn.Linear):
         overrides[names[head]] = VOCAB_PARALLEL_HEAD
-    plan = {key: style for key, style in plan.items() if key not in overrides} | overrides
+    plan = {key: _REPLACED_STYLES.get(style, style) for key, style in plan.items() if key not in overrides} | overrides
     modules = dict(model.named_modules())
     targets = [name for name, module in modules.items() if not is_pass_through(module)]
     targets += [name for name, _ in model.named_parameters()]
