@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshkd.logits import cp_shard, cp_unshard, materialize_teacher_logits
+from meshkd.sharded_loading import is_empty
 from meshkd.stages import ModelStage, decoder_of
 from meshkd.tensor_parallel import apply_tensor_parallel
 from meshkd.topology import DistributedSetup, flatten_axes
@@ -628,7 +629,8 @@ class TeacherRunner:
         # Pipeline split first, so TP only touches what this stage keeps.
         self.stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
         self.is_first, self.is_last = self.stage.is_first, self.stage.is_last
-        model.to(self.device)
+        if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
+            model.to(self.device)
         if setup.tp_size > 1:
             apply_tensor_parallel(model, mesh["tp"])
         if self.cp_size > 1:

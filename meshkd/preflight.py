@@ -15,6 +15,8 @@ import torch
 
 from meshkd import data, models
 from meshkd.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.sharded_loading import empty_causal_lm
+from meshkd.tensor_parallel import check_tensor_parallel
 
 # The corpus is read for a first document only when it is at most this large.
 _PREFLIGHT_READ_BYTES = 64 << 20
@@ -36,6 +38,18 @@ def load_section_model(section) -> torch.nn.Module:
         attn_implementation=section.attn_implementation,
         seed=section.seed,
     )
+
+
+def load_section_model_for_layout(section):
+    """(model, `Checkpoint`) with meta parameters, to be filled by `load_shards` once laid out, for a Hugging
+    Face directory stored under the model's own names; else (the loaded model, None)."""
+    if section.path is not None and section.gguf_file is None and not str(section.path).endswith(".gguf"):
+        directory, _ = models._resolve_source(section.path, None)
+        empty = empty_causal_lm(directory, keep_layers=section.keep_layers, dtype=models._resolve_dtype(section.dtype),
+                                attn_implementation=section.attn_implementation)
+        if empty is not None:
+            return empty
+    return load_section_model(section), None
 
 
 @contextlib.contextmanager
@@ -91,7 +105,7 @@ def preflight(config: KDRecipeConfig) -> Preflight:
     corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
     exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
     `step_scheduler.sequence_length` against each model's max_position_embeddings; tp sizes against
-    attention and key/value head counts; the teacher's pp_size against its decoder layers; a TP student's
+    the model's own tensor-parallel plan (styles, attention and key/value head counts); the teacher's pp_size against its decoder layers; a TP student's
     vocabulary against the common one.
 
     Raises:
@@ -160,13 +174,10 @@ def preflight(config: KDRecipeConfig) -> Preflight:
             )
     for key, layout, label, model in (("distributed", student_layout, "model", student),
                                       (teacher_key, teacher_layout, "teacher_model", teacher)):
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(model.config, name, None)
-            if layout.tp_size > 1 and isinstance(heads, int) and heads % layout.tp_size:
-                raise ConfigError(
-                    f"{key}.tp_size({layout.tp_size}) must divide {label}'s {name}({heads}): attention heads are "
-                    "split whole"
-                )
+        try:
+            check_tensor_parallel(model, layout.tp_size)
+        except ValueError as error:
+            raise ConfigError(f"{key}.tp_size({layout.tp_size}) does not fit {label}: {error}") from None
     for key, layout, label, model, section in (("distributed", student_layout, "model", student, config.model),
                                                (teacher_key, teacher_layout, "teacher_model", teacher,
                                                 config.teacher_model)):
@@ -183,12 +194,6 @@ def preflight(config: KDRecipeConfig) -> Preflight:
             f"distributed.pp_schedule '1f1b' needs at least pp_size({student_layout.pp_size}) micro-batches per "
             f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
             "step_scheduler.global_batch_size or use pp_schedule: gpipe"
-        )
-    if student_layout.pp_size > 1 and getattr(student.config, "tie_word_embeddings", False):
-        raise ConfigError(
-            f"distributed.pp_size({student_layout.pp_size}) > 1 needs a student with untied input and output "
-            "embeddings (model.config.tie_word_embeddings is true: the first and last stages cannot share one "
-            "matrix)"
         )
     if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
         raise ConfigError(

@@ -69,7 +69,8 @@ from meshkd.pipeline_parallel import (
     broadcast_loss_metrics_from_last_stage,
     broadcast_tensors_from_last_stage,
 )
-from meshkd.preflight import Preflight, _about, load_section_model, preflight
+from meshkd.preflight import Preflight, _about, load_section_model, load_section_model_for_layout, preflight
+from meshkd.sharded_loading import is_empty, load_shards
 from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
 from meshkd.transport import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
@@ -152,16 +153,22 @@ class KDRecipe:
 
         # Each role loads only its own model and data: a failure there is agreed over the world below, so
         # the other role raises too instead of waiting in the next collective.
-        student_model = teacher_model = None
+        # A model stored as safetensors under its own names is built without weights here and each rank
+        # reads only its share once it is laid out (`meshkd.sharded_loading`); DDP replicates the whole
+        # student, so it loads whole.
+        student_model = teacher_model = student_checkpoint = teacher_checkpoint = None
         with self.faults.on_every_rank("while loading models and data"):
             self.faults.write_pid_file()
             torch.manual_seed(config.seed)
             if self.is_student:
                 with _about("model"):
-                    student_model = load_section_model(config.model)
+                    if student.strategy == "fsdp2":
+                        student_model, student_checkpoint = load_section_model_for_layout(config.model)
+                    else:
+                        student_model = load_section_model(config.model)
             if self.is_teacher:
                 with _about("teacher_model"):
-                    teacher_model = load_section_model(config.teacher_model)
+                    teacher_model, teacher_checkpoint = load_section_model_for_layout(config.teacher_model)
             if self.is_student:
                 with _about("dataset"):
                     self.train_set, self.val_set = data.build_datasets(
@@ -202,19 +209,24 @@ class KDRecipe:
             control_group=control,
         )
         with self.faults.on_every_rank("while laying out the models"):
-            self.teacher = (
-                TeacherRunner(teacher_model.to(self.device), self.setups.teacher, device=self.device)
-                if teacher_model is not None
-                else None
-            )
+            if teacher_model is not None:
+                self.teacher = TeacherRunner(_to(teacher_model, self.device), self.setups.teacher, device=self.device)
+                if teacher_checkpoint is not None:
+                    with _about("teacher_model"):
+                        load_shards(teacher_model, teacher_checkpoint, device=self.device)
+            else:
+                self.teacher = None
             if self.is_student and student.pp_size > 1:
                 self.pipeline = StudentPipeline(
-                    student_model.to(self.device), student, device=self.device, schedule=student.pp_schedule,
+                    _to(student_model, self.device), student, device=self.device, schedule=student.pp_schedule,
                     num_micro_batches=self.num_micro_batches,
                 )
                 self.model = self.pipeline.stage_model
             elif self.is_student:
-                self.model = parallelize_student(student_model.to(self.device), student)
+                self.model = parallelize_student(_to(student_model, self.device), student)
+            if student_checkpoint is not None:
+                with _about("model"):
+                    load_shards(self.model, student_checkpoint, device=self.device)
             if self.is_student:
                 opt = config.optimizer
                 if opt.name == "adamw":
@@ -467,7 +479,9 @@ class KDRecipe:
 
     def _clip_gradients(self) -> float:
         stages = self.setups.student.pp_group if self.pipeline is not None else None
-        return clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm, stages_group=stages)
+        copies = self.pipeline.tied_copies if self.pipeline is not None else ()
+        return clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm, stages_group=stages,
+                              uncounted=copies)
 
     @torch.no_grad()
     def evaluate(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -673,11 +687,13 @@ class KDRecipe:
         return self.summary
 
 
-def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.ProcessGroup | None = None) -> float:
+def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.ProcessGroup | None = None,
+                   uncounted=()) -> float:
     """Clip gradients to a total norm of `max_norm` (None: only measure); returns the total norm.
 
     Under pipeline parallel each rank holds one stage's parameters: `stages_group` (the pp group) adds up
-    the stages' squared norms so that every stage clips by the same total.
+    the stages' squared norms so that every stage clips by the same total. `uncounted` parameters are
+    clipped but left out of the norm: copies of a parameter another stage counts (a tied output head).
 
     Gradients may mix plain tensors (e.g. replicated norms under TP without FSDP) and DTensors on different
     meshes and placements, which torch's clip_grad_norm_ cannot combine; so each (mesh, placements) group
@@ -689,9 +705,13 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
         if grad is not None:
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             groups.setdefault(key, []).append(grad)
+    skipped = {id(parameter.grad) for parameter in uncounted if parameter.grad is not None}
     squares = 0.0
     for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
+        grads_counted = [grad for grad in grads if id(grad) not in skipped]
+        if not grads_counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads_counted)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares += float(norm) ** 2
@@ -706,6 +726,11 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
             for grad in grads:
                 grad.mul_(scale)
     return total
+
+
+def _to(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` on `device`; a model still without weights (sharded loading) stays as it is."""
+    return model if is_empty(model) else model.to(device)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

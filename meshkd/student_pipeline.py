@@ -50,6 +50,7 @@ from meshkd.parallel import (
     is_tied,
     student_fsdp_mesh,
 )
+from meshkd.sharded_loading import is_empty
 from meshkd.stages import ModelStage, decoder_of, is_pass_through
 from meshkd.tensor_parallel import apply_tensor_parallel
 from meshkd.topology import PP_SCHEDULES, DistributedSetup
@@ -79,6 +80,7 @@ class _StageModule(nn.Module):
         for name, child in stage.model.named_children():
             self.add_module(name, child)
         self.stage = stage  # a plain object: the model is reached through it, its children are registered above
+        self.config = stage.model.config
         self.windows = windows
         self.dtype = dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -117,8 +119,9 @@ class StudentPipeline:
         pp_rank, pp_size, pp_group: this rank's stage index, the number of stages, the pipeline group.
 
     Args:
-        model: a transformers Llama-family causal LM (`model.model.{embed_tokens, layers, norm,
-            rotary_emb}`, `model.lm_head`), untied, sdpa or eager attention, identical on every rank.
+        model: a transformers causal LM split by its `base_model_pp_plan` (`meshkd.stages.ModelStage`),
+            sdpa or eager attention, identical on every rank. Tied
+            input/output embeddings are kept as two copies (first and last stage) with summed gradients.
         setup: the student's `DistributedSetup` with pp_size > 1 (this rank must be a member).
         device: where the stage runs.
         schedule: one of `meshkd.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
@@ -160,8 +163,10 @@ class StudentPipeline:
         # Pipeline split first, so that TP and FSDP only touch what this stage keeps.
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.hidden_size = model.config.hidden_size
+        tied = is_tied(model)
         model_stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
-        model.to(self.device)
+        if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
+            model.to(self.device)
         if self.tp_mesh is not None:
             apply_tensor_parallel(model, self.tp_mesh)
         if self.cp_size > 1:
@@ -176,6 +181,16 @@ class StudentPipeline:
         if setup.dp_size * setup.cp_size > 1:
             _apply_fsdp(stage, setup, mesh)
         self.stage_model = stage
+        # Tied input/output embeddings: the first stage's embedding and the last stage's head hold copies of
+        # one matrix, kept equal by summing their gradients after every step (as Megatron does); the same
+        # optimizer update then keeps the copies identical.
+        self.tied_weight: nn.Parameter | None = None
+        if tied and (self.is_first or self.is_last):
+            module = model.get_input_embeddings() if self.is_first else model.get_output_embeddings()
+            self.tied_weight = module.weight
+        self.tied_copies = (self.tied_weight,) if self.tied_weight is not None and not self.is_first else ()
+        """Parameters that copy another stage's (the last stage's tied head): clipping scales them but does
+        not count them in the gradient norm."""
 
         self._runners: dict[tuple, _Runner] = {}
         self._loss_fn: LossFn | None = None
@@ -208,10 +223,42 @@ class StudentPipeline:
         # The target is only the micro-batch index: the schedule chunks it like the inputs, one per call.
         target = torch.arange(self.num_micro_batches)
         self._loss_fn = loss_fn
+        before = self._tied_gradient()
+        before = before.clone() if before is not None else None
         try:
             self._run(runner, input_ids, position_ids, documents, target=target, return_outputs=False)
         finally:
             self._loss_fn = None
+        self._sum_tied_gradients(before)
+
+    def _tied_gradient(self) -> torch.Tensor | None:
+        """This rank's local piece of the tied weight's gradient, laid out like the weight, or None."""
+        weight = self.tied_weight
+        grad = weight.grad if weight is not None else None
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != weight.placements:
+            # A vocab-sharded embedding's backward may leave its gradient in another layout than the weight's.
+            weight.grad = grad = grad.redistribute(grad.device_mesh, weight.placements)
+        return grad.to_local()
+
+    def _sum_tied_gradients(self, before: torch.Tensor | None) -> None:
+        """Add the other tied copy's gradient from this step to this one's: first and last stage swap theirs.
+
+        Both copies are sharded alike (vocabulary over tp, dim 0 over dp), so the local pieces correspond.
+        Only this step's contribution travels, so gradients accumulated over several calls are summed once.
+        """
+        if self.tied_weight is None:
+            return
+        local = self._tied_gradient()
+        contribution = local - before if before is not None else local.clone()
+        received = torch.empty_like(contribution)
+        peer = self.pp_size - 1 if self.is_first else 0
+        operations = [dist.P2POp(dist.isend, contribution, group=self.pp_group, group_peer=peer),
+                      dist.P2POp(dist.irecv, received, group=self.pp_group, group_peer=peer)]
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+        local.add_(received)
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss the torch schedule calls on the last stage: (local logits, [index]) -> loss_fn(...)."""
@@ -363,11 +410,6 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
     num_layers = len(decoder_of(model).layers)
     if setup.pp_size > num_layers:
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")
-    if getattr(model.config, "tie_word_embeddings", False) or is_tied(model):
-        raise ValueError(
-            "tie_word_embeddings is true: with pp_size > 1 the embedding (first stage) and lm_head (last "
-            "stage) cannot share one tensor; use a model with untied embeddings"
-        )
 
 
 def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:

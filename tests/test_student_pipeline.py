@@ -69,8 +69,8 @@ def loss_of(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, n
 class Reference:
     """The unparallelized student on all the data of `replicas` data-parallel replicas."""
 
-    def __init__(self, replicas: int):
-        self.model = configure_packing(tiny_llama())
+    def __init__(self, replicas: int, *, tie: bool = False):
+        self.model = configure_packing(tiny_llama(tie=tie))
         self.replicas = replicas
         self.num_valid = sum(int((mb["labels"] != -100).sum()) for data in DATA[:replicas] for mb in data)
 
@@ -114,16 +114,19 @@ def pipeline_step(pipe: StudentPipeline, setup: DistributedSetup, reference: Ref
 
 
 def compare_gradients(pipe: StudentPipeline, reference: Reference, what: str) -> float:
-    expected = dict(reference.model.named_parameters())
+    expected = dict(reference.model.named_parameters(remove_duplicate=False))  # a tied head under its own name
     errors = [assert_close(p.grad, expected[name].grad, f"{what}: grad of {name}")
               for name, p in pipe.stage_model.named_parameters()]  # fmt: skip
     return max(errors)
 
 
-def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
+def run_pipeline(setup: DistributedSetup, schedule: str, *, tie: bool = False) -> None:
+    """With `tie`, the first stage's embedding and the last stage's head are copies of one tied matrix."""
     torch.manual_seed(0)
-    reference = Reference(setup.dp_size)
-    pipe = StudentPipeline(tiny_llama(), setup, device="cpu", schedule=schedule, num_micro_batches=MICRO_BATCHES)
+    reference = Reference(setup.dp_size, tie=tie)
+    pipe = StudentPipeline(tiny_llama(tie=tie), setup, device="cpu", schedule=schedule,
+                           num_micro_batches=MICRO_BATCHES)
+    all_parameters = dict(reference.model.named_parameters(remove_duplicate=False))
     assert (pipe.is_first, pipe.is_last) == (pipe.pp_rank == 0, pipe.pp_rank == setup.pp_size - 1)
     ref_losses = reference.backward()
     errors = {}
@@ -133,7 +136,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
     gathered: list = [None] * setup.pp_size
     dist.all_gather_object(gathered, names, group=pipe.pp_group)
     assert sum(len(part) for part in gathered) == len({n for part in gathered for n in part})
-    assert {n for part in gathered for n in part} == set(dict(reference.model.named_parameters()))
+    assert {n for part in gathered for n in part} == set(all_parameters)
 
     # (a) losses: each micro-batch of this replica once, equal to the reference's.
     seen = pipeline_step(pipe, setup, reference)
@@ -143,7 +146,8 @@ def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
 
     # (b) every gradient, and the gradient norm once its squares are summed over the pipeline.
     errors["grad"] = compare_gradients(pipe, reference, "step 1")
-    squares = torch.tensor(clip_grad_norm(pipe.stage_model.parameters(), None) ** 2, dtype=torch.float64)
+    own_norm = clip_grad_norm(pipe.stage_model.parameters(), None, uncounted=pipe.tied_copies)
+    squares = torch.tensor(own_norm**2, dtype=torch.float64)
     dist.all_reduce(squares, group=pipe.pp_group)
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.model.parameters()])
     errors["grad norm"] = assert_close(squares.sqrt(), ref_norm.double(), "grad norm")
@@ -151,7 +155,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
     # (c) one SGD step on both.
     for module in (reference.model, pipe.stage_model):
         torch.optim.SGD(module.parameters(), lr=0.5).step()
-    expected = dict(reference.model.named_parameters())
+    expected = all_parameters
     errors["step"] = max(assert_close(p, expected[name].detach(), f"{name} after one step")
                          for name, p in pipe.stage_model.named_parameters())  # fmt: skip
 
@@ -170,7 +174,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
     ref_state = reference.model.state_dict()
     assert list(state) == list(ref_state)
     errors["export"] = max(assert_close(state[key], value, f"exported {key}") for key, value in ref_state.items())
-    fresh = tiny_llama(seed=1)
+    fresh = tiny_llama(seed=1, tie=tie)
     fresh.load_state_dict(state)  # strict: loads into a fresh model
 
     # (f) a second step after evaluation, with the gradients of step 1 kept: they accumulate.
@@ -179,6 +183,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str) -> None:
     errors["grad 2"] = compare_gradients(pipe, reference, "step 2 (accumulated)")
     if pipe.is_last and replica == 0 and setup.device_mesh.get_local_rank("tp") == 0:  # one report per layout
         layout = f"pp{setup.pp_size} dp{setup.dp_size} (replicate {setup.dp_replicate_size}) tp{setup.tp_size}"
+        layout += " tied" if tie else ""
         print(f"{layout} {schedule}: max abs errors " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()))
 
 
@@ -198,6 +203,14 @@ def check_pp2_gpipe_and_1f1b():
 
 def check_pp2_dp2_gpipe():
     run_pipeline(setup_for({"pp_size": 2}), "gpipe")
+
+
+def check_pp2_dp2_tied_1f1b():
+    run_pipeline(setup_for({"pp_size": 2}), "1f1b", tie=True)
+
+
+def check_pp2_tp2_tied_gpipe():
+    run_pipeline(setup_for({"pp_size": 2, "tp_size": 2}), "gpipe", tie=True)
 
 
 def check_pp2_hsdp_1f1b():
@@ -267,6 +280,8 @@ CHECKS = [
     check_pp2_tp2_1f1b,
     check_pp4_1f1b,
     check_pp2_cp2_1f1b,
+    check_pp2_dp2_tied_1f1b,
+    check_pp2_tp2_tied_gpipe,
 ]
 
 test_student_pipeline_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=240.0)
@@ -286,7 +301,6 @@ def unbuilt(**sizes) -> DistributedSetup:
     ("model_options", "setup", "options", "message"),
     [
         ({}, unbuilt(pp_size=5), {}, r"pp_size\(5\) exceeds the number of decoder layers \(4\)"),
-        ({"tie": True}, unbuilt(), {}, "tie_word_embeddings"),
         ({}, unbuilt(), {"schedule": "interleaved"}, r"'interleaved'.*\['1f1b', 'gpipe'\]"),
         ({}, unbuilt(pp_size=4), {"schedule": "1f1b", "num_micro_batches": 3},
          r"num_micro_batches\(3\) >= pp_size\(4\)"),
