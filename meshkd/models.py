@@ -3,10 +3,10 @@
 Design. Every model comes from exactly one source: a local Hugging Face directory (safetensors), a GGUF
 file, or a random initialization from config keywords; loading never touches the network. GGUF weights
 are always dequantized into a plain dense model and the GGUF quantizer is detached, so the result trains,
-shards and saves like any other checkpoint. Attention defaults to sdpa where the model class supports it,
-else eager (both take the 4D masks the recipe prepares). `keep_layers` prunes decoder layers in place (student
-initialized from a teacher by layer dropping, as in DistilBERT and Minitron) and renumbers what depends on
-layer positions. `common_vocab_size` accepts a teacher and a student only when they share one token->id
+shards and saves like any other checkpoint. Attention defaults to sdpa where the model class supports
+it, else eager (both take the 4D masks the recipe prepares). `keep_layers` prunes decoder layers in place
+(student initialized from a teacher by layer dropping, as in DistilBERT and Minitron) and renumbers what
+depends on layer positions. `common_vocab_size` accepts a teacher and a student only when they share one token->id
 mapping, and returns how many logit columns both models can compare. `save_hf_model` writes a directory
 that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load back.
 """

@@ -10,8 +10,10 @@ to the sdpa and eager attention functions untouched (`_preprocess_mask_arguments
 returns it as-is). `configure_packing` therefore registers a forward pre-hook on the model instance, and
 on the transformers models inside it so that a pipeline stage calling its inner model directly works too,
 which turns the indexed mask into an additive float mask [batch, 1, query, key] before transformers sees
-it. Nothing in transformers is patched: other instances in the process keep the ordinary behaviour. The
-consumed layout is recorded on the instance and read back by `packing_layout`.
+it (one per attention kind, as a {kind: mask} dict, for models whose layers mix sliding and full
+attention: such models hand each layer the mask of its kind). Nothing in transformers is patched: other
+instances in the process keep the ordinary behaviour. The consumed layout is recorded on the instance and
+read back by `packing_layout`.
 
 `configure_kd_teacher_packing` closes a gap of separate-mesh KD: teacher-only ranks never see the student,
 so they learn its layout from the control group, configure their teacher parts to match, and then every

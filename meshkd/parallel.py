@@ -1,31 +1,32 @@
 """Parallelize: lay a transformers causal LM out over its role's DeviceMesh, one function per role.
 
-Design (torchtitan style). Model code knows nothing of parallelism; these functions take an ordinary
-transformers decoder-only LM (Llama family: `model.model.{embed_tokens, layers, norm, rotary_emb}` and
-`model.lm_head`) and a `DistributedSetup`, and change the instance in place, in a fixed order:
-pipeline split, then tensor parallel, then data parallel (student only). A pipelined student is laid out
-by `meshkd.student_pipeline.StudentPipeline` with the same pieces; this module does the rest.
+Design (torchtitan style). Model code knows nothing of parallelism and is never copied: these functions
+take an ordinary transformers decoder-only LM and a `DistributedSetup` and change the instance in place,
+in a fixed order: pipeline split (`meshkd.stages.ModelStage`, by the model's pipeline plan), then tensor
+parallel (`meshkd.tensor_parallel`, by the model's own plan), then data parallel (student only). The
+model's own forward runs on every rank. A pipelined student is laid out by
+`meshkd.student_pipeline.StudentPipeline` with the same pieces; this module does the rest.
 
-- `parallelize_student`: TP over the `tp` axis (attention and MLP colwise/rowwise, vocab-sharded
-  embedding, lm_head colwise with its output left as a DTensor Shard(-1) so the loss sees vocab-sharded
-  logits), then context parallel (below), then FSDP2 per decoder layer and on the root over `dp_shard`
-  (HSDP over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp".
+- `parallelize_student`: TP (vocab-sharded embedding, lm_head output left as a DTensor Shard(-1) so the
+  loss sees vocab-sharded logits), then context parallel (below), then FSDP2 per decoder layer and on the
+  root over `dp_shard` (HSDP over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with
+  strategy "ddp".
 - Student context parallel (cp_size > 1, fsdp2 only): every cp rank holds the head-tail share of the
-  sequence (`shard_student_batch`, `shard_teacher_logits`). The same gathered-K/V attention as the
-  teacher's runs, but its gather is differentiable (the backward sums the K/V gradient over cp and hands
-  each rank the piece for its own keys/values: a reduce-scatter). A forward pre-hook all-gathers the
-  local NEAT document indices over `cp` and builds the mask from global positions, so every tensor of
-  the local batch has the local length. Parameters are replicated over cp yet each cp rank sees only
-  part of the tokens, so their gradients must be SUMMED over cp: FSDP2 shards over the flattened
-  (dp_shard, cp) axis `dp_shard_cp` (as torchtitan does), which AVERAGES over dp_shard * cp ranks (and
-  over dp_replicate under HSDP). The loss must therefore be multiplied by `student_loss_scale(setup)` =
-  dp_size * cp_size before backward.
-- `TeacherRunner`: forward only. TP as above; context parallel by head-tail sharding the sequence and an
-  attention function (registered with transformers' `AttentionInterface`, selected on this instance's
-  config only) that all-gathers K/V over `cp` and applies a mask built from global positions, so it runs
-  on the CPU where torch's ring attention does not; pipeline parallel by contiguous layer stages that
-  pass activations point to point, shape metadata first. The runner builds the 4D attention mask itself
-  from NEAT document indices (or an ordinary 0/1 mask), so the teacher needs no `configure_packing`.
+  sequence (`shard_student_batch`, `shard_teacher_logits`). The attention gathers K/V over `cp` with a
+  differentiable gather (the backward sums the K/V gradient over cp and hands each rank the piece for its
+  own keys/values: a reduce-scatter), then calls the attention function the model was loaded with. A
+  forward pre-hook all-gathers the local NEAT document indices over `cp` and builds the masks (one per
+  attention kind of the layers) from global positions, so every tensor of the local batch has the local
+  length. Parameters are replicated over cp yet each cp rank sees only part of the tokens, so their
+  gradients must be SUMMED over cp: FSDP2 shards over the flattened (dp_shard, cp) axis `dp_shard_cp`
+  (as torchtitan does), which AVERAGES over dp_shard * cp ranks (and over dp_replicate under HSDP). The
+  loss must therefore be multiplied by `student_loss_scale(setup)` = dp_size * cp_size before backward.
+- `TeacherRunner`: forward only. Pipeline split, TP, and context parallel by head-tail sharding the
+  sequence with the same gathered-K/V attention (registered with transformers' `AttentionInterface`,
+  selected on this instance's config only; it runs on the CPU where torch's ring attention does not).
+  Pipeline stages pass activations point to point, shape metadata first. The runner builds the 4D
+  attention masks itself from NEAT document indices (or an ordinary 0/1 mask), so the teacher needs no
+  `configure_packing`.
 - `gather_full_state_dict`: the unsharded state dict for export.
 """
 

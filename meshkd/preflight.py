@@ -15,6 +15,7 @@ import torch
 
 from meshkd import data, models
 from meshkd.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.packing import attention_windows
 from meshkd.sharded_loading import empty_causal_lm
 from meshkd.tensor_parallel import check_tensor_parallel
 
@@ -86,8 +87,9 @@ def _skeleton(section) -> torch.nn.Module:
     directory, gguf_file = models._resolve_source(section.path, section.gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    attention = section.attn_implementation or models.default_attn_implementation(type(hf_config))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
     if section.keep_layers is not None:
         models.prune_layers(model, section.keep_layers)
     return model
@@ -104,9 +106,10 @@ def preflight(config: KDRecipeConfig) -> Preflight:
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
     corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
     exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
-    `step_scheduler.sequence_length` against each model's max_position_embeddings; tp sizes against
-    the model's own tensor-parallel plan (styles, attention and key/value head counts); the teacher's pp_size against its decoder layers; a TP student's
-    vocabulary against the common one.
+    `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
+    attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel
+    plan (styles, attention and key/value head counts); both roles' pp_size against their decoder layers;
+    a TP student's vocabulary against the common one.
 
     Raises:
         ConfigError (a ValueError) or ValueError: naming the config key.
@@ -166,6 +169,8 @@ def preflight(config: KDRecipeConfig) -> Preflight:
                                               teacher_vocab_size=_embedding_rows(teacher))
 
     for label, model in (("model", student), ("teacher_model", teacher)):
+        with _about(label):
+            attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and steps.sequence_length > limit:
             raise ConfigError(

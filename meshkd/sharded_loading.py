@@ -23,7 +23,6 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -140,16 +139,13 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
     model.to_empty(device=device)
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
-    handles: dict[Path, Any] = {}
-    try:
-        for name, parameter in model.named_parameters():
-            stored = checkpoint.names[names[name] if names else name]
-            file = checkpoint.files[stored]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            _fill(parameter, handles[file].get_slice(stored), what=f"{stored} ({file.name})")
-    finally:
-        handles.clear()
+    for name, parameter in model.named_parameters():
+        stored = checkpoint.names[names[name] if names else name]
+        file = checkpoint.files[stored]
+        # Opened per tensor: the file's pages read for one tensor are unmapped before the next is read, so
+        # they never add up to the whole checkpoint in this process's resident memory.
+        with safe_open(str(file), framework="pt") as handle:
+            _fill(parameter, handle.get_slice(stored), what=f"{stored} ({file.name})")
 
 
 def _fill(parameter: torch.Tensor, source, *, what: str) -> None:

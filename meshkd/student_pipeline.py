@@ -1,12 +1,14 @@
 """Student pipeline parallelism: one pipeline stage per pp rank, driven by torch.distributed.pipelining.
 
-Design (torchtitan style). `StudentPipeline` keeps this rank's contiguous decoder layers
-(`meshkd.parallel._stage_layers`), the embedding on the first stage and norm + lm_head on the last, in a
-small stage module whose parameter names are the transformers (HF) names: it holds the decoder as `model`
-(layers in an `nn.ModuleDict` keyed by the ORIGINAL layer index) and `lm_head`, so the stages' state dicts
-are disjoint slices of the HF state dict. Then TP (`apply_tensor_parallel` over `tp`), then FSDP2 per
-decoder layer and on the stage root over `dp_shard` (HSDP over (dp_replicate, dp_shard)), as
-`parallelize_student` does; no wrapper when dp_size is 1.
+Design (torchtitan style). `StudentPipeline` splits the model by its pipeline plan
+(`meshkd.stages.ModelStage`: this rank's contiguous decoder layers, the embedding on the first stage, norm
+and head on the last, pass-throughs elsewhere) and wraps it in a small stage module that registers the
+model's children as its own, so parameter names are the transformers (HF) names and the stages' state
+dicts are slices of the HF state dict. The model's own forward runs. Then TP (`meshkd.tensor_parallel`,
+the model's own plan), then FSDP2 per decoder layer and on the stage root over `dp_shard` (HSDP over
+(dp_replicate, dp_shard)), as `parallelize_student` does; no wrapper when dp_size is 1. Tied input/output
+embeddings become two copies, the first stage's embedding and the last stage's head, whose gradients are
+exchanged and summed after every step (as Megatron does), so the same update keeps them equal.
 
 Context parallel (cp_size > 1): the micro-batches are the cp rank's head-tail shards
 (`meshkd.parallel.shard_student_batch`); the attention gathers K/V over `cp` with a differentiable gather
@@ -16,7 +18,7 @@ and FSDP2 shards over the flattened (dp_shard, cp) axis, so the loss scale stays
 A torch `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` runs the micro-batches. Only the hidden state
 travels between stages. Every rank of a data-parallel replica holds the same micro-batches, so
 position_ids and the NEAT document indices reach every stage as schedule kwargs (chunked per micro-batch
-like the inputs) and each stage builds its own 4D attention mask (`_cp_mask`, as `TeacherRunner`). The
+like the inputs) and each stage builds its own 4D attention masks (`_cp_mask`, as `TeacherRunner`). The
 micro-batch index reaches the loss as the schedule's target: `arange(n)`, chunked into one index each.
 
 Stage metadata is given statically (shapes from the micro-batch, dtype from the parameters), so torch runs

@@ -191,3 +191,17 @@ def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp
     model, info = AutoModelForCausalLM.from_pretrained(summary["hf_dir"], output_loading_info=True)
     assert model.config.num_hidden_layers == 2
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_models_saved_as_safetensors_load_in_shards_with_the_same_curve(reference, tmp_path):
+    """The reference's models, saved as Hugging Face directories: each rank reads only its share (a
+    pipelined student, a tensor-parallel teacher) and training follows the reference curve."""
+    from meshkd.models import load_causal_lm, save_hf_model
+
+    config = with_layout(base_config(tmp_path), {"dp_size": 1, "pp_size": 2}, {"dp_size": 1, "tp_size": 2})
+    for key in ("model", "teacher_model"):
+        section = config[key]
+        directory = tmp_path / key
+        save_hf_model(load_causal_lm(random_init=section["random_init"], seed=section["seed"]), None, directory)
+        config[key] = {"path": str(directory), "tokenizer": "byte"}
+    assert curve(train_in_world(4, config)) == pytest.approx(curve(reference), rel=1e-4)
