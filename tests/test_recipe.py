@@ -205,3 +205,22 @@ def test_models_saved_as_safetensors_load_in_shards_with_the_same_curve(referenc
         save_hf_model(load_causal_lm(random_init=section["random_init"], seed=section["seed"]), None, directory)
         config[key] = {"path": str(directory), "tokenizer": "byte"}
     assert curve(train_in_world(4, config)) == pytest.approx(curve(reference), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2"])
+def test_a_teacher_identical_to_the_student_gives_zero_kd(family, tmp_path):
+    """Families whose forward scales embeddings, residuals and logits (Granite) or soft-caps attention and
+    logits (Gemma 2): the tensor-parallel teacher's logits are the student's, so KD starts at 0."""
+    extra = {"granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                         "logits_scaling": 4.0},
+             "gemma2": {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": 3.0,
+                        "attn_logit_softcapping": 5.0}}[family]
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1, "tp_size": 2})
+    section = {**config["model"], "random_init": {**config["model"]["random_init"], "model_type": family, **extra}}
+    config["model"], config["teacher_model"] = section, copy.deepcopy(section)
+    config["step_scheduler"]["max_steps"] = 1
+    records = train_in_world(3, config)
+    first = next(r for r in records if r["kind"] == "train")
+    assert abs(first["kd_loss"]) < 1e-6, first
+    before = next(r for r in records if r["kind"] == "eval")
+    assert before["val_loss"] == pytest.approx(before["teacher_val_loss"], rel=1e-5), before
