@@ -1,16 +1,18 @@
-"""Per-rank peak memory while loading a teacher of about 2 GB, laid out tp 2 or pp 2, relative to tp 1.
+"""Per-rank peak memory while loading a teacher of about 2 GB, laid out tp 2, pp 2 or ep 2, relative to tp 1.
 
     python bench/loading.py [--json OUT] [--hidden 2048] [--layers 8]
 
-A random Llama (hidden 2048, 8 layers, vocabulary 32000, untied: about 2.0 GB in float32) is written once
-as safetensors to a temporary directory. Each layout then runs in fresh processes (gloo): every rank
+A random Llama (hidden 2048, 8 layers, vocabulary 32000, untied: about 2.0 GB in float32) and a random
+Qwen3-MoE (hidden 1024, 8 layers, 16 experts of width 768 per layer: about 1.6 GB) are written as
+safetensors to a temporary directory. Each layout then runs in fresh processes (gloo): every rank
 imports torch and transformers, resets the kernel's peak-RSS counter (/proc/self/clear_refs, "5"), builds
 the teacher as `meshkd train` does, runs one forward (so that every weight it serves with is resident,
 memory-mapped ones included) and reads VmHWM: the peak resident memory of loading, laying out and
-serving, above the import floor. Layouts: tp 1 (one process: the baseline), tp 2 and pp 2 (two processes each),
-each with sharded loading (`meshkd.sharded_loading`: meta parameters, layout, then this rank's share) and,
-for comparison, the whole model loaded by every rank and then sharded. Ratio: a rank's peak / the tp 1
-peak of the same loading path. Linux only.
+serving, above the import floor. Layouts: tp 1 (one process: the baseline), tp 2 and pp 2 (two processes
+each; the MoE: tp 2, and ep 2, whole experts spread over the two tp ranks), with sharded loading
+(`meshkd.sharded_loading`: meta parameters, layout, then this rank's share) and, for the Llama, also the
+whole model loaded by every rank and then sharded. Ratio: a rank's peak / the tp 1 peak of the same
+loading path. Linux only.
 """
 
 from __future__ import annotations
@@ -33,16 +35,22 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _write_model(directory: Path, hidden: int, layers: int) -> None:
+def _write_model(directory: Path, kind: str, hidden: int, layers: int) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
-                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                         tie_word_embeddings=False)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
+                             num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                             tie_word_embeddings=False)
+    else:  # a Qwen3-MoE of about the same size, most of it in 16 experts per layer
+        config = Qwen3MoeConfig(vocab_size=32000, hidden_size=hidden // 2, num_hidden_layers=layers,
+                                num_attention_heads=16, num_key_value_heads=8, head_dim=64, num_experts=16,
+                                num_experts_per_tok=2, moe_intermediate_size=hidden * 3 // 8,
+                                tie_word_embeddings=False)
     with torch.device("meta"):
-        shapes = {name: tensor.shape for name, tensor in LlamaForCausalLM(config).state_dict().items()}
+        shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
     # The values do not matter for memory: uninitialized storage is written as it is.
     save_file({name: torch.empty(shape) for name, shape in shapes.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
@@ -74,8 +82,9 @@ def _rank_main(rank: int, world: int, port: int, directory: str, layout: dict, s
         load_shards(model, checkpoint, device="cpu")
     else:
         runner = TeacherRunner(load_causal_lm(path=directory), setup, device="cpu")
-    # One forward, so that every weight the rank serves with is resident (a memory-mapped one counts too).
-    runner.logits({"input_ids": torch.zeros(1, 16, dtype=torch.int64)})
+    # One forward, so that every weight the rank serves with is resident (a memory-mapped one counts too;
+    # random token ids, so that an MoE routes them to many experts).
+    runner.logits({"input_ids": torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))})
     peak = _status_kib("VmHWM") - floor
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_mib": peak / 1024}))
     dist.barrier()
@@ -101,21 +110,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     results: dict = {"layouts": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        _write_model(directory, args.hidden, args.layers)
-        results["checkpoint_mib"] = (directory / "model.safetensors").stat().st_size / 2**20
-        print(f"teacher checkpoint: {results['checkpoint_mib']:.0f} MiB")
-        for sharded in (True, False):
-            path = "sharded" if sharded else "whole, then sharded"
-            baseline = _measure(directory, {"dp_size": 1}, 1, sharded)[0]
-            for name, layout in (("tp 2", {"tp_size": 2, "dp_size": 1}), ("pp 2", {"pp_size": 2, "dp_size": 1})):
-                peaks = _measure(directory, layout, 2, sharded)
-                ratios = [peak / baseline for peak in peaks]
-                results["layouts"].append({"loading": path, "layout": name, "tp1_peak_mib": baseline,
-                                           "peak_mib": peaks, "ratio": ratios})
-                print(f"{path:>20} {name}: per-rank peak {', '.join(f'{p:.0f}' for p in peaks)} MiB, "
-                      f"/ tp 1 ({baseline:.0f} MiB) = {', '.join(f'{r:.2f}' for r in ratios)}")
+    tp2, pp2, ep2 = {"tp_size": 2, "dp_size": 1}, {"pp_size": 2, "dp_size": 1}, {"tp_size": 2, "ep_size": 2, "dp_size": 1}
+    runs = (("llama", True, {"tp 2": tp2, "pp 2": pp2}), ("llama", False, {"tp 2": tp2, "pp 2": pp2}),
+            ("qwen3_moe", True, {"tp 2": tp2, "ep 2 (tp 2)": ep2}))
+    for kind in ("llama", "qwen3_moe"):
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = Path(tmp)
+            _write_model(directory, kind, args.hidden, args.layers)
+            size = (directory / "model.safetensors").stat().st_size / 2**20
+            print(f"{kind} teacher checkpoint: {size:.0f} MiB")
+            for _, sharded, layouts in (run for run in runs if run[0] == kind):
+                path = "sharded" if sharded else "whole, then sharded"
+                baseline = _measure(directory, {"dp_size": 1}, 1, sharded)[0]
+                for name, layout in layouts.items():
+                    peaks = _measure(directory, layout, 2, sharded)
+                    ratios = [peak / baseline for peak in peaks]
+                    results["layouts"].append({"model": kind, "checkpoint_mib": size, "loading": path, "layout": name,
+                                               "tp1_peak_mib": baseline, "peak_mib": peaks, "ratio": ratios})
+                    print(f"{kind} {path:>20} {name}: per-rank peak {', '.join(f'{p:.0f}' for p in peaks)} MiB, "
+                          f"/ tp 1 ({baseline:.0f} MiB) = {', '.join(f'{r:.2f}' for r in ratios)}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

@@ -21,7 +21,8 @@ model's own forward runs on every rank. A pipelined student is laid out by
   gradients must be SUMMED over cp: FSDP2 shards over the flattened (dp_shard, cp) axis `dp_shard_cp`
   (as torchtitan does), which AVERAGES over dp_shard * cp ranks (and over dp_replicate under HSDP). The
   loss must therefore be multiplied by `student_loss_scale(setup)` = dp_size * cp_size before backward.
-- `TeacherRunner`: forward only. Pipeline split, TP, and context parallel by head-tail sharding the
+- `TeacherRunner`: forward only. Pipeline split, TP (with ep_size = tp_size: whole experts spread over the
+  tp ranks, as the model's expert plan says), and context parallel by head-tail sharding the
   sequence with the same gathered-K/V attention (registered with transformers' `AttentionInterface`,
   selected on this instance's config only; it runs on the CPU where torch's ring attention does not).
   Pipeline stages pass activations point to point, shape metadata first. The runner builds the 4D
@@ -633,7 +634,7 @@ class TeacherRunner:
         if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
             model.to(self.device)
         if setup.tp_size > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.ep_size > 1)
         if self.cp_size > 1:
             _enable_cp_attention(model, mesh.get_group("cp"))
         model.eval()

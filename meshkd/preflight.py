@@ -185,9 +185,10 @@ def preflight(config: KDRecipeConfig) -> Preflight:
     for key, layout, label, model in (("distributed", student_layout, "model", student),
                                       (teacher_key, teacher_layout, "teacher_model", teacher)):
         try:
-            check_tensor_parallel(model, layout.tp_size)
+            check_tensor_parallel(model, layout.tp_size, layout.ep_size)
         except ValueError as error:
-            raise ConfigError(f"{key}.tp_size({layout.tp_size}) does not fit {label}: {error}") from None
+            sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
+            raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
     for key, layout, label, model, section in (("distributed", student_layout, "model", student, config.model),
                                                (teacher_key, teacher_layout, "teacher_model", teacher,
                                                 config.teacher_model)):

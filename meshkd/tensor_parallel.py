@@ -9,7 +9,9 @@ summed over tp (Qwen 3's per-head q/k norms). meshkd applies that plan with tran
 the vocabulary, and the output head keeps its logits as a DTensor Shard(-1) on the vocabulary dim, so the
 vocab-parallel KD loss never gathers the vocabulary. `tensor_parallel_plan` resolves the plan for one
 model instance (wildcards expanded to the modules it has, so a pipeline stage's pass-throughs are left
-out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour.
+out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour. A
+forward-only teacher may instead spread whole experts over the same tp ranks by the model's expert plan
+(`config.base_model_ep_plan`, transformers' expert dispatch): ep_size = tp_size.
 """
 
 from __future__ import annotations
@@ -87,33 +89,19 @@ class _GradSummedReplica:
         pass  # replicated
 
 
-def _declared_plan(model: nn.Module) -> dict[str, str]:
-    """The model's plan with full module names: the causal LM's entries, then its base model's, prefixed."""
+def _declared_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
+    """The model's `kind` ("tp" or "ep") plan with full names: the causal LM's entries, then its base model's."""
     decoder = decoder_of(model)
     prefix = next(name for name, module in model.named_children() if module is decoder)
-    plan = dict(getattr(type(model), "_tp_plan", None) or {})
-    plan.update({f"{prefix}.{key}": style for key, style in (model.config.base_model_tp_plan or {}).items()})
+    plan = dict(getattr(type(model), f"_{kind}_plan", None) or {})
+    base = getattr(model.config, f"base_model_{kind}_plan", None) or {}
+    plan.update({f"{prefix}.{key}": style for key, style in base.items()})
     return plan
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
-    """{module or parameter name: style name} to shard `model` with, wildcards expanded.
-
-    The model's own plan, with the input embedding sharded over the vocabulary and the output head
-    vocab-parallel (`VOCAB_PARALLEL_HEAD`). Entries matching nothing in this instance (a layer another
-    pipeline stage owns) are left out.
-    """
-    plan = _declared_plan(model)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    names = {module: name for name, module in model.named_modules()}
-    overrides = {}
-    if isinstance(embedding, nn.Embedding):
-        overrides[names[embedding]] = VOCAB_PARALLEL_EMBEDDING
-    if isinstance(head, nn.Linear):
-        overrides[names[head]] = VOCAB_PARALLEL_HEAD
-    plan = {key: _REPLACED_STYLES.get(style, style) for key, style in plan.items() if key not in overrides} | overrides
-    modules = dict(model.named_modules())
-    targets = [name for name, module in modules.items() if not is_pass_through(module)]
+def _expand(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module or parameter name of this instance: style} for plan keys with `*` standing for a layer index."""
+    targets = [name for name, module in model.named_modules() if not is_pass_through(module)]
     targets += [name for name, _ in model.named_parameters()]
     resolved: dict[str, str] = {}
     for key, style in plan.items():
@@ -124,13 +112,41 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
     return resolved
 
 
-def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
+def tensor_parallel_plan(model: nn.Module, *, expert_parallel: bool = False) -> dict[str, str]:
+    """{module or parameter name: style name} to shard `model` with, wildcards expanded.
+
+    The model's own plan, with the input embedding sharded over the vocabulary and the output head
+    vocab-parallel (`VOCAB_PARALLEL_HEAD`). Entries matching nothing in this instance (a layer another
+    pipeline stage owns) are left out, and so are the experts' entries with `expert_parallel` (the expert
+    plan shards them instead).
+    """
+    plan = _declared_plan(model)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {module: name for name, module in model.named_modules()}
+    overrides = {}
+    if isinstance(embedding, nn.Embedding):
+        overrides[names[embedding]] = VOCAB_PARALLEL_EMBEDDING
+    if isinstance(head, nn.Linear):
+        overrides[names[head]] = VOCAB_PARALLEL_HEAD
+    plan = {key: _REPLACED_STYLES.get(style, style) for key, style in plan.items() if key not in overrides} | overrides
+    resolved = _expand(model, plan)
+    if expert_parallel:
+        experts = tuple(_expand(model, _declared_plan(model, "ep")))
+        resolved = {name: style for name, style in resolved.items()
+                    if not any(name == expert or name.startswith(expert + ".") for expert in experts)}
+    return resolved
+
+
+def check_tensor_parallel(model: nn.Module, tp_size: int, ep_size: int = 1) -> None:
     """Raise ValueError when `model` cannot be split over `tp_size` ranks by its plan (config only, no weights).
 
-    Refused: a family without a plan; a style transformers does not implement, or an expert-parallel style
-    in the tensor-parallel plan; head counts the tp size does not divide where attention projections are
-    sharded by head. The message names the module and the number.
+    Refused: a family without a plan; a style transformers does not implement; head counts the tp size does
+    not divide where attention projections are sharded by head; with `ep_size` > 1, a model without an
+    expert plan, an ep size other than the tp size (experts are spread over the tensor-parallel ranks), or
+    an expert count it does not divide. The message names the module and the number.
     """
+    if ep_size > 1:
+        _check_expert_parallel(model, tp_size, ep_size)
     if tp_size == 1:
         return
     styles = _styles()
@@ -151,20 +167,38 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> None:
                                      "attention heads whole")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _check_expert_parallel(model: nn.Module, tp_size: int, ep_size: int) -> None:
+    if ep_size != tp_size:
+        raise ValueError(f"ep_size({ep_size}) must equal tp_size({tp_size}): experts are spread over the "
+                         "tensor-parallel ranks, which all hold the same tokens")
+    if not _declared_plan(model, "ep"):
+        raise ValueError(f"ep_size({ep_size}) > 1 needs a mixture-of-experts model; {type(model).__name__} ships "
+                         "no expert-parallel plan (config.base_model_ep_plan)")
+    config = model.config
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        experts = getattr(config, key, None)
+        if isinstance(experts, int) and experts % ep_size:
+            raise ValueError(f"ep_size({ep_size}) must divide {key}({experts}): each rank holds whole experts")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_parallel: bool = False) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` by its own plan (`tensor_parallel_plan`).
 
-    Tied input/output embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is
-    pointed back at the embedding's DTensor. Raises ValueError as `check_tensor_parallel`.
+    With `expert_parallel`, the experts follow the model's expert plan instead: each rank holds whole
+    experts (1/tp of them), every rank runs its experts on the tokens routed to them and the outputs are
+    summed over the group (transformers' expert dispatch; the ranks hold the same tokens). Tied input/output
+    embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is pointed back at the
+    embedding's DTensor. Raises ValueError as `check_tensor_parallel`.
     """
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     tp_size = tp_mesh.size()
-    check_tensor_parallel(model, tp_size)
+    check_tensor_parallel(model, tp_size, tp_size if expert_parallel else 1)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear)
             and head.weight is embedding.weight)
-    plan = tensor_parallel_plan(model)
+    plan = tensor_parallel_plan(model, expert_parallel=expert_parallel)
     styles = _styles()
     # transformers shards a module entry's parameters while it loads them; these are loaded already, so
     # each is cut here to this rank's piece (no communication: every rank holds the same full tensor).
@@ -174,6 +208,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             for parameter in [key for key, _ in modules[name].named_parameters(recurse=False)]:
                 styles[style].shard_param(modules[name], parameter, tp_mesh)
     apply_tensor_parallelism(model, tp_mesh, plan)
+    if expert_parallel:
+        apply_expert_parallelism(model, tp_mesh, tp_mesh, _expand(model, _declared_plan(model, "ep")))
     if tied:
         head.weight = embedding.weight
     local_heads = any(style in _LOCAL_HEAD_STYLES and name.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS

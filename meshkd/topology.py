@@ -247,8 +247,11 @@ def _validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedS
     roles = []
     for section, label in ((student_section, "distributed"), (teacher_section, "teacher_distributed")):
         setup = _resolve_section(section, label, world_size=None)
-        if setup.ep_size > 1:
-            raise ValueError(f"{label}.ep_size({setup.ep_size}) > 1 is not supported with separate_meshes: true")
+        if setup.ep_size > 1 and (label == "distributed" or setup.ep_size != setup.tp_size):
+            raise ValueError(
+                f"{label}.ep_size({setup.ep_size}) > 1 is supported for the teacher only, with ep_size equal to "
+                f"tp_size({setup.tp_size}): its experts are spread over the tensor-parallel ranks"
+            )
         if setup.strategy == "ddp":
             raise ValueError(f"{label}.strategy 'ddp' is not supported with separate_meshes: true; use fsdp2")
         roles.append(setup)

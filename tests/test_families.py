@@ -2,7 +2,8 @@
 
 For tiny random-init models of each family (sliding windows, soft-capping, multipliers, fused projections,
 q/k norms and MoE experts set where the family has them), in one 4-rank gloo world:
-- teacher (`TeacherRunner`) tp2 x cp2 and pp2 x tp2: logits equal the HF model's own forward, on an ordinary batch
+- teacher (`TeacherRunner`) tp2 x cp2, pp2 x tp2 and, for MoE families, ep2 (whole experts over the tp
+  ranks): logits equal the HF model's own forward, on an ordinary batch
   and on a NEAT-packed one (the packed reference is the unsharded model with `configure_packing`, which
   test_packing checks against per-document forwards);
 - student tp2 x cp2 (`parallelize_student`, FSDP2 over the cp axis) and pp2 x tp2 (`StudentPipeline`):
@@ -94,6 +95,9 @@ def check_teacher(family: str, section: dict) -> None:
     plain_reference = copy.deepcopy(model).eval()
     packed_reference = configure_packing(copy.deepcopy(model).eval())
     runner = TeacherRunner(model, setup_for(section), device="cpu")
+    if section.get("ep_size", 1) > 1:  # whole experts per rank: half of each experts tensor's first dim
+        experts = [p for name, p in model.named_parameters() if name.endswith("experts.gate_up_proj")]
+        assert experts and all(2 * p.to_local().shape[0] == p.shape[0] for p in experts)
     for batch, reference in ((PLAIN, plain_reference), (PACKED, packed_reference)):
         logits = runner.logits(batch if runner.is_first else None)
         if runner.is_last:
@@ -179,11 +183,12 @@ class FamilyCheck:
 # Each family in every role and layout kind, with layouts combined to keep the world short: tp with cp (the
 # 4 ranks hold one replica), and pp with tp.
 TP_CP, PP_TP = {"tp_size": 2, "cp_size": 2}, {"pp_size": 2, "tp_size": 2}
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 CHECKS = [
     FamilyCheck(function, family, section)
     for family in FAMILIES
     for function, section in ((check_teacher, TP_CP), (check_teacher, PP_TP), (check_student, TP_CP),
                               (check_student_pipeline, PP_TP))
-]
+] + [FamilyCheck(check_teacher, family, {"tp_size": 2, "ep_size": 2}) for family in MOE]
 
 test_families_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=900.0)
