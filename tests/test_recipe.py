@@ -224,3 +224,14 @@ def test_a_teacher_identical_to_the_student_gives_zero_kd(family, tmp_path):
     assert abs(first["kd_loss"]) < 1e-6, first
     before = next(r for r in records if r["kind"] == "eval")
     assert before["val_loss"] == pytest.approx(before["teacher_val_loss"], rel=1e-5), before
+
+
+def test_moe_teacher_with_experts_spread_over_its_ranks_gives_the_single_process_curve(tmp_path):
+    config = base_config(tmp_path)
+    config["teacher_model"]["random_init"].update(model_type="qwen3_moe", head_dim=8, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=16)
+    config["logging"]["run_dir"] = str(tmp_path / "single")
+    expected = train_in_world(2, with_layout(config, {"dp_size": 1}, {"dp_size": 1}))
+    config["logging"]["run_dir"] = str(tmp_path / "ep2")
+    records = train_in_world(3, with_layout(config, {"dp_size": 1}, {"dp_size": 1, "tp_size": 2, "ep_size": 2}))
+    assert curve(records) == pytest.approx(curve(expected), rel=1e-4)
