@@ -122,8 +122,9 @@ class StudentPipeline:
 
     Args:
         model: a transformers causal LM split by its `base_model_pp_plan` (`meshkd.stages.ModelStage`),
-            sdpa or eager attention, identical on every rank. Tied
-            input/output embeddings are kept as two copies (first and last stage) with summed gradients.
+            sdpa or eager attention, identical on every rank (or built with meta parameters for
+            `meshkd.sharded_loading.load_shards`). Tied input/output embeddings are kept as two copies
+            (first and last stage) with summed gradients.
         setup: the student's `DistributedSetup` with pp_size > 1 (this rank must be a member).
         device: where the stage runs.
         schedule: one of `meshkd.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
