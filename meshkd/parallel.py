@@ -56,7 +56,7 @@ CP_ATTENTION = "meshkd_cp"
 STUDENT_CP_AXIS = "dp_shard_cp"
 """Flattened (dp_shard, cp) mesh axis over which FSDP2 shards a context-parallel student."""
 
-# Attributes on each attention module holding its cp process group and the attention implementation it used
+# Attributes on each attention module holding its cp process group and the attention function it used
 # before; the registered attention function is global to transformers, so both travel with the instance.
 _CP_GROUP_ATTR = "_meshkd_cp_group"
 _CP_INNER_ATTR = "_meshkd_cp_inner_attention"
@@ -72,12 +72,6 @@ _META_LENGTH = 7
 
 # ---------------------------------------------------------------------------------------------------------
 # Tensor parallel
-
-
-def is_tied(model: nn.Module) -> bool:
-    """Whether the input embedding and the output head share one weight."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    return embedding is not None and head is not None and getattr(head, "weight", None) is embedding.weight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,12 +227,11 @@ def _cp_attention(
     key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
     # The mask is not causal in the gathered key order: no attention function may assume causality.
     kwargs["is_causal"] = False
-    return _inner_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    return getattr(module, _CP_INNER_ATTR)(module, query, key, value, attention_mask, **kwargs)
 
 
-def _inner_attention(module: nn.Module):
-    """The attention function `module` used before context parallel: the family's eager function or a registered one."""
-    implementation = getattr(module, _CP_INNER_ATTR)
+def _inner_attention(module: nn.Module, implementation: str):
+    """The attention function of `implementation` for `module`: the family's eager function or a registered one."""
     if implementation == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -300,7 +293,7 @@ def _enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
         attention = getattr(layer, "self_attn", None)
         if attention is not None:
             setattr(attention, _CP_GROUP_ATTR, group)
-            setattr(attention, _CP_INNER_ATTR, inner)
+            setattr(attention, _CP_INNER_ATTR, _inner_attention(attention, inner))
     try:
         model.set_attn_implementation(CP_ATTENTION)
     except (ValueError, AttributeError, KeyError):

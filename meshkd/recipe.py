@@ -210,7 +210,7 @@ class KDRecipe:
         )
         with self.faults.on_every_rank("while laying out the models"):
             if teacher_model is not None:
-                self.teacher = TeacherRunner(_to(teacher_model, self.device), self.setups.teacher, device=self.device)
+                self.teacher = TeacherRunner(teacher_model, self.setups.teacher, device=self.device)
                 if teacher_checkpoint is not None:
                     with _about("teacher_model"):
                         load_shards(teacher_model, teacher_checkpoint, device=self.device)
@@ -218,12 +218,15 @@ class KDRecipe:
                 self.teacher = None
             if self.is_student and student.pp_size > 1:
                 self.pipeline = StudentPipeline(
-                    _to(student_model, self.device), student, device=self.device, schedule=student.pp_schedule,
+                    student_model, student, device=self.device, schedule=student.pp_schedule,
                     num_micro_batches=self.num_micro_batches,
                 )
                 self.model = self.pipeline.stage_model
             elif self.is_student:
-                self.model = parallelize_student(_to(student_model, self.device), student)
+                # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
+                if not is_empty(student_model):  # else `load_shards` gives it storage on the device
+                    student_model.to(self.device)
+                self.model = parallelize_student(student_model, student)
             if student_checkpoint is not None:
                 with _about("model"):
                     load_shards(self.model, student_checkpoint, device=self.device)
@@ -726,11 +729,6 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
             for grad in grads:
                 grad.mul_(scale)
     return total
-
-
-def _to(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` on `device`; a model still without weights (sharded loading) stays as it is."""
-    return model if is_empty(model) else model.to(device)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

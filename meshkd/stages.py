@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelStage", "decoder_of", "is_pass_through", "stage_layers"]
+__all__ = ["ModelStage", "decoder_of", "is_pass_through", "is_tied", "stage_layers"]
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -54,6 +54,12 @@ def decoder_of(model: nn.Module) -> nn.Module:
             f"{sorted(plan)} does not have the embed_tokens -> layers -> norm shape meshkd splits"
         )
     return decoder
+
+
+def is_tied(model: nn.Module) -> bool:
+    """Whether the input embedding and the output head share one weight."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return embedding is not None and head is not None and getattr(head, "weight", None) is embedding.weight
 
 
 class _PassThrough(nn.Module):

@@ -49,11 +49,10 @@ from meshkd.parallel import (
     _member_mesh,
     _positions_and_documents,
     gather_full_state_dict,
-    is_tied,
     student_fsdp_mesh,
 )
 from meshkd.sharded_loading import is_empty
-from meshkd.stages import ModelStage, decoder_of, is_pass_through
+from meshkd.stages import ModelStage, decoder_of, is_pass_through, is_tied
 from meshkd.tensor_parallel import apply_tensor_parallel
 from meshkd.topology import PP_SCHEDULES, DistributedSetup
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkd.stages import decoder_of, is_pass_through
+from meshkd.stages import decoder_of, is_pass_through, is_tied
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan"]
 
@@ -196,8 +196,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_paral
     tp_size = tp_mesh.size()
     check_tensor_parallel(model, tp_size, tp_size if expert_parallel else 1)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear)
-            and head.weight is embedding.weight)
+    tied = is_tied(model)
     plan = tensor_parallel_plan(model, expert_parallel=expert_parallel)
     styles = _styles()
     # transformers shards a module entry's parameters while it loads them; these are loaded already, so

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from meshkd.loss import cross_entropy_loss
 from meshkd.models import load_causal_lm
@@ -24,7 +23,7 @@ from meshkd.packing import configure_packing
 from meshkd.parallel import TeacherRunner, parallelize_student, shard_student_batch
 from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
-from tests.tiny import neat_layout
+from tests.tiny import full, neat_layout
 from tests.world import world_test
 
 WORLD = 4
@@ -73,10 +72,6 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 def setup_for(section: dict):
     return create_kd_distributed_setups({"distributed": section}, WORLD).student
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -26,7 +26,7 @@ from meshkd.parallel import TeacherRunner, parallelize_student
 from meshkd.sharded_loading import empty_causal_lm, is_empty, load_shards
 from meshkd.student_pipeline import StudentPipeline
 from meshkd.topology import create_kd_distributed_setups
-from tests.tiny import neat_layout
+from tests.tiny import full, neat_layout
 from tests.world import world_test
 
 WORLD = 4
@@ -118,10 +118,6 @@ def setup_for(section: dict):
 
 def local_numel(model: torch.nn.Module) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def run_teacher(name: str, section: dict, max_share: float) -> None:

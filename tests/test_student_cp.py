@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from meshkd.logits import cp_shard, cp_unshard
 from meshkd.loss import cross_entropy_loss, kd_loss
@@ -30,7 +29,7 @@ from meshkd.parallel import (
     student_loss_scale,
 )
 from meshkd.topology import create_kd_distributed_setups
-from tests.tiny import packed_llama_batch, tiny_llama_model
+from tests.tiny import full, packed_llama_batch, tiny_llama_model
 from tests.world import world_test
 
 WORLD = 4
@@ -53,10 +52,6 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 def setup_for(section: dict):
     return create_kd_distributed_setups({"distributed": section}, WORLD).student
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:

@@ -10,6 +10,11 @@ import torch
 STEPS = 5
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective over its mesh); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def tiny_llama(layers: int, seed: int) -> dict:
     return {
         "random_init": {
