@@ -10,7 +10,7 @@ the teacher as `meshkd train` does, runs one forward (so that every weight it se
 memory-mapped ones included) and reads VmHWM: the peak resident memory of loading, laying out and
 serving, above the import floor. Layouts: tp 1 (one process: the baseline), tp 2 and pp 2 (two processes
 each; the MoE: tp 2, and ep 2, whole experts spread over the two tp ranks), with sharded loading
-(`meshkd.sharded_loading`: meta parameters, layout, then this rank's share) and, for the Llama, also the
+(`meshkd.parallel.sharded_loading`: meta parameters, layout, then this rank's share) and, for the Llama, also the
 whole model loaded by every rank and then sharded. Ratio: a rank's peak / the tp 1 peak of the same
 loading path. Linux only.
 """
@@ -64,10 +64,10 @@ def _rank_main(rank: int, world: int, port: int, directory: str, layout: dict, s
     import torch.distributed as dist
     import transformers  # noqa: F401  (the import floor includes it)
 
-    from meshkd.models import load_causal_lm
-    from meshkd.parallel import TeacherRunner
-    from meshkd.sharded_loading import empty_causal_lm, load_shards
-    from meshkd.topology import create_kd_distributed_setups
+    from meshkd.core.topology import create_kd_distributed_setups
+    from meshkd.parallel.sharded_loading import empty_causal_lm, load_shards
+    from meshkd.parallel.teacher_runner import TeacherRunner
+    from meshkd.recipe.models import load_causal_lm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))

@@ -98,8 +98,8 @@ def _world_main(rank: int, world_size: int, port: int, backend: str, sections: l
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
     try:
-        from meshkd.topology import create_kd_distributed_setups
-        from meshkd.transport import KDMeshBridge
+        from meshkd.core.bridge import KDMeshBridge
+        from meshkd.core.topology import create_kd_distributed_setups
 
         cfg = {"separate_meshes": True, "distributed": {"dp_size": 1}, "teacher_distributed": {"dp_size": 1}}
         bridge = KDMeshBridge(create_kd_distributed_setups(cfg, world_size), device)
@@ -212,7 +212,7 @@ def _small_batch(device: torch.device) -> dict:
 
 def _reference_send_batch(value, route, device: torch.device):
     """The reference design: pickle the structure every call, then one broadcast per tensor leaf."""
-    from meshkd import wire
+    from meshkd.core import wire
 
     is_source = dist.get_rank() == route.src
     tensors: list[torch.Tensor] = []
@@ -246,7 +246,7 @@ def _latency(bridge, settings: dict) -> dict:
         for got in arrived:
             assert all(torch.equal(got[key], expected[key]) for key in ("input_ids", "labels", "position_ids"))
     meshkd_times, reference_times = _paired(meshkd, reference, settings["latency_repeats"], bridge.device)
-    from meshkd import wire
+    from meshkd.core import wire
 
     return {
         "batch_bytes": wire.payload_nbytes(_small_batch(torch.device("cpu"))),
@@ -261,7 +261,7 @@ def _latency(bridge, settings: dict) -> dict:
 
 
 def _overlap(bridge, settings: dict) -> list[dict]:
-    from meshkd.transport import RUN_TEACHER, STOP_TEACHER, TeacherPrefetcher
+    from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, TeacherPrefetcher
 
     logits = torch.randn(2, 256, 2048, device=bridge.device)  # 4 MiB of float32 logits per micro-batch
     count = settings["overlap_micro_batches"]
@@ -342,8 +342,8 @@ _STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 la
 
 def _modes(settings: dict) -> dict:
     from meshkd import models
-    from meshkd.logits_transport import encode_teacher_logits, encoded_nbytes
-    from meshkd.loss import kd_loss_encoded
+    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
+    from meshkd.core.loss import kd_loss_encoded
 
     source = models.demo_teacher_source()
     tokenizer = models.load_tokenizer(**source)
@@ -409,7 +409,7 @@ def _memory_probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict
     kind: "naive" (the plain full-softmax path), "chunked", or "float64" (the value only, chunked in float64
     without a gradient: the reference both float32 values are compared with).
     """
-    from meshkd.loss import kd_loss
+    from meshkd.core.loss import kd_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,8 +1,18 @@
 """meshkd: distill a large teacher LLM into a student that lives on a disjoint set of ranks.
 
-Layers, each a module: `topology` (who is where) -> `wire` and `transport` (moving batches and logits)
--> `logits` (materializing sharded teacher logits) -> `packing` (NEAT-packed batches). The documented
-API is re-exported by `meshkd.kd_utils` and `meshkd.pipeline_parallel`.
+Three layers, each a package:
+
+- `meshkd.core`: the torch-only library: who is where (`topology`), how values travel (`wire`, `bridge`),
+  the teacher request between the roles (`teacher_protocol`), teacher-logits encodings (`logits_codec`),
+  sharded logits (`logits`), the losses (`loss`), NEAT packing (`packing`), stage broadcasts
+  (`stage_broadcast`) and one status agreement across ranks (`agreement`).
+- `meshkd.parallel`: laying a transformers model out, one concern per module (`stages`,
+  `tensor_parallel`, `context_parallel`, `data_parallel`, `sharded_loading`, `teacher_runner`,
+  `student_pipeline`).
+- `meshkd.recipe`: the training recipe and its inputs (`config`, `data`, `models`, `preflight`,
+  `checkpoint`, `metrics`, `faults`, `student_trainer`, `teacher_worker`, `run`).
+
+The documented API is re-exported by `meshkd.kd_utils` and `meshkd.pipeline_parallel`.
 """
 
 __version__ = "0.1.0"

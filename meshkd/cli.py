@@ -28,7 +28,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from meshkd.config import ConfigError, KDRecipeConfig, load_config, required_world_size
+from meshkd.recipe.config import ConfigError, KDRecipeConfig, load_config, required_world_size
 
 _DEMO_CONFIG = "demo.yaml"
 
@@ -80,10 +80,10 @@ def _launch(nproc: int, args: list[str]) -> int:
 
     The launcher runs in its own session, so a Ctrl-C at the terminal reaches this process only. The first
     SIGINT / SIGTERM creates the stop file the workers poll at step boundaries (see
-    `meshkd.faults.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
+    `meshkd.recipe.faults.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
     status, or 128 + the first signal's number when every process exited cleanly after it.
     """
-    from meshkd.faults import STOP_FILE_ENV
+    from meshkd.recipe.faults import STOP_FILE_ENV
 
     with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
         stop_file = Path(scratch, "stop")
@@ -128,9 +128,9 @@ def _train_here(config: KDRecipeConfig, resume: bool) -> int:
 
     Other exceptions (bugs) keep their traceback.
     """
-    from meshkd.faults import PeerLostError, SetupError
-    from meshkd.recipe import KDRecipe
-    from meshkd.wire import SenderError  # a peer's own error, forwarded in place of its data
+    from meshkd.core.wire import SenderError  # a peer's own error, forwarded in place of its data
+    from meshkd.recipe.faults import PeerLostError, SetupError
+    from meshkd.recipe.run import KDRecipe
 
     # The recipe handles SIGINT / SIGTERM while it runs; before and after, a worker on its way out ignores
     # them (torchrun signals every worker once one fails), so that it ends with its own exit status.
@@ -148,7 +148,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
     config = load_config(config_path, overrides)
     if _inside_torchrun():
         return _train_here(config, resume)
-    from meshkd.preflight import preflight
+    from meshkd.recipe.preflight import preflight
 
     preflight(config)
     world_size = _world_size(config, nproc)
@@ -158,7 +158,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
 def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
     """Fill the embedded demo config with the installed teacher's location."""
-    from meshkd.models import demo_teacher_source
+    from meshkd.recipe.models import demo_teacher_source
 
     source = demo_teacher_source()
     overrides = []
@@ -192,7 +192,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plot(run_dir: str, out: str | None) -> int:
-    from meshkd.plot import plot_run
+    from meshkd.recipe.plot import plot_run
 
     print(plot_run(run_dir, out))
     return 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from meshkd.metrics import read_metrics
+from meshkd.recipe.metrics import read_metrics
 from tests.tiny import base_config, with_layout
 
 

@@ -1,0 +1,420 @@
+"""Packing: make causal LMs consume NEAT-packed batches, one model instance at a time.
+
+Layout. A NEAT-packed row holds several documents. `attention_mask` [batch, sequence] holds each token's
+1-based document index (0 = padding) and `position_ids` restart at 0 in every document. A token attends
+to the earlier-or-equal tokens of its own document only. A row holding one document is an ordinary 0/1
+padding mask, so the two layouts agree there by construction.
+
+Design. transformers builds its attention masks from a 2D 0/1 mask, but hands an already prepared 4D mask
+to the sdpa and eager attention functions untouched (`_preprocess_mask_arguments` in masking_utils
+returns it as-is). `configure_packing` therefore registers a forward pre-hook on the model instance, and
+on the transformers models inside it so that a pipeline stage calling its inner model directly works too,
+which turns the indexed mask into an additive float mask [batch, 1, query, key] before transformers sees
+it (one per attention kind, as a {kind: mask} dict, for models whose layers mix sliding and full
+attention: such models hand each layer the mask of its kind). Nothing in transformers is patched: other
+instances in the process keep the ordinary behaviour. The consumed layout is recorded on the instance and
+read back by `packing_layout`.
+
+`configure_kd_teacher_packing` closes a gap of separate-mesh KD: teacher-only ranks never see the student,
+so they learn its layout from the control group, configure their teacher parts to match, and then every
+rank checks that both roles agree. Local failures travel inside the same gathers, so a disagreement
+raises ValueError on every rank instead of leaving a peer blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NEAT_INDEXED = "neat-indexed"
+"""Layout name: `attention_mask` holds 1-based document indices, 0 for padding."""
+
+LAYOUT_ATTR = "_meshkd_packing_layout"
+"""Instance attribute recording the packed mask layout a module consumes (absent: ordinary 0/1 mask)."""
+
+# Attention implementations of transformers that take a prepared 4D additive mask as-is. Flash and flex
+# attention build their own masks (or need a BlockMask) and would silently ignore ours.
+_SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Arguments whose dim 1 is the query length; only differs from the mask length when a KV cache is used.
+_QUERY_ARGUMENTS = ("input_ids", "inputs_embeds", "hidden_states")
+_FLOAT_QUERY_ARGUMENTS = ("inputs_embeds", "hidden_states")
+
+
+def packing_layout(module: nn.Module) -> str | None:
+    """Return the packed mask layout `module` consumes: `NEAT_INDEXED`, or None for an ordinary 0/1 mask.
+
+    A module configured by `configure_packing`, or one that contains a configured module, consumes the NEAT
+    layout. A module made to consume a layout by other means can declare it by setting `LAYOUT_ATTR`.
+    """
+    layout = getattr(module, LAYOUT_ATTR, None)
+    if layout is not None:
+        return layout
+    for submodule in module.modules():
+        layout = getattr(submodule, LAYOUT_ATTR, None)
+        if layout is not None:
+            return layout
+    return None
+
+
+def indexed_to_additive_mask(
+    attention_mask: torch.Tensor,
+    *,
+    query_length: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Turn an indexed mask [batch, key] into an additive mask [batch, 1, query, key].
+
+    Entries are 0 where a query may attend to a key (same nonzero document index, key not after the query,
+    and within `sliding_window` tokens when given) and the most negative `dtype` value elsewhere. The
+    queries are the last `query_length` positions (default: all of them, i.e. no KV cache). A padding query
+    attends to itself only, so no row is fully masked: such a row turns into NaN in the softmax wherever
+    the mask becomes -inf (a cast to bf16 under autocast does that). A bool or 0/1 mask is the
+    one-document case.
+    """
+    if attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape)
+        raise ValueError(f"expected an indexed attention_mask [batch, sequence], got shape {shape}")
+    batch_size, key_length = attention_mask.shape
+    query_length = key_length if query_length is None else query_length
+    if not 0 < query_length <= key_length:
+        raise ValueError(f"query_length {query_length} must be in [1, {key_length}] (the mask's sequence length)")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    documents = attention_mask.long()
+    key_positions = torch.arange(key_length, device=documents.device)
+    query_positions = key_positions[key_length - query_length :]
+    distance = query_positions[:, None] - key_positions[None, :]  # [query, key]
+    visible = distance >= 0
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    query_documents = documents[:, key_length - query_length :, None]  # [batch, query, 1]
+    allowed = (query_documents == documents[:, None, :]) & (query_documents != 0) & visible
+    allowed |= distance == 0
+    additive = torch.full(
+        (batch_size, 1, query_length, key_length), torch.finfo(dtype).min, dtype=dtype, device=documents.device
+    )
+    return additive.masked_fill_(allowed[:, None], 0.0)
+
+
+def forward_argument(args: tuple, kwargs: dict, positions: dict[str, int], name: str) -> Any:
+    """Argument `name` of a forward call seen by a pre-hook, passed by keyword or at `positions[name]`."""
+    if name in kwargs:
+        return kwargs[name]
+    index = positions.get(name)
+    return args[index] if index is not None and index < len(args) else None
+
+
+class _IndexedMaskHook:
+    """Forward pre-hook converting an indexed 2D `attention_mask` argument into a 4D additive mask.
+
+    It holds plain data only (no module reference), so deep copies and pickles of a configured model stay
+    configured and self-contained. A mask that is already 4D (converted by an outer hook) passes through.
+    """
+
+    def __init__(self, *, positions: dict[str, int], windows: dict[str, int | None]):
+        self.positions = positions  # argument name -> positional index in forward
+        self.windows = windows  # attention kind -> sliding window (`attention_windows`)
+
+    def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
+        return forward_argument(args, kwargs, self.positions, name)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        mask = self._argument(args, kwargs, "attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return None
+        query_length, device, dtype = None, mask.device, None
+        for name in _QUERY_ARGUMENTS:
+            value = self._argument(args, kwargs, name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                query_length, device = value.shape[1], value.device
+                if name in _FLOAT_QUERY_ARGUMENTS and value.is_floating_point():
+                    dtype = value.dtype
+                break
+        if dtype is None:
+            dtype = compute_dtype(module, device)
+        mask = mask.to(device)
+        converted = masks_for_layers(self.windows, lambda window: indexed_to_additive_mask(
+            mask, query_length=query_length, dtype=dtype, sliding_window=window
+        ))
+        if "attention_mask" in kwargs:
+            kwargs = {**kwargs, "attention_mask": converted}
+        else:
+            index = self.positions["attention_mask"]
+            args = (*args[:index], converted, *args[index + 1 :])
+        return args, kwargs
+
+
+def compute_dtype(module: nn.Module, device: torch.device) -> torch.dtype:
+    # The mask should match the attention scores' dtype: autocast's when it is on, else the parameters'.
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def forward_positions(module: nn.Module) -> tuple[dict[str, int], bool]:
+    """Positional indices of forward's named arguments, and whether it takes `attention_mask` at all."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        return {}, False
+    positions: dict[str, int] = {}
+    takes_mask = False
+    for index, parameter in enumerate(parameters):
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD or parameter.name == "attention_mask":
+            takes_mask = True
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            positions[parameter.name] = index
+    return positions, takes_mask
+
+
+def _hf_models(model: nn.Module) -> list[nn.Module]:
+    """The transformers models inside `model` (itself included)."""
+    # No transformers model can exist before transformers is imported; importing it here would cost seconds
+    # on ranks that never use it.
+    if "transformers" not in sys.modules:
+        return []
+    from transformers import PreTrainedModel
+
+    return [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+
+
+def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
+    """The attention kinds of a model's layers, each with its sliding window (None: full causal attention).
+
+    Keys are the kinds named in `config.layer_types` ("full_attention", "sliding_attention"); a config without
+    `layer_types` (Mistral style) has one kind whose window is `config.sliding_window`. Raises ValueError when
+    the attention implementation does not take a prepared 4D mask or a layer kind has no known mask rule.
+    """
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in _SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"NEAT packing needs attn_implementation in {_SUPPORTED_ATTENTION} (they take a prepared 4D mask); "
+            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa' or 'eager'."
+        )
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return {"full_attention": window}
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"NEAT packing has no mask rule for the layer types {unknown} of {type(owner).__name__}")
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
+
+
+def masks_for_layers(windows: dict[str, int | None], build: Callable[[int | None], torch.Tensor]):
+    """`build(window)` for each attention kind: one tensor when the layers share a kind, else {kind: mask}.
+
+    transformers models whose layers mix attention kinds (Gemma 2/3, Qwen2 with sliding layers, gpt-oss)
+    accept such a dict as `attention_mask` and hand each layer the mask of its kind; the others take a
+    tensor. Kinds with the same window share one mask.
+    """
+    built: dict[int | None, torch.Tensor] = {}
+    for window in windows.values():
+        if window not in built:
+            built[window] = build(window)
+    masks = {kind: built[window] for kind, window in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def configure_packing(model: nn.Module) -> nn.Module:
+    """Make `model` consume NEAT-packed batches (`NEAT_INDEXED`); returns `model`.
+
+    `model` is a transformers decoder-only causal LM (LlamaForCausalLM and similar), its inner decoder
+    (LlamaModel), a pipeline stage holding some of the decoder layers, or any module whose forward takes
+    `attention_mask` or contains such a transformers model. Its forward then accepts `attention_mask`
+    [batch, sequence] of 1-based document indices (0 = padding); `position_ids` [batch, sequence] must
+    restart at 0 in every document. Only this instance changes: a forward pre-hook converts the mask, and
+    transformers itself is left alone. Calling it again is a no-op.
+
+    Raises:
+        ValueError: if no forward in `model` takes `attention_mask`, or a transformers config uses an
+            attention implementation other than sdpa/eager, or a layer kind without a mask rule.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"configure_packing expects an nn.Module, got {type(model).__name__}")
+    if getattr(model, LAYOUT_ATTR, None) == NEAT_INDEXED:
+        return model
+    hf_models = _hf_models(model)
+    candidates = [model, *(module for module in hf_models if module is not model)]
+    # Validate everything before registering anything, so a failure leaves the model untouched.
+    plans = []
+    for module in candidates:
+        positions, takes_mask = forward_positions(module)
+        if not takes_mask:
+            continue
+        config = getattr(module, "config", None)
+        if not hasattr(config, "_attn_implementation"):  # not a transformers config: a wrapper's own settings
+            # A wrapper around a transformers model attends the way that model does.
+            config = hf_models[0].config if hf_models else None
+        windows = attention_windows(config, module) if config is not None else {"full_attention": None}
+        plans.append((module, _IndexedMaskHook(positions=positions, windows=windows)))
+    if not plans:
+        raise ValueError(
+            f"cannot configure NEAT packing on {type(model).__name__}: neither its forward nor a transformers "
+            f"model inside it takes an attention_mask argument"
+        )
+    for module, hook in plans:
+        if getattr(module, LAYOUT_ATTR, None) != NEAT_INDEXED:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            setattr(module, LAYOUT_ATTR, NEAT_INDEXED)
+    setattr(model, LAYOUT_ATTR, NEAT_INDEXED)
+    return model
+
+
+def _describe(layout: str | None) -> str:
+    return "no packing (ordinary 0/1 mask)" if layout is None else repr(layout)
+
+
+def _by_layout(records: list[tuple[str, str | None]]) -> str:
+    """'layout on rank 0 part 0, rank 1 part 0; other layout on ...' from (label, layout) records."""
+    groups: dict[str | None, list[str]] = {}
+    for label, layout in records:
+        groups.setdefault(layout, []).append(label)
+    return "; ".join(f"{_describe(layout)} on {', '.join(labels)}" for layout, labels in groups.items())
+
+
+def _label(rank: int | None, index: int) -> str:
+    return f"part {index}" if rank is None else f"rank {rank} part {index}"
+
+
+def _layouts(parts: Sequence[nn.Module], role: str) -> list[str | None]:
+    if isinstance(parts, nn.Module) and not isinstance(parts, nn.ModuleList):
+        raise TypeError(f"{role}_parts must be a sequence of modules (e.g. [model]), got a {type(parts).__name__}")
+    layouts = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, nn.Module):
+            raise TypeError(f"{role}_parts[{index}] is a {type(part).__name__}, not an nn.Module")
+        layouts.append(packing_layout(part))
+    return layouts
+
+
+def _student_layout(records: list[tuple[str, str | None]]) -> str | None:
+    """The one layout every student part consumes; ValueError otherwise."""
+    if not records:
+        raise ValueError(
+            "configure_kd_teacher_packing got no student parts, so the student's mask layout is unknown; "
+            "separate-mesh KD passes control_group so teacher-only ranks learn it from the student ranks"
+        )
+    layouts = {layout for _, layout in records}
+    if len(layouts) > 1:
+        raise ValueError(f"student parts disagree on the packed mask layout: {_by_layout(records)}")
+    (layout,) = layouts
+    if layout not in (None, NEAT_INDEXED):
+        raise ValueError(
+            f"student parts consume the mask layout {layout!r}, which teachers cannot be configured for "
+            f"(supported: {NEAT_INDEXED!r} or no packing)"
+        )
+    return layout
+
+
+_NO_TEACHERS = (
+    "configure_kd_teacher_packing got no teacher parts; same-mesh KD passes both roles' parts on every rank, "
+    "separate-mesh KD passes them on their own ranks"
+)
+
+
+def _check_teachers(records: list[tuple[str, str | None]], student_layout: str | None) -> None:
+    mismatched = [(label, layout) for label, layout in records if layout != student_layout]
+    if mismatched:
+        raise ValueError(
+            f"teacher and student parts consume different packed mask layouts: students use "
+            f"{_describe(student_layout)}, teachers use {_by_layout(mismatched)}. A teacher configured for "
+            f"NEAT packing stays so: build it unconfigured, or configure the students with configure_packing."
+        )
+
+
+def _configure_teachers(teacher_parts: Sequence[nn.Module], student_layout: str | None) -> None:
+    if student_layout == NEAT_INDEXED:
+        for part in teacher_parts:
+            configure_packing(part)
+
+
+def configure_kd_teacher_packing(
+    teacher_parts: Sequence[nn.Module],
+    student_parts: Sequence[nn.Module],
+    control_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Make the teacher parts consume the students' packed mask layout and check both roles agree.
+
+    If the student parts consume NEAT-packed batches, every teacher part is configured with
+    `configure_packing`; if they use no packing, the teachers are left alone. Then every teacher part must
+    consume the students' layout.
+
+    Args:
+        teacher_parts: locally owned teacher stages, empty on student-only ranks.
+        student_parts: locally owned student stages, empty on teacher-only ranks.
+        control_group: group shared by both roles for separate-mesh KD; all its ranks must call. The
+            students' layout is gathered over it before the teachers are configured. None (same-mesh KD)
+            performs only a local check.
+
+    Raises:
+        ValueError: if the layouts disagree (among the students, or between teachers and students), or a
+            teacher part cannot be configured. With a control group it is raised on every member rank.
+    """
+    if control_group is None:
+        students = [(_label(None, i), layout) for i, layout in enumerate(_layouts(student_parts, "student"))]
+        teacher_layouts = _layouts(teacher_parts, "teacher")  # type errors before any change
+        student_layout = _student_layout(students)
+        if not teacher_layouts:
+            raise ValueError(_NO_TEACHERS)
+        _configure_teachers(teacher_parts, student_layout)
+        teachers = [(_label(None, i), packing_layout(part)) for i, part in enumerate(teacher_parts)]
+        _check_teachers(teachers, student_layout)
+        return
+
+    if dist.get_rank(control_group) < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of control_group; only its members may call")
+    rank = dist.get_rank()
+    # Round 1: every rank's layouts (or why it could not read them), so all ranks decide alike.
+    local: dict[str, Any] = {"rank": rank, "student": [], "teacher": [], "error": None}
+    try:
+        local["student"] = _layouts(student_parts, "student")
+        local["teacher"] = _layouts(teacher_parts, "teacher")
+    except Exception as error:  # reported to every rank below instead of raised here
+        local["error"] = f"{type(error).__name__}: {error}"
+    gathered = _all_gather(local, control_group)
+    _raise_errors(gathered)
+    students = [(_label(r["rank"], i), layout) for r in gathered for i, layout in enumerate(r["student"])]
+    student_layout = _student_layout(students)
+    if not any(r["teacher"] for r in gathered):
+        raise ValueError(_NO_TEACHERS)
+
+    # Round 2: configure locally, then share the result; a rank that failed reports it to everyone.
+    local = {"rank": rank, "teacher": [], "error": None}
+    failure: BaseException | None = None
+    try:
+        _configure_teachers(teacher_parts, student_layout)
+        local["teacher"] = [packing_layout(part) for part in teacher_parts]
+    except Exception as error:
+        failure = error
+        local["error"] = f"{type(error).__name__}: {error}"
+    gathered = _all_gather(local, control_group)
+    try:
+        _raise_errors(gathered)
+    except ValueError as error:
+        raise error from failure
+    _check_teachers(
+        [(_label(r["rank"], i), layout) for r in gathered for i, layout in enumerate(r["teacher"])], student_layout
+    )
+
+
+def _all_gather(payload: dict[str, Any], group: dist.ProcessGroup) -> list[dict[str, Any]]:
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, payload, group=group)
+    return gathered
+
+
+def _raise_errors(gathered: list[dict[str, Any]]) -> None:
+    errors = [f"rank {r['rank']}: {r['error']}" for r in gathered if r["error"]]
+    if errors:
+        raise ValueError("configure_kd_teacher_packing failed on " + "; ".join(errors))

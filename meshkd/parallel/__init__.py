@@ -1,0 +1,1 @@
+"""Laying a transformers causal LM out over its role's mesh, one concern per module; the model's own code runs."""

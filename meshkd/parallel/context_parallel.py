@@ -1,0 +1,451 @@
+"""Context parallel: head-tail sequence shards, K/V gathered over `cp`, the model's own attention after.
+
+Every cp rank holds the head-tail share of the sequence (2 * cp chunks, rank r keeping chunks r and
+2cp-1-r, so causal work is balanced). The attention gathers K/V over `cp` (differentiably when autograd
+records: the backward sums the K/V gradient over cp and hands each rank the piece for its own keys/values,
+a reduce-scatter), then calls the attention function the model was loaded with (sdpa, or the family's
+eager function with its soft-capping or attention sinks). It is registered with transformers'
+`AttentionInterface` and selected on one instance's config only; it runs on the CPU, where torch's ring
+attention does not. Masks are additive, built from GLOBAL positions of NEAT document indices (one per
+attention kind of the layers), so document boundaries and sliding windows hold across shards.
+
+Student: `shard_student_batch` / `shard_teacher_logits` cut a micro-batch and its teacher logits; a
+forward pre-hook all-gathers the local document indices over `cp` and builds the masks. Parameters are
+replicated over cp yet each cp rank sees only part of the tokens, so their gradients must be SUMMED over
+cp: FSDP2 shards over the flattened (dp_shard, cp) axis `STUDENT_CP_AXIS` (as torchtitan does), which
+averages, hence `meshkd.parallel.data_parallel.student_loss_scale`. The teacher (`TeacherRunner`) pads and
+shards its own inputs with the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshkd.core.logits import cp_shard, cp_unshard
+from meshkd.core.packing import (
+    NEAT_INDEXED,
+    attention_windows,
+    compute_dtype,
+    forward_argument,
+    forward_positions,
+    masks_for_layers,
+    packing_layout,
+)
+from meshkd.core.topology import DistributedSetup, flatten_axes, member_mesh
+from meshkd.parallel.stages import decoder_of
+
+CP_ATTENTION = "meshkd_cp"
+"""Name under which the context-parallel attention function is registered with transformers."""
+
+STUDENT_CP_AXIS = "dp_shard_cp"
+"""Flattened (dp_shard, cp) mesh axis over which FSDP2 shards a context-parallel student."""
+
+# Attributes on each attention module holding its cp process group and the attention function it used
+# before; the registered attention function is global to transformers, so both travel with the instance.
+_CP_GROUP_ATTR = "_meshkd_cp_group"
+_CP_INNER_ATTR = "_meshkd_cp_inner_attention"
+# Attribute set on a root mesh once `flatten_student_cp_axes` ran for it, on members and non-members alike
+# (non-members cannot see the flattened axis, yet must not create its groups twice).
+_FLATTENED_ATTR = "_meshkd_student_cp_flattened"
+
+
+def gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
+    """NEAT document indices of the whole padded sequence from every cp rank's head-tail share [batch, local]."""
+    gathered = _gather_sequence(local.long(), group, dim=1, differentiable=False)
+    return cp_unshard(list(gathered.chunk(cp_size, dim=1)), dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Context-parallel attention
+
+
+def _cp_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """The model's own attention over this rank's queries and ALL cp ranks' keys/values (gathered in cp-rank order).
+
+    query [batch, heads, local_sequence, head_dim], key/value [batch, kv_heads, local_sequence, head_dim].
+    `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the gathered
+    order; it already encodes causality, sliding windows and document boundaries in global positions
+    (`cp_mask`). The gathered keys/values then go to the attention function the model was loaded with
+    (sdpa, or the family's own eager function with its soft-capping or attention sinks). When autograd
+    records (the student in training) the gather is differentiable (`_GatherSequence`): its backward sums
+    every rank's gradient for this rank's keys/values and hands it back here.
+    """
+    group = getattr(module, _CP_GROUP_ATTR, None)
+    if group is None:
+        raise RuntimeError(
+            f"attention {CP_ATTENTION!r} used on a module without a cp group; use TeacherRunner or parallelize_student"
+        )
+    if attention_mask is None or attention_mask.dim() != 4:
+        raise RuntimeError(
+            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner or by "
+            f"parallelize_student's mask hook"
+        )
+    differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+    key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
+    # The mask is not causal in the gathered key order: no attention function may assume causality.
+    kwargs["is_causal"] = False
+    return getattr(module, _CP_INNER_ATTR)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _inner_attention(module: nn.Module, implementation: str):
+    """The attention function of `implementation` for `module`: the family's eager function or a registered one."""
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _gather_sequence(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int, differentiable: bool
+) -> torch.Tensor:
+    """All cp ranks' `tensor` concatenated along `dim` in cp-rank order (NOT the original sequence order)."""
+    if differentiable:
+        return _GatherSequence.apply(tensor, group, dim)
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return torch.cat(shards, dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` whose backward sums every rank's gradient of this rank's piece.
+
+    torch.distributed.nn.functional.all_gather would do, but its gloo backward (scatter with a global rank
+    where a group rank is meant) fails on any group that does not start at global rank 0. gloo has no
+    reduce-scatter, so there the backward all-reduces the whole gradient and keeps this rank's piece.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        return torch.cat(shards, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        group, dim = ctx.group, ctx.dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad.chunk(size, dim=dim)[rank].contiguous(), None, None
+        pieces = [piece.contiguous() for piece in grad.chunk(size, dim=dim)]
+        local = torch.empty_like(pieces[rank])
+        dist.reduce_scatter(local, pieces, group=group)
+        return local, None, None
+
+
+def enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Select the gathered-K/V attention on this instance only (its config), with `group` on its modules."""
+    from transformers import AttentionInterface
+
+    inner = model.config._attn_implementation
+    if inner == CP_ATTENTION:
+        raise ValueError("context parallel is already enabled on this model")
+    if inner not in ("sdpa", "eager"):
+        raise ValueError(f"context parallel needs attn_implementation 'sdpa' or 'eager', got {inner!r}")
+    AttentionInterface.register(CP_ATTENTION, _cp_attention)
+    for layer in decoder_of(model).layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None:
+            setattr(attention, _CP_GROUP_ATTR, group)
+            setattr(attention, _CP_INNER_ATTR, _inner_attention(attention, inner))
+    try:
+        model.set_attn_implementation(CP_ATTENTION)
+    except (ValueError, AttributeError, KeyError):
+        # Older releases validate the name against their own list; the config field is what attention reads.
+        model.config._attn_implementation = CP_ATTENTION
+
+
+def _additive_mask(
+    documents: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Additive mask [batch, 1, query, key] for queries/keys at the given GLOBAL sequence indices.
+
+    documents [batch, padded_sequence]: 1-based document index per global position, 0 = padding. Same
+    rule as `meshkd.core.packing.indexed_to_additive_mask`: same nonzero document and key not after the query
+    (within the sliding window when set); a query always sees itself, so no row is fully masked.
+    """
+    query_documents = documents[:, query_index, None]  # [batch, query, 1]
+    key_documents = documents[:, None, key_index]  # [batch, 1, key]
+    distance = query_index[:, None] - key_index[None, :]  # [query, key]
+    visible = distance >= 0
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    allowed = (query_documents == key_documents) & (query_documents != 0) & visible
+    allowed |= distance == 0
+    additive = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=documents.device)
+    return additive.masked_fill_(allowed, 0.0)[:, None]
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """The sequence length rounded up to a multiple of 2 * cp_size (head-tail sharding needs equal chunks)."""
+    return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
+
+
+def positions_and_documents(batch: dict, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's position_ids and document indices, defaulting to one document per row in order."""
+    batch_size, length = input_ids.shape
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch_size, length)
+    documents = batch.get("attention_mask")
+    if documents is None:
+        documents = torch.ones_like(input_ids)
+    return position_ids, documents
+
+
+def pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
+    """`tensor` [batch, sequence, ...] padded on dim 1 with `value`, then this cp rank's head-tail share."""
+    pad = padded_length(tensor.shape[1], cp_size) - tensor.shape[1]
+    if pad:
+        shape = (tensor.shape[0], pad, *tensor.shape[2:])
+        tensor = torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
+    return cp_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, dim=1)
+
+
+def cp_mask(
+    documents: torch.Tensor, *, cp_size: int, cp_rank: int, dtype: torch.dtype, windows: dict[str, int | None]
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive masks [batch, 1, local_sequence, padded_sequence] of one cp rank's queries against all keys.
+
+    documents [batch, padded_sequence]: document indices of the whole padded sequence in original order.
+    Queries are this rank's head-tail positions; keys follow the order in which `_cp_attention` gathers
+    them (cp rank 0's share, then rank 1's, ...). With cp_size 1 it is the ordinary packed mask. One mask
+    per attention kind of `windows` (`meshkd.core.packing.attention_windows`), as `masks_for_layers` returns them.
+    """
+
+    index = torch.arange(documents.shape[1], device=documents.device)
+    if cp_size == 1:
+        query_index = key_index = index
+    else:
+        query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
+        key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
+    return masks_for_layers(windows, lambda window: _additive_mask(
+        documents, query_index, key_index, dtype=dtype, sliding_window=window
+    ))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Student context parallel
+
+
+@dataclass(frozen=True)
+class StudentShard:
+    """Where a cp rank's local batch sits in the global sequence (returned by `shard_student_batch`)."""
+
+    sequence_length: int
+    """Unpadded global sequence length."""
+    padded_length: int
+    """Global length after padding to a multiple of 2 * cp_size (equal to `sequence_length` without CP)."""
+    cp_size: int
+    cp_rank: int
+
+    def global_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[local_sequence] global sequence index of each local position (>= sequence_length: padding)."""
+        index = torch.arange(self.padded_length, device=device)
+        return cp_shard(index, cp_size=self.cp_size, cp_rank=self.cp_rank, dim=0) if self.cp_size > 1 else index
+
+
+def _cp_coordinate(setup: DistributedSetup) -> tuple[int, int]:
+    if setup.cp_size == 1:
+        return 1, 0
+    return setup.cp_size, member_mesh(setup).get_local_rank("cp")
+
+
+def _shard_batch(
+    batch: dict[str, Any], *, cp_size: int, cp_rank: int, ignore_index: int = -100
+) -> tuple[dict[str, Any], StudentShard]:
+    input_ids = batch["input_ids"]
+    batch_size, length = input_ids.shape
+    info = StudentShard(length, padded_length(length, cp_size) if cp_size > 1 else length, cp_size, cp_rank)
+    if cp_size == 1:
+        return dict(batch), info
+    position_ids, documents = positions_and_documents(batch, input_ids)
+    local = dict(batch)
+    # Padding is document 0 (attends to itself only, seen by nobody) and its labels are ignored.
+    sharded = {"input_ids": (input_ids, 0), "position_ids": (position_ids, 0), "attention_mask": (documents, 0)}
+    if batch.get("labels") is not None:
+        sharded["labels"] = (batch["labels"], ignore_index)
+    for key, (tensor, value) in sharded.items():
+        if tuple(tensor.shape) != (batch_size, length):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(tensor.shape)}; expected {(batch_size, length)}")
+        local[key] = pad_and_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, value=value)
+    return local, info
+
+
+def shard_student_batch(
+    batch: dict[str, Any], setup: DistributedSetup, *, ignore_index: int = -100
+) -> tuple[dict[str, Any], StudentShard]:
+    """This cp rank's share of a student micro-batch; the batch itself when cp_size is 1.
+
+    Args:
+        batch: `input_ids` [batch, sequence]; optional `labels` (aligned with the positions),
+            `position_ids` (default 0..sequence-1) and `attention_mask` (NEAT document indices, 0 =
+            padding; default one document). Every cp rank of a replica passes the same batch.
+        setup: the student's setup (this rank must be a member when cp_size > 1).
+        ignore_index: label given to padding positions.
+
+    Returns:
+        (local batch, `StudentShard`). The sequence is padded to a multiple of 2 * cp_size (input 0,
+        label `ignore_index`, position 0, document 0) and the four tensors above are cut to this rank's
+        head-tail share [batch, padded_sequence / cp_size]; other entries are passed through untouched.
+        The local `attention_mask` holds only the local document indices: the model's mask hook gathers
+        the others over `cp`, so every cp rank must run the forward.
+    """
+    cp_size, cp_rank = _cp_coordinate(setup)
+    return _shard_batch(batch, cp_size=cp_size, cp_rank=cp_rank, ignore_index=ignore_index)
+
+
+def shard_teacher_logits(logits: torch.Tensor, setup: DistributedSetup) -> torch.Tensor:
+    """Full teacher logits [batch, sequence, vocab] cut like `shard_student_batch` cuts the student's batch.
+
+    Returns [batch, padded_sequence / cp_size, vocab] (padding rows are zeros; their labels are ignored),
+    so position i of the local teacher logits is the teacher's distribution for the student's local
+    position i. Any [batch, sequence, ...] tensor (e.g. a top-k encoding's parts) is cut the same way.
+    Returns `logits` itself when cp_size is 1.
+    """
+    cp_size, cp_rank = _cp_coordinate(setup)
+    if cp_size == 1:
+        return logits
+    if logits.dim() < 2:
+        raise ValueError(f"expected teacher logits [batch, sequence, ...], got shape {tuple(logits.shape)}")
+    return pad_and_shard(logits, cp_size=cp_size, cp_rank=cp_rank)
+
+
+def flatten_student_cp_axes(setup: DistributedSetup) -> None:
+    """Create the student's `STUDENT_CP_AXIS` (dp_shard x cp) view; every WORLD rank must call this.
+
+    Needed before `parallelize_student` when cp_size > 1 and the student does not span the whole world
+    (separate meshes): the process groups behind a flattened axis are created collectively over the
+    whole world, and teacher-only ranks never call `parallelize_student`. Non-members make the same
+    group-creation calls from the mesh layout (as `meshkd.core.topology` does for `dp`). Calling it again, or
+    with cp_size 1, does nothing.
+    """
+    mesh = setup.device_mesh
+    if mesh is None:
+        raise ValueError("flatten_student_cp_axes needs a built setup (create_kd_distributed_setups)")
+    if setup.cp_size == 1 or getattr(mesh, _FLATTENED_ATTR, False):
+        return
+    flatten_axes(mesh, ("dp_shard", "cp"), STUDENT_CP_AXIS)
+    setattr(mesh, _FLATTENED_ATTR, True)
+
+
+def check_student_cp(model: nn.Module, setup: DistributedSetup) -> None:
+    """Validate a cp_size > 1 student before anything changes; creates the flattened axis when possible."""
+
+    if setup.strategy == "ddp":
+        raise ValueError(f"strategy 'ddp' with cp_size({setup.cp_size}) > 1 is not supported; use fsdp2")
+    if packing_layout(model) != NEAT_INDEXED:
+        raise ValueError(
+            f"cp_size({setup.cp_size}) > 1 reads the student's attention_mask as NEAT document indices: call "
+            f"meshkd.core.packing.configure_packing(model) before parallelize_student"
+        )
+    ensure_student_cp_axis(setup)
+
+
+def ensure_student_cp_axis(setup: DistributedSetup) -> None:
+    """The flattened `STUDENT_CP_AXIS`: created here when the student spans the world, else it must exist."""
+    if not getattr(setup.device_mesh, _FLATTENED_ATTR, False):
+        if setup.world_size != dist.get_world_size():
+            raise ValueError(
+                f"the student spans {setup.world_size} of {dist.get_world_size()} ranks: call "
+                f"flatten_student_cp_axes(setup) on every rank of the world before laying out the student"
+            )
+        flatten_student_cp_axes(setup)  # every rank is a student here, so every rank takes part
+
+
+class _StudentCPMaskHook:
+    """Forward pre-hook: local NEAT `attention_mask` [batch, local_sequence] -> 4D cp mask (`cp_mask`).
+
+    The document indices of the other cp ranks are all-gathered over `cp`, so the whole padded sequence is
+    known; registered ahead of `configure_packing`'s hook, which then sees a 4D mask and lets it pass.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        cp_size: int,
+        cp_rank: int,
+        windows: dict[str, int | None],
+        positions: dict[str, int],
+    ):
+        self.group = group
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.windows = windows
+        self.positions = positions
+
+    def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
+
+        return forward_argument(args, kwargs, self.positions, name)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+
+        mask = self._argument(args, kwargs, "attention_mask")
+        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            return None  # already converted by an outer module's hook
+        inputs = self._argument(args, kwargs, "input_ids")
+        embeds = self._argument(args, kwargs, "inputs_embeds")
+        reference = inputs if isinstance(inputs, torch.Tensor) else embeds
+        if not isinstance(reference, torch.Tensor):
+            return None
+        batch_size, local_length = reference.shape[:2]
+        if mask is None:
+            mask = torch.ones(batch_size, local_length, dtype=torch.int64, device=reference.device)
+        if tuple(mask.shape) != (batch_size, local_length):
+            raise ValueError(
+                f"context-parallel student: attention_mask {tuple(mask.shape)} must be this rank's share "
+                f"{(batch_size, local_length)} of the sequence; shard the batch with shard_student_batch"
+            )
+        documents = gather_documents(mask, self.group, self.cp_size)
+        if isinstance(embeds, torch.Tensor) and embeds.is_floating_point():
+            dtype = embeds.dtype
+        else:
+            dtype = compute_dtype(module, reference.device)
+        converted = cp_mask(
+            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, windows=self.windows
+        )
+        index = self.positions.get("attention_mask")
+        if "attention_mask" in kwargs or index is None or index >= len(args):
+            return args, {**kwargs, "attention_mask": converted}
+        return (*args[:index], converted, *args[index + 1 :]), kwargs
+
+
+def enable_student_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Gathered-K/V attention with a differentiable gather, and the cp mask hook on the model."""
+
+    # Read before the attention implementation changes: the check knows sdpa/eager only.
+    windows = attention_windows(model.config, model)
+    group = mesh.get_group("cp")
+    enable_cp_attention(model, group)
+    cp_size = mesh.size(mesh.mesh_dim_names.index("cp"))
+    options = dict(group=group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"), windows=windows)
+    # The inner decoder too, so that calling it directly works; prepend so the packing hook sees 4D.
+    for module in (model, decoder_of(model)):
+        positions, _ = forward_positions(module)
+        module.register_forward_pre_hook(
+            _StudentCPMaskHook(positions=positions, **options), with_kwargs=True, prepend=True
+        )

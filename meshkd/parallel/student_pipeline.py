@@ -1,0 +1,425 @@
+"""Student pipeline parallelism: one pipeline stage per pp rank, driven by torch.distributed.pipelining.
+
+Design (torchtitan style). `StudentPipeline` splits the model by its pipeline plan
+(`meshkd.parallel.stages.ModelStage`: this rank's contiguous decoder layers, the embedding on the first stage, norm
+and head on the last, pass-throughs elsewhere) and wraps it in a small stage module that registers the
+model's children as its own, so parameter names are the transformers (HF) names and the stages' state
+dicts are slices of the HF state dict. The model's own forward runs. Then TP (`meshkd.parallel.tensor_parallel`,
+the model's own plan), then FSDP2 per decoder layer and on the stage root over `dp_shard` (HSDP over
+(dp_replicate, dp_shard)), as `parallelize_student` does; no wrapper when dp_size is 1. Tied input/output
+embeddings become two copies, the first stage's embedding and the last stage's head, whose gradients are
+exchanged and summed after every step (as Megatron does), so the same update keeps them equal.
+
+Context parallel (cp_size > 1): the micro-batches are the cp rank's head-tail shards
+(`meshkd.parallel.shard_student_batch`); the attention gathers K/V over `cp` with a differentiable gather
+(as `parallelize_student`'s CP), the document indices of the whole sequence are gathered once per step,
+and FSDP2 shards over the flattened (dp_shard, cp) axis, so the loss scale stays dp * cp.
+
+A torch `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` runs the micro-batches. Only the hidden state
+travels between stages. Every rank of a data-parallel replica holds the same micro-batches, so
+position_ids and the NEAT document indices reach every stage as schedule kwargs (chunked per micro-batch
+like the inputs) and each stage builds its own 4D attention masks (`cp_mask`, as `TeacherRunner`). The
+micro-batch index reaches the loss as the schedule's target: `arange(n)`, chunked into one index each.
+
+Stage metadata is given statically (shapes from the micro-batch, dtype from the parameters), so torch runs
+no extra forward/backward to infer it and never calls the loss for that; the last stage hands the schedule
+its local vocab shard (a plain tensor) and the loss gets the DTensor Shard(-1) back. One stage and
+schedule are built per micro-batch shape and kind (training, evaluation) and reused. Gradients are not
+rescaled (`scale_grads=False`): the caller's loss is normalized over the whole optimizer step and already
+multiplied by `student_loss_scale(setup)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from meshkd.core.packing import compute_dtype
+from meshkd.core.topology import PP_SCHEDULES, DistributedSetup, member_mesh
+from meshkd.parallel.context_parallel import (
+    cp_mask,
+    enable_cp_attention,
+    ensure_student_cp_axis,
+    gather_documents,
+    positions_and_documents,
+)
+from meshkd.parallel.data_parallel import gather_full_state_dict, student_fsdp_mesh
+from meshkd.parallel.sharded_loading import is_empty
+from meshkd.parallel.stages import ModelStage, decoder_of, is_pass_through, is_tied
+from meshkd.parallel.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["StudentPipeline"]
+
+LossFn = Callable[[int, torch.Tensor], torch.Tensor]
+_MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+
+class _StageModule(nn.Module):
+    """One pipeline stage of a causal LM (`meshkd.parallel.stages.ModelStage`), with the HF parameter names.
+
+    The model's children are this module's children, so names stay `model.layers.N...`, `lm_head...`.
+    forward(inputs, position_ids=, documents=): `inputs` is input_ids [rows, seq] on the first stage and the
+    previous stage's hidden state [rows, seq, hidden] elsewhere; the model's own forward runs with the
+    masks built from `documents`. Returns the hidden state, or on the last stage this rank's local logits
+    [rows, seq, local_vocab] as a plain tensor (the stage metadata then needs no DTensor gradient
+    description; `StudentPipeline` rebuilds the DTensor for the loss).
+    """
+
+    def __init__(
+        self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, cp_size: int = 1,
+        cp_rank: int = 0,
+    ):
+        super().__init__()
+        for name, child in stage.model.named_children():
+            self.add_module(name, child)
+        self.stage = stage  # a plain object: the model is reached through it, its children are registered above
+        self.config = stage.model.config
+        self.windows = windows
+        self.dtype = dtype
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        masks = cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                         dtype=compute_dtype(self, inputs.device), windows=self.windows)
+        output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
+        if not self.stage.is_last:
+            # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
+            return output.to(self.dtype).contiguous()
+        return output.to_local() if isinstance(output, DTensor) else output
+
+
+@dataclass
+class _Runner:
+    """A torch stage and its schedule for one micro-batch shape and kind (training or evaluation)."""
+
+    stage: Any
+    schedule: Any
+    fresh: bool = True  # not run yet: its first run initializes the stage (see `StudentPipeline._run`)
+
+
+class StudentPipeline:
+    """This rank's stage of a pipeline-parallel student, laid out over `setup`, and its schedule.
+
+    Construction changes `model` in place (other stages' parts are dropped, the rest moved to `device`, TP
+    and FSDP2 applied) and keeps it inside `stage_model`. Every rank of the setup constructs it; invalid
+    settings raise ValueError on every rank before any collective.
+
+    Attributes:
+        stage_model: this rank's stage (HF parameter names, TP + FSDP2 applied): what the optimizer, the
+            checkpoint (DCP) and the gradient norm see. Its `state_dict()` keys are a subset of the HF
+            model's; the stages' subsets are disjoint and together complete.
+        is_first / is_last: whether this rank holds the first / last pipeline stage.
+        pp_rank, pp_size, pp_group: this rank's stage index, the number of stages, the pipeline group.
+
+    Args:
+        model: a transformers causal LM split by its `base_model_pp_plan` (`meshkd.parallel.stages.ModelStage`),
+            sdpa or eager attention, identical on every rank (or built with meta parameters for
+            `meshkd.parallel.sharded_loading.load_shards`). Tied input/output embeddings are kept as two copies
+            (first and last stage) with summed gradients.
+        setup: the student's `DistributedSetup` with pp_size > 1 (this rank must be a member).
+        device: where the stage runs.
+        schedule: one of `meshkd.core.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
+        num_micro_batches: micro-batches per `step` (1F1B needs at least pp_size).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        setup: DistributedSetup,
+        *,
+        device: torch.device | str,
+        schedule: str,
+        num_micro_batches: int,
+    ):
+        from meshkd.core.packing import attention_windows
+
+        # Validation first: it reads only the config and the setup, so every rank raises the same error
+        # before any collective.
+        _check_settings(model, setup, schedule, num_micro_batches)
+        windows = attention_windows(model.config, model)
+        mesh = member_mesh(setup)
+
+        self.setup = setup
+        self.device = torch.device(device)
+        self.schedule_name = schedule
+        self.num_micro_batches = num_micro_batches
+        self.pp_size = setup.pp_size
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.pp_group = mesh.get_group("pp")
+        self.is_first = self.pp_rank == 0
+        self.is_last = self.pp_rank == self.pp_size - 1
+        self.tp_mesh = mesh["tp"] if setup.tp_size > 1 else None
+        self.cp_size, self.cp_rank = setup.cp_size, mesh.get_local_rank("cp")
+        self.cp_group = mesh.get_group("cp") if self.cp_size > 1 else None
+        if self.cp_size > 1:
+            ensure_student_cp_axis(setup)
+
+        # Pipeline split first, so that TP and FSDP only touch what this stage keeps.
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.hidden_size = model.config.hidden_size
+        tied = is_tied(model)
+        model_stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
+        if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
+            model.to(self.device)
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(model, self.tp_mesh)
+        if self.cp_size > 1:
+            # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
+            enable_cp_attention(model, self.cp_group)
+        stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, cp_size=self.cp_size,
+                             cp_rank=self.cp_rank)
+        if self.is_last:
+            weight = model.get_output_embeddings().weight
+            self.vocab_size = weight.shape[0]  # global, also for a DTensor
+            self.local_vocab_size = weight.to_local().shape[0] if isinstance(weight, DTensor) else self.vocab_size
+        if setup.dp_size * setup.cp_size > 1:
+            _apply_fsdp(stage, setup, mesh)
+        self.stage_model = stage
+        # Tied input/output embeddings: the first stage's embedding and the last stage's head hold copies of
+        # one matrix, kept equal by summing their gradients after every step (as Megatron does); the same
+        # optimizer update then keeps the copies identical.
+        self.tied_weight: nn.Parameter | None = None
+        if tied and (self.is_first or self.is_last):
+            module = model.get_input_embeddings() if self.is_first else model.get_output_embeddings()
+            self.tied_weight = module.weight
+        self.tied_copies = (self.tied_weight,) if self.tied_weight is not None and not self.is_first else ()
+        """Parameters that copy another stage's (the last stage's tied head): clipping scales them but does
+        not count them in the gradient norm."""
+
+        self._runners: dict[tuple, _Runner] = {}
+        self._loss_fn: LossFn | None = None
+
+    # -- training --------------------------------------------------------------------------------------
+
+    def step(self, micro_batches: list[dict], loss_fn: LossFn) -> None:
+        """One forward + backward over all micro-batches with the schedule; gradients accumulate in .grad.
+
+        Args:
+            micro_batches: `num_micro_batches` dicts with `input_ids`, `position_ids`, `attention_mask`
+                (NEAT document indices) [rows, seq], all of one shape; identical on every rank of the
+                data-parallel replica (all its stages and tp ranks), or with cp_size > 1 this cp rank's
+                share from `shard_student_batch` (then seq is the local length). Other keys are ignored.
+            loss_fn: `loss_fn(index, logits) -> Tensor`, called on the last stage only, once per
+                micro-batch `index` (0-based, in order), with logits [rows, seq, vocab] (a DTensor
+                Shard(-1) under tp). It returns the scalar loss to backpropagate, already normalized over
+                the optimizer step and multiplied by `student_loss_scale(setup)`; gradients are not
+                rescaled here.
+        """
+        if len(micro_batches) != self.num_micro_batches:
+            raise ValueError(
+                f"expected num_micro_batches({self.num_micro_batches}) micro-batches, got {len(micro_batches)}"
+            )
+        if not torch.is_grad_enabled():
+            raise RuntimeError("StudentPipeline.step needs gradients enabled; use forward() for evaluation")
+        input_ids, position_ids, documents = self._inputs(micro_batches)
+        rows, length = micro_batches[0]["input_ids"].shape
+        runner = self._runner(rows, length, train=True)
+        # The target is only the micro-batch index: the schedule chunks it like the inputs, one per call.
+        target = torch.arange(self.num_micro_batches)
+        self._loss_fn = loss_fn
+        before = self._tied_gradient()
+        before = before.clone() if before is not None else None
+        try:
+            self._run(runner, input_ids, position_ids, documents, target=target, return_outputs=False)
+        finally:
+            self._loss_fn = None
+        self._sum_tied_gradients(before)
+
+    def _tied_gradient(self) -> torch.Tensor | None:
+        """This rank's local piece of the tied weight's gradient, laid out like the weight, or None."""
+        weight = self.tied_weight
+        grad = weight.grad if weight is not None else None
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != weight.placements:
+            # A vocab-sharded embedding's backward may leave its gradient in another layout than the weight's.
+            weight.grad = grad = grad.redistribute(grad.device_mesh, weight.placements)
+        return grad.to_local()
+
+    def _sum_tied_gradients(self, before: torch.Tensor | None) -> None:
+        """Add the other tied copy's gradient from this step to this one's: first and last stage swap theirs.
+
+        Both copies are sharded alike (vocabulary over tp, dim 0 over dp), so the local pieces correspond.
+        Only this step's contribution travels, so gradients accumulated over several calls are summed once.
+        """
+        if self.tied_weight is None:
+            return
+        local = self._tied_gradient()
+        contribution = local - before if before is not None else local.clone()
+        received = torch.empty_like(contribution)
+        peer = self.pp_size - 1 if self.is_first else 0
+        operations = [dist.P2POp(dist.isend, contribution, group=self.pp_group, group_peer=peer),
+                      dist.P2POp(dist.irecv, received, group=self.pp_group, group_peer=peer)]
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+        local.add_(received)
+
+    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss the torch schedule calls on the last stage: (local logits, [index]) -> loss_fn(...)."""
+        return self._loss_fn(int(target.reshape(-1)[0]), self._logits(output))
+
+    # -- evaluation ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, micro_batch: dict) -> torch.Tensor | None:
+        """Logits [rows, seq, vocab] on the last stage (DTensor Shard(-1) under tp); None elsewhere.
+
+        Every stage (and tp rank) of the replica calls it with the same micro-batch. Forward only; put
+        `stage_model` in eval mode first if the model has dropout.
+        """
+        input_ids, position_ids, documents = self._inputs([micro_batch])
+        runner = self._runner(*micro_batch["input_ids"].shape, train=False)
+        output = self._run(runner, input_ids, position_ids, documents, return_outputs=True)
+        return self._logits(output) if self.is_last else None
+
+    # -- export ----------------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete HF-named state dict (all stages, unsharded, on the CPU) on every rank of the pipeline.
+
+        Collective over the whole setup: every rank gathers its stage over tp and dp, then the stages are
+        exchanged over pp. Holds the whole model in host memory on every rank; meant for export.
+        """
+        state = gather_full_state_dict(self.stage_model)
+        parts: list[dict[str, torch.Tensor] | None] = [None] * self.pp_size
+        dist.all_gather_object(parts, state, group=self.pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:  # stage order: embedding, layers in order, norm, lm_head (the HF order)
+            merged.update(part)
+        return merged
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _inputs(self, micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, position_ids, documents of all micro-batches concatenated on dim 0 (the schedule splits).
+
+        Under context parallel the micro-batches are this rank's shards: the documents of the whole padded
+        sequence are gathered over cp here, before the schedule runs, since every stage's mask needs them.
+        """
+        shape = tuple(micro_batches[0]["input_ids"].shape)
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [rows, seq], got shape {shape}")
+        parts: tuple[list, list, list] = ([], [], [])
+        for index, batch in enumerate(micro_batches):
+            input_ids = batch["input_ids"].to(self.device)
+            position_ids, documents = positions_and_documents(batch, input_ids)
+            for name, tensor, part in zip(_MODEL_INPUTS, (input_ids, position_ids, documents), parts):
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(
+                        f"micro-batch {index}: {name} has shape {tuple(tensor.shape)}; every micro-batch "
+                        f"tensor must have the shape {shape} of the first input_ids"
+                    )
+                part.append(tensor.to(self.device).long())
+        input_ids, position_ids, documents = (torch.cat(part) for part in parts)
+        if self.cp_size > 1:
+            documents = gather_documents(documents, self.cp_group, self.cp_size)
+        return input_ids, position_ids, documents
+
+    def _logits(self, local: torch.Tensor) -> torch.Tensor:
+        """The last stage's local logits as the model returns them: a DTensor Shard(-1) under tp."""
+        if self.tp_mesh is None:
+            return local
+        rows, length = local.shape[:2]
+        # Explicit global shape and stride: the vocab may not split evenly over tp.
+        return DTensor.from_local(
+            local, self.tp_mesh, (Shard(-1),), run_check=False,
+            shape=torch.Size((rows, length, self.vocab_size)), stride=(length * self.vocab_size, self.vocab_size, 1),
+        )  # fmt: skip
+
+    def _runner(self, rows: int, length: int, *, train: bool) -> _Runner:
+        """The stage and schedule for micro-batches of [rows, length], built on first use.
+
+        torch allocates the receive buffers from the stage metadata once, so each shape gets its own
+        stage. Training and evaluation get separate ones too: switching one schedule between them would
+        re-initialize it every time.
+        """
+        key = (train, rows, length)
+        if key in self._runners:
+            return self._runners[key]
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        def meta(*shape: int, dtype: torch.dtype = self.dtype, grad: bool = True) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+        hidden = meta(rows, length, self.hidden_size)
+        stage = PipelineStage(
+            self.stage_model,
+            self.pp_rank,
+            self.pp_size,
+            self.device,
+            input_args=meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden,
+            output_args=meta(rows, length, self.local_vocab_size) if self.is_last else hidden,
+            group=self.pp_group,
+        )
+        if train:
+            cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            schedule = cls(stage, self.num_micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
+        else:
+            # No loss: forward only (the backward part of GPipe then does nothing).
+            schedule = ScheduleGPipe(stage, 1, scale_grads=False)
+        self._runners[key] = runner = _Runner(stage, schedule)
+        return runner
+
+    def _run(self, runner: _Runner, input_ids, position_ids, documents, **options: Any) -> Any:
+        """`schedule.step` with this stage's inputs, keeping any gradients the caller accumulated before.
+
+        The first run of a stage initializes it, and torch then resets every FSDP parameter's .grad (a
+        cleanup meant for its metadata inference, done in static mode too). A training step or an
+        evaluation between backward and the optimizer step must not lose those gradients, so they are put
+        aside and added back.
+        """
+        args = (input_ids,) if self.is_first else ()  # later stages receive their input from the previous one
+        kwargs = dict(position_ids=position_ids, documents=documents)
+        saved = []
+        if runner.fresh:
+            saved = [(p, p.grad) for p in self.stage_model.parameters() if p.grad is not None]
+            for parameter, _ in saved:
+                parameter.grad = None
+        try:
+            output = runner.schedule.step(*args, **kwargs, **options)
+            runner.fresh = False
+        finally:
+            for parameter, grad in saved:
+                parameter.grad = grad if parameter.grad is None else parameter.grad.add_(grad)
+        return output
+
+
+def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, num_micro_batches: int) -> None:
+    """ValueError for settings the student pipeline does not support (config and setup only, no collective)."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules are {list(PP_SCHEDULES)}")
+    if setup.pp_size < 2:
+        raise ValueError(f"StudentPipeline needs pp_size > 1, got pp_size({setup.pp_size}); use parallelize_student")
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be a positive integer, got {num_micro_batches!r}")
+    if schedule == "1f1b" and num_micro_batches < setup.pp_size:
+        raise ValueError(
+            f"schedule '1f1b' needs num_micro_batches({num_micro_batches}) >= pp_size({setup.pp_size}); "
+            f"raise the number of micro-batches per step or use 'gpipe'"
+        )
+    if setup.sequence_parallel:
+        raise ValueError("sequence_parallel with pp_size > 1 is not supported")
+    if setup.strategy == "ddp" and setup.dp_size > 1:
+        raise ValueError(f"strategy 'ddp' with pp_size({setup.pp_size}) > 1 is not supported; use fsdp2")
+    num_layers = len(decoder_of(model).layers)
+    if setup.pp_size > num_layers:
+        raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")
+
+
+def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
+    """FSDP2 per decoder layer, then on the stage root, over dp_shard (HSDP with dp_replicate > 1)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = student_fsdp_mesh(setup, mesh)
+    # As torchtitan does with pp: keep the parameters gathered from forward to backward, since every
+    # micro-batch would gather them again. The schedule reshards after the last backward.
+    for layer in decoder_of(stage.stage.model).layers:
+        if not is_pass_through(layer):
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)

@@ -1,0 +1,327 @@
+"""Recipe configuration: typed dataclasses, validated once at load; YAML is only their serialized form.
+
+`load_config(path, overrides)` reads YAML, applies `a.b=value` overrides (values parsed as YAML), and
+builds the dataclass tree, rejecting unknown keys and mistyped values with the dotted key in the message.
+Cross-field rules (batch sizes that must divide, the parallel layout) are checked in `validate`, still
+before any process group or model exists. `to_dict` gives the resolved config to save with the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshkd.core.topology import validate_kd_config
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """Where a model comes from: exactly one of `path` (HF directory or .gguf file) or `random_init`."""
+
+    path: str | None = None
+    gguf_file: str | None = None
+    random_init: dict | None = None  # HF config kwargs with `model_type`: tiny models for tests
+    keep_layers: list[int] | None = None  # layer pruning: the decoder layers to keep, in order
+    tokenizer: str | None = None  # None: the model's own; "byte": meshkd's offline byte tokenizer
+    dtype: str = "float32"
+    seed: int = 0
+    attn_implementation: str | None = None  # sdpa | eager; None: sdpa where the model supports it, else eager
+
+
+@dataclass
+class DistributedConfig:
+    """One role's parallel layout (see meshkd.core.topology)."""
+
+    strategy: str = "fsdp2"
+    dp_size: int | None = None
+    dp_replicate_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"  # student pipeline schedule: 1f1b or gpipe
+
+
+@dataclass
+class KDConfig:
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    chunk_size: int | None = None  # tokens per loss chunk; None: one chunk
+    logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.core.logits_codec)
+    topk: int = 64  # entries per token with logits_transport: topk
+    topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
+    overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
+
+
+@dataclass
+class DatasetConfig:
+    """Text files (each one document) and JSONL files; `${stdlib}` expands to Python's stdlib sources."""
+
+    paths: list[str] = field(default_factory=list)
+    format: str | None = None
+    text_key: str = "text"
+    val_fraction: float = 0.05
+    seed: int = 0
+    max_documents: int | None = None
+    max_document_chars: int | None = None
+    packing: bool = True  # NEAT-pack several documents per row; false: one document per row
+
+
+@dataclass
+class StepSchedulerConfig:
+    max_steps: int = 100
+    global_batch_size: int = 8  # rows per optimizer step, over all data-parallel ranks
+    local_batch_size: int = 1  # rows per micro-batch on one data-parallel rank
+    sequence_length: int = 256
+    val_every_steps: int | None = None
+    val_batches: int | None = None  # None: the whole validation split
+    ckpt_every_steps: int | None = None
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 0
+    decay: str = "cosine"  # cosine | linear | constant
+    total_steps: int | None = None  # length of the schedule; None: step_scheduler.max_steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    dir: str | None = None  # default: RUN_DIR/checkpoints
+    save_hf: bool = True  # write the final student in HF format to RUN_DIR/hf_student
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/meshkd"
+    progress_bar: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class KDRecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    teacher_model: ModelConfig = field(default_factory=ModelConfig)
+    separate_meshes: bool = False
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    teacher_distributed: DistributedConfig | None = None
+    kd: KDConfig = field(default_factory=KDConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    collective_timeout_s: float = 600.0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Topology view (`meshkd.core.topology._ConfigLike`): sections as plain dicts."""
+        value = getattr(self, key, default)
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: Any, key: str) -> Any:
+    """Build dataclass `cls` from a mapping, checking every field's type; errors name the dotted key."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key or 'config'}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        prefix = f"{key}." if key else ""
+        raise ConfigError(f"unknown config key(s) {[prefix + name for name in unknown]}; known: {sorted(names)}")
+    return cls(**{name: _coerce(hints[name], value, f"{key}.{name}" if key else name) for name, value in values.items()})
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} must not be null")
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _coerce_one(option, value, key)
+        except ConfigError as error:
+            errors.append(error)
+    raise errors[0]
+
+
+def _coerce_one(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce_one(item, element, f"{key}[{i}]") if item is not Any else element for i, element in enumerate(value)]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` override to a nested dict; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like key.path=value")
+    dotted, raw = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def config_from_dict(data: dict, overrides: list[str] = ()) -> KDRecipeConfig:
+    """Build and validate a config from a dict plus overrides."""
+    data = dict(data or {})
+    for assignment in overrides:
+        apply_override(data, assignment)
+    config = _build(KDRecipeConfig, data, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> KDRecipeConfig:
+    """Read a YAML config file, apply overrides, build and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(data or {}, overrides)
+
+
+def required_world_size(config: KDRecipeConfig) -> int | None:
+    """The number of processes the layout needs, or None when shared meshes leave dp_size open."""
+    def ranks(section: DistributedConfig) -> int | None:
+        if section.dp_size is None:
+            return None
+        return section.dp_size * section.tp_size * section.cp_size * section.pp_size
+
+    student = ranks(config.distributed)
+    if not config.separate_meshes or config.teacher_distributed is None:
+        return student
+    teacher = ranks(config.teacher_distributed)
+    return None if student is None or teacher is None else student + teacher
+
+
+def expand_path(pattern: str) -> str:
+    """Expand `${stdlib}` (this interpreter's standard library sources) and `~` in a dataset path."""
+    return str(Path(pattern.replace("${stdlib}", sysconfig.get_paths()["stdlib"])).expanduser())
+
+
+def validate(config: KDRecipeConfig) -> None:
+    """Cross-field checks that need no process group; raises ConfigError naming the key."""
+    for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
+        if (model.path is None) == (model.random_init is None):
+            raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
+        if model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{label}.dtype must be float32, bfloat16 or float16, got {model.dtype!r}")
+        # The recipe hands attention prepared 4D masks, which flash and flex attention do not take.
+        if model.attn_implementation not in (None, "sdpa", "eager"):
+            raise ConfigError(f"{label}.attn_implementation: {model.attn_implementation!r} is not supported; "
+                              "use sdpa or eager")
+    kd = config.kd
+    if not 0.0 <= kd.kd_ratio <= 1.0:
+        raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
+    if kd.temperature <= 0:
+        raise ConfigError(f"kd.temperature must be > 0, got {kd.temperature}")
+    if kd.logits_transport not in ("full", "full_bf16", "topk"):
+        raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
+    if kd.topk < 1 or kd.topk_tail_samples < 0:
+        raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
+    if kd.chunk_size is not None and kd.chunk_size < 1:
+        raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
+    if not config.dataset.paths:
+        raise ConfigError("dataset.paths is empty: give text or JSONL files (globs allowed)")
+    steps = config.step_scheduler
+    for name in ("max_steps", "global_batch_size", "local_batch_size", "sequence_length"):
+        if getattr(steps, name) < 1:
+            raise ConfigError(f"step_scheduler.{name} must be >= 1, got {getattr(steps, name)}")
+    for name in ("val_every_steps", "val_batches", "ckpt_every_steps"):
+        if getattr(steps, name) is not None and getattr(steps, name) < 1:
+            raise ConfigError(f"step_scheduler.{name} must be >= 1 or null, got {getattr(steps, name)}")
+    if config.optimizer.name not in ("adamw", "sgd"):
+        raise ConfigError(f"optimizer.name must be adamw or sgd, got {config.optimizer.name!r}")
+    if config.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    if config.lr_scheduler.decay not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"lr_scheduler.decay must be cosine, linear or constant, got {config.lr_scheduler.decay!r}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
+    world_size = required_world_size(config)
+    if world_size is not None:
+        try:
+            validate_kd_config(config, world_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        student_dp = config.distributed.dp_size
+        if steps.global_batch_size % (steps.local_batch_size * student_dp):
+            raise ConfigError(
+                f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
+                f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
+            )

@@ -1,0 +1,532 @@
+"""Data: text corpora -> NEAT-packed rows -> data-parallel batches, deterministic and resumable.
+
+Design:
+- Sources are paths or glob patterns (`**` recurses) of plain text files (one document per file) and
+  JSONL files (one document per line, under `text_key`). Files are sorted, so a corpus reads the same way
+  every time; with `max_documents` the file list is shuffled by `seed` first, so a cap samples broadly.
+- The validation split takes a seeded share of the DOCUMENTS before packing, so no document contributes
+  tokens to both splits.
+- Each document is tokenized without special tokens, the tokenizer's EOS appended, and packed greedily
+  first-fit in document order into rows of `sequence_length` tokens (the NEAT layout of
+  `meshkd.core.packing`). A document longer than a row is cut into row-sized pieces; each piece is a document
+  of its own in its row.
+- Labels are shifted here, once: `labels[i]` is the target of position i, i.e. `input_ids[i + 1]` when
+  that token belongs to the same document, else -100. The losses do no shifting, so any slice of the
+  sequence dim (context-parallel sharding included) carries its own targets.
+- Training batches: epoch e visits the rows in a permutation seeded by `seed + e`; step s is a pure
+  function of (seed, s), so a resumed run jumps straight to its step. Each global batch is split
+  contiguously over the data-parallel ranks, so the global batch does not depend on `dp_size`.
+
+Batch layout (every tensor int64, [rows, sequence_length]):
+- `input_ids`: token ids; padding holds the pad id (the tokenizer's pad, else its EOS, else 0).
+- `labels`: next-token targets aligned with the positions (see above); -100 at the last token of each
+  document or piece and at padding.
+- `position_ids`: restart at 0 in every document; 0 at padding.
+- `attention_mask`: 1-based index of the token's document within its row; 0 at padding.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+"""Label of positions without a target (document ends, padding); the losses skip it."""
+
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+"""Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
+
+_FORMATS = ("text", "jsonl")
+# Documents are tokenized this many at a time: big enough for the fast tokenizer's batch encoding to
+# pay off, small enough that the token lists of a large corpus never exist all at once as Python lists.
+_TOKENIZE_CHUNK = 256
+
+
+class PackedDataset:
+    """NEAT-packed rows of one split: four int64 tensors [num_rows, sequence_length] (see `BATCH_KEYS`).
+
+    `dataset[index]` returns the batch dict of the selected rows (an int, slice or index tensor).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pad_token_id: int,
+        num_documents: int,
+    ):
+        tensors = (input_ids, labels, position_ids, attention_mask)
+        assert all(t.dim() == 2 and t.dtype == torch.int64 and t.shape == input_ids.shape for t in tensors)
+        self.input_ids = input_ids
+        self.labels = labels
+        self.position_ids = position_ids
+        self.attention_mask = attention_mask
+        self.pad_token_id = pad_token_id
+        self.num_documents = num_documents  # source documents, before long ones were cut into pieces
+
+    def __len__(self) -> int:
+        """Number of packed rows."""
+        return self.input_ids.shape[0]
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per row."""
+        return self.input_ids.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of non-padding tokens."""
+        return int((self.attention_mask != 0).sum())
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch dict of the selected rows; an int selects one row as a batch of one.
+
+        A slice returns views of the dataset's tensors: copy before editing in place.
+        """
+        if isinstance(index, int):
+            index = [index]
+        return {key: getattr(self, key)[index] for key in BATCH_KEYS}
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedDataset(rows={len(self)}, sequence_length={self.sequence_length}, "
+            f"documents={self.num_documents}, tokens={self.num_tokens})"
+        )
+
+
+def build_datasets(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    sequence_length: int,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    text_key: str = "text",
+    format: str | None = None,
+    max_documents: int | None = None,
+    max_document_chars: int | None = None,
+    encoding_errors: str = "replace",
+    pack: bool = True,
+) -> tuple[PackedDataset, PackedDataset]:
+    """Read, split, tokenize and pack a corpus; returns `(train, val)`.
+
+    Args:
+        tokenizer: a transformers tokenizer. No special tokens are added except its `eos_token_id`, when it
+            has one, appended to every document.
+        paths: file paths or glob patterns (`**` recurses). A `.jsonl` file holds one JSON object per line
+            with the document under `text_key`; any other file is one plain-text document. Empty and
+            whitespace-only documents are skipped.
+        sequence_length: tokens per packed row, at least 2.
+        val_fraction: share of the documents held out for validation, in [0, 1). When positive, at least one
+            document goes to each split. 0 gives an empty validation set.
+        seed: seeds the validation split and, with `max_documents`, the file order.
+        text_key: JSONL field holding the document text.
+        format: "text" or "jsonl" to read every file that way; None chooses by extension.
+        max_documents: read at most this many documents, visiting the files in a seeded random order.
+        max_document_chars: truncate every document to this many characters before tokenizing.
+        encoding_errors: how bytes that are not UTF-8 are decoded (a `bytes.decode` handler). The default
+            "replace" keeps going with U+FFFD in their place, because real corpora hold a few files in legacy
+            encodings (Python's standard library has several); "strict" raises ValueError naming the file.
+        pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
+            padded batch, whose mask holds 1 for tokens and 0 for padding.
+
+    Raises:
+        FileNotFoundError: a pattern matches no file.
+        ValueError: invalid arguments, an unreadable file or JSONL line (named with its line number), a
+            JSONL object without `text_key`, a corpus with no non-empty document, or a split left with no
+            packed rows.
+    """
+    _check_arguments(sequence_length, val_fraction, format, max_documents, max_document_chars, encoding_errors)
+    patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not patterns:
+        raise ValueError("paths is empty: give at least one file path or glob pattern")
+    files = _match_files(patterns)
+    if max_documents is not None:
+        files = [files[i] for i in _permutation(len(files), seed)]
+    documents = _read_documents(
+        files,
+        text_key=text_key,
+        format=format,
+        max_documents=max_documents,
+        max_document_chars=max_document_chars,
+        encoding_errors=encoding_errors,
+    )
+    if not documents:
+        raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {_describe(patterns)}")
+
+    num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * len(documents)))
+    if num_val >= len(documents):
+        raise ValueError(
+            f"val_fraction={val_fraction} of {len(documents)} document(s) leaves no document, and so no packed "
+            f"row, for training; add documents or lower val_fraction"
+        )
+    # Kept in corpus order within each split: the training order is shuffled per epoch later anyway.
+    val_indices = set(_permutation(len(documents), seed)[:num_val])
+    train_texts = [text for i, text in enumerate(documents) if i not in val_indices]
+    val_texts = [text for i, text in enumerate(documents) if i in val_indices]
+
+    pad_token_id = _pad_token_id(tokenizer)
+    train = _pack(_tokenize(tokenizer, train_texts), sequence_length, pad_token_id, pack=pack)
+    val = _pack(_tokenize(tokenizer, val_texts), sequence_length, pad_token_id, pack=pack)
+    for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
+        if texts and len(split) == 0:
+            raise ValueError(
+                f"the {name} split has {len(texts)} document(s) but no packed row: the tokenizer produced no "
+                f"token for any of them"
+            )
+    return train, val
+
+
+def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:
+    """Optimizer steps in one pass over `dataset`; the last `len(dataset) % global_batch_size` rows of each
+    epoch's permutation are left out of that epoch (different rows each epoch)."""
+    return len(dataset) // global_batch_size
+
+
+def iterate_batches(
+    dataset: PackedDataset,
+    *,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_step: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield this data-parallel rank's share of every training step's global batch, forever.
+
+    Epoch e visits the rows in the permutation seeded by `seed + e`, `global_batch_size` rows per step, and
+    drops the incomplete tail (see `steps_per_epoch`) so a batch never holds a row twice. Step s's global
+    batch is split contiguously: dp rank r gets rows [r * g / dp_size, (r + 1) * g / dp_size). The global
+    batch depends on neither `dp_rank` nor `dp_size`. Iteration starts at step `start_step`: a resumed run
+    gets exactly the batches it would have seen, at the cost of one permutation, not a replay.
+
+    Yields:
+        batch dicts (`BATCH_KEYS`), each tensor int64 [global_batch_size // dp_size, sequence_length].
+
+    Raises:
+        ValueError: `global_batch_size` not divisible by `dp_size` or larger than the dataset, or a rank,
+            size or step out of range.
+    """
+    _check_dp(dp_rank, dp_size)
+    if global_batch_size < 1 or global_batch_size % dp_size != 0:
+        raise ValueError(f"global_batch_size ({global_batch_size}) must be a positive multiple of dp_size ({dp_size})")
+    if global_batch_size > len(dataset):
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) exceeds the dataset's {len(dataset)} packed rows; "
+            f"lower it or add data"
+        )
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    # Validated above, iterated below: a generator function would only raise on the first next().
+    return _training_batches(dataset, global_batch_size, dp_rank, dp_size, seed, start_step)
+
+
+def _training_batches(
+    dataset: PackedDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int, start_step: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    local_batch_size = global_batch_size // dp_size
+    per_epoch = steps_per_epoch(dataset, global_batch_size)
+    epoch, step_in_epoch = divmod(start_step, per_epoch)
+    while True:
+        order = torch.as_tensor(_permutation(len(dataset), seed + epoch))
+        for step in range(step_in_epoch, per_epoch):
+            start = step * global_batch_size + dp_rank * local_batch_size
+            yield dataset[order[start : start + local_batch_size]]  # advanced indexing: a copy
+        epoch, step_in_epoch = epoch + 1, 0
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], num_micro_batches: int) -> list[dict[str, torch.Tensor]]:
+    """Split a batch's rows into `num_micro_batches` equal, contiguous micro-batches (views, not copies).
+
+    Raises:
+        ValueError: the batch's rows are not divisible by `num_micro_batches`.
+    """
+    num_rows = next(iter(batch.values())).shape[0]
+    if num_micro_batches < 1 or num_rows % num_micro_batches != 0:
+        raise ValueError(
+            f"a batch of {num_rows} rows cannot be split into {num_micro_batches} equal micro-batches; "
+            f"the local batch size (global_batch_size / dp_size) must be a multiple of num_micro_batches"
+        )
+    size = num_rows // num_micro_batches
+    return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(num_micro_batches)]
+
+
+def eval_batches(
+    dataset: PackedDataset,
+    *,
+    batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield this rank's batches covering `dataset` once, in order; every rank yields the same number.
+
+    `batch_size` is rows per rank per step. Step t covers rows [t * batch_size * dp_size, (t + 1) *
+    batch_size * dp_size), dp rank r taking the r-th `batch_size` of them. The final step is completed
+    with padding rows (pad ids, labels -100, mask 0) so that every rank runs the same collectives; they
+    carry no token and no target, so sums over valid tokens are unaffected. An empty dataset yields nothing.
+
+    Yields:
+        batch dicts (`BATCH_KEYS`), each tensor int64 [batch_size, sequence_length].
+    """
+    _check_dp(dp_rank, dp_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return _eval_batches(dataset, batch_size, dp_rank, dp_size)
+
+
+def _eval_batches(
+    dataset: PackedDataset, batch_size: int, dp_rank: int, dp_size: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    rows_per_step = batch_size * dp_size
+    for step in range(math.ceil(len(dataset) / rows_per_step)):
+        start = step * rows_per_step + dp_rank * batch_size
+        batch = dataset[start : start + batch_size]
+        missing = batch_size - batch["input_ids"].shape[0]
+        pad = _padding_rows(missing, dataset.sequence_length, dataset.pad_token_id)
+        # Concatenating also copies the slice, so a consumer that edits a batch in place (a CPU .to() is a
+        # no-op) cannot change the dataset, as with training batches.
+        yield {key: torch.cat([batch[key], pad[key]]) for key in BATCH_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _check_arguments(
+    sequence_length: int,
+    val_fraction: float,
+    format: str | None,
+    max_documents: int | None,
+    max_document_chars: int | None,
+    encoding_errors: str,
+) -> None:
+    if not isinstance(sequence_length, int) or sequence_length < 2:
+        # One token has no next-token target, so a row needs two to train on anything.
+        raise ValueError(f"sequence_length must be an integer >= 2, got {sequence_length!r}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if format is not None and format not in _FORMATS:
+        raise ValueError(f"format must be one of {_FORMATS} or None (by extension), got {format!r}")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
+    if max_document_chars is not None and max_document_chars < 1:
+        raise ValueError(f"max_document_chars must be >= 1 or None, got {max_document_chars}")
+    try:
+        codecs.lookup_error(encoding_errors)
+    except LookupError:
+        raise ValueError(f"unknown encoding_errors handler {encoding_errors!r} (e.g. 'strict', 'replace')") from None
+
+
+def _describe(patterns: list) -> str:
+    return ", ".join(repr(str(p)) for p in patterns)
+
+
+def _match_files(patterns: list) -> list[str]:
+    """Sorted, de-duplicated files matched by the patterns; FileNotFoundError names a pattern matching none."""
+    files: set[str] = set()
+    for pattern in patterns:
+        expanded = os.path.expanduser(os.fspath(pattern))
+        matched = [path for path in glob.glob(expanded, recursive=True) if os.path.isfile(path)]
+        if not matched:
+            hint = " (a directory: use a pattern such as 'dir/**/*.txt')" if os.path.isdir(expanded) else ""
+            raise FileNotFoundError(f"no file matches the data path {str(pattern)!r}{hint}")
+        files.update(os.path.abspath(path) for path in matched)
+    return sorted(files)
+
+
+def _read_documents(
+    files: list[str],
+    *,
+    text_key: str,
+    format: str | None,
+    max_documents: int | None,
+    max_document_chars: int | None,
+    encoding_errors: str,
+) -> list[str]:
+    documents: list[str] = []
+    for path in files:
+        is_jsonl = format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl")
+        if is_jsonl:
+            texts = _jsonl_documents(path, text_key, encoding_errors)
+        else:
+            texts = _text_document(path, encoding_errors)
+        for text in texts:
+            if not text.strip():
+                continue
+            documents.append(text if max_document_chars is None else text[:max_document_chars])
+            if max_documents is not None and len(documents) == max_documents:
+                return documents  # stop reading: a cap on a large corpus should not read all of it
+    return documents
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"cannot read data file {path!r}: {error}") from error
+
+
+def _text_document(path: str, encoding_errors: str) -> Iterator[str]:
+    try:
+        yield _read_bytes(path).decode("utf-8", errors=encoding_errors)
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"data file {path!r} is not valid UTF-8 ({error}); pass encoding_errors='replace' to read it anyway"
+        ) from None
+
+
+def _jsonl_documents(path: str, text_key: str, encoding_errors: str) -> Iterator[str]:
+    for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8", errors=encoding_errors)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{where}: line is not valid UTF-8 ({error})") from None
+        if not line.strip():  # blank lines (a trailing newline, separators) are not records
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: invalid JSON ({error})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
+        if text_key not in record:
+            keys = ", ".join(repr(key) for key in list(record)[:8])
+            raise ValueError(f"{where}: no text_key {text_key!r} in the object (its keys: {keys or 'none'})")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
+        yield text
+
+
+def _permutation(size: int, seed: int) -> list[int]:
+    # torch's CPU generator gives the same permutation for the same seed on every machine and version
+    # we support, unlike Python's hash-randomized structures; every seeded choice here goes through it.
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizing and packing
+
+
+def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[torch.Tensor]:
+    """One int64 tensor per document that yields tokens, EOS appended when the tokenizer has one."""
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    documents = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        chunk = texts[start : start + _TOKENIZE_CHUNK]
+        # verbose=False: documents longer than the model's context are expected, they are cut when packed.
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+        documents.extend(torch.tensor(ids + eos, dtype=torch.int64) for ids in encoded if ids)
+    return documents
+
+
+def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Row and offset of each piece, placed first-fit in order into rows of `capacity` tokens.
+
+    A max-tree over the rows' free space finds the first row with room in O(log rows), so packing stays
+    linear-ish on corpora with many rows. Rows not yet opened are empty, so the first row with room is
+    either an open one or the next new one, and rows are numbered in the order they open.
+    """
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    free = [capacity] * (2 * size)  # free[size + row] is the free space of row; inner nodes hold maxima
+    rows, offsets = [], []
+    for length in lengths:
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= length else 2 * node + 1
+        row = node - size
+        rows.append(row)
+        offsets.append(capacity - free[node])
+        free[node] -= length
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return rows, offsets
+
+
+def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int, *, pack: bool) -> PackedDataset:
+    """Pack tokenized documents into NEAT rows [num_rows, sequence_length] (one piece per row unless `pack`)."""
+    if not documents:
+        return PackedDataset(
+            **_padding_rows(0, sequence_length, pad_token_id), pad_token_id=pad_token_id, num_documents=0
+        )
+    # Pieces: each document cut into row-sized parts, in document order; the concatenated tokens are those
+    # of the pieces back to back.
+    piece_lengths = []
+    for document in documents:
+        full, rest = divmod(len(document), sequence_length)
+        piece_lengths.extend([sequence_length] * full + ([rest] if rest else []))
+    if pack:
+        rows, offsets = _first_fit(piece_lengths, sequence_length)
+    else:
+        rows, offsets = list(range(len(piece_lengths))), [0] * len(piece_lengths)
+    num_rows = max(rows) + 1
+    # 1-based index of each piece within its row, in order of placement (which is also left to right).
+    pieces_in_row = [0] * num_rows
+    indices = []
+    for row in rows:
+        pieces_in_row[row] += 1
+        indices.append(pieces_in_row[row])
+
+    tokens = torch.cat(documents)
+    lengths = torch.tensor(piece_lengths)
+    piece_starts = torch.cumsum(lengths, 0) - lengths  # where each piece starts in `tokens`
+    position = torch.arange(len(tokens)) - torch.repeat_interleave(piece_starts, lengths)
+    destination = torch.repeat_interleave(torch.tensor(rows) * sequence_length + torch.tensor(offsets), lengths)
+    destination += position
+    # The target of a token is the next token of the same piece; a piece's last token has none.
+    targets = torch.roll(tokens, -1)
+    targets[piece_starts + lengths - 1] = IGNORE_INDEX
+
+    batch = _padding_rows(num_rows, sequence_length, pad_token_id)
+    for key, values in (
+        ("input_ids", tokens),
+        ("labels", targets),
+        ("position_ids", position),
+        ("attention_mask", torch.repeat_interleave(torch.tensor(indices), lengths)),
+    ):
+        batch[key].view(-1)[destination] = values
+    return PackedDataset(**batch, pad_token_id=pad_token_id, num_documents=len(documents))
+
+
+def _padding_rows(num_rows: int, sequence_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """`num_rows` rows of pure padding: no token, no target, no document."""
+    shape = (num_rows, sequence_length)
+    return {
+        "input_ids": torch.full(shape, pad_token_id, dtype=torch.int64),
+        "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.int64),
+        "position_ids": torch.zeros(shape, dtype=torch.int64),
+        "attention_mask": torch.zeros(shape, dtype=torch.int64),
+    }
+
+
+def _check_dp(dp_rank: int, dp_size: int) -> None:
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size) with dp_size ({dp_size}) >= 1")

@@ -1,0 +1,249 @@
+"""Failures and stop requests during a run: what every rank of a KD run agrees on when something goes wrong.
+
+- A setup step that fails on some ranks only (their weights, their data, a checkpoint) is agreed over the
+  world before the next collective (`FaultWatch.on_every_rank`): the failing rank raises its own error,
+  every other rank `SetupError` with its message.
+- A collective that fails because a peer died or stopped answering becomes `PeerLostError`
+  (`FaultWatch.watch`), naming the role and ranks lost. Every rank writes RUN_DIR/pids/rank{r}.pid
+  ("PID HOST") at setup, so a survivor on the same host can tell which peer process exited; a rank that
+  fails because it lost a peer first marks itself (rank{r}.lost), so later survivors name the role
+  that failed first rather than a casualty.
+- `StopRequest`: SIGINT, SIGTERM or the stop file named by MESHKD_STOP_FILE, recorded by the handler and
+  acted on at the next step boundary by the recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshkd.core.topology import KDDistributedSetups
+
+STOP_FILE_ENV = "MESHKD_STOP_FILE"
+"""Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
+
+# Bytes of a setup error message sent to the other ranks (one fixed-size broadcast, longer ones cut).
+_MESSAGE_BYTES = 2048
+# How long a rank that saw a collective fail looks for the peer process that exited (same host only).
+_DEAD_PEER_WAIT_S = 1.0
+# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
+_PEER_FAILURE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|[Tt]imeout|ECONNRESET|EPIPE|"
+    r"NCCL (error|communicator)|communicator was aborted|Socket Timeout"
+)
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank died or stopped answering; the message names its role and ranks."""
+
+
+class SetupError(RuntimeError):
+    """Another rank failed during setup; raised on every rank that did not (the failing rank raises its own error).
+
+    `origin_rank` is the lowest rank that failed; the message carries its error.
+    """
+
+    def __init__(self, message: str, *, origin_rank: int) -> None:
+        super().__init__(message)
+        self.origin_rank = origin_rank
+
+
+def _ranks(ranks) -> str:
+    """'rank 0', 'ranks 1-3' (consecutive), 'ranks 0, 2'."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(rank) for rank in ranks)
+
+
+def brief(error: BaseException) -> str:
+    """One ASCII line of a backend error: gloo's source location and its advice are dropped."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(" This is typically")[0]
+    return text.encode("ascii", "ignore").decode()[:300]
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    if isinstance(error, (PeerLostError, SetupError)):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, RuntimeError) and _PEER_FAILURE.search(str(error)) is not None
+
+
+def _process_gone(pid: int) -> bool:
+    """True when `pid` exited (a zombie counts: it only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def _pid_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / "pids" / f"rank{rank}.pid"
+
+
+def _lost_file(run_dir: Path, rank: int) -> Path:
+    """Written by a rank that is about to fail because it lost a peer: it exits as a casualty, not a cause."""
+    return run_dir / "pids" / f"rank{rank}.lost"
+
+
+class StopRequest:
+    """SIGINT / SIGTERM, or the stop file named by MESHKD_STOP_FILE: stop at the next step boundary.
+
+    The handlers only record the signal (a collective cannot be left half-way); the student ranks agree
+    on stopping at step boundaries. Teacher-only ranks record it too and keep serving until the students
+    send STOP_TEACHER, so a signal sent to every process (torchrun, a batch scheduler) ends the run cleanly.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.file = os.environ.get(STOP_FILE_ENV) or None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the stop file still works
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal = signum
+
+    def requested(self) -> bool:
+        return self.signal is not None or (self.file is not None and os.path.exists(self.file))
+
+    def reason(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else "a stop request"
+
+
+class FaultWatch:
+    """Agreement on setup failures and naming of lost peers for one rank of a run (see the module docstring).
+
+    Args:
+        setups: the run's resolved roles (which ranks are student, which teacher).
+        run_dir: the run directory (pid files live in RUN_DIR/pids).
+        device: where the agreement collectives put their tensors.
+    """
+
+    def __init__(self, setups: KDDistributedSetups, run_dir: Path, device: torch.device) -> None:
+        self.setups = setups
+        self.run_dir = Path(run_dir)
+        self.device = device
+
+    def write_pid_file(self) -> None:
+        """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""
+        path = _pid_file(self.run_dir, dist.get_rank())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        _lost_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def on_every_rank(self, stage: str):
+        """Run a rank-local part of setup, then agree over the world: if it failed anywhere, raise everywhere.
+
+        The failing rank raises its own error; the others raise SetupError with the lowest failing rank's
+        message. Costs one all-reduce when nothing failed.
+        """
+        try:
+            yield
+        except Exception as error:
+            self.agree(error, stage)
+            raise
+        self.agree(None, stage)
+
+    def agree(self, error: BaseException | None, stage: str) -> None:
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        first = torch.tensor([rank if error is not None else world_size], dtype=torch.int64, device=self.device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        origin = int(first.item())
+        if origin == world_size:
+            return
+        message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        if rank == origin:
+            text = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
+            encoded = (text or type(error).__name__).encode()[:_MESSAGE_BYTES]
+            message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device)
+        dist.broadcast(message, src=origin)
+        if error is None:
+            text = bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+            raise SetupError(f"rank {origin} ({self.role_of(origin)}) failed {stage}: {text}", origin_rank=origin)
+
+    def role_of(self, rank: int) -> str:
+        if not self.setups.separate:
+            return "student and teacher"
+        return "student" if rank in self.setups.student_ranks else "teacher"
+
+    @contextlib.contextmanager
+    def watch(self, operation: str, role: str):
+        """Turn a collective that failed because a peer died or went silent into PeerLostError.
+
+        `role` ("student" or "teacher") is whose ranks the operation waits on; where the pid files show
+        which peer process exited (same host), the message names it.
+        """
+        try:
+            yield
+        except RuntimeError as error:
+            if not _is_peer_failure(error):
+                raise
+            raise PeerLostError(self.lost(operation, role, error)) from error
+
+    def lost(self, operation: str, role: str, error: BaseException) -> str:
+        """The PeerLostError message; also marks this rank as a casualty for the peers that outlive it."""
+        with contextlib.suppress(OSError):  # no pid directory yet: nobody can read the mark anyway
+            _lost_file(self.run_dir, dist.get_rank()).touch()
+        dead = self.dead_ranks()
+        exited = f"; {_ranks(dead)} exited" if dead else ""
+        if not self.setups.separate:
+            return f"lost a peer ({_ranks(self.setups.student_ranks)}{exited}) during {operation}: {brief(error)}"
+        # Ranks that exited because they lost a peer themselves do not tell which role failed first.
+        causes = [rank for rank in dead if not _lost_file(self.run_dir, rank).exists()] or dead
+        roles = {self.role_of(rank) for rank in causes}
+        if len(roles) == 1:  # the pid files know better than the operation which role is gone
+            role = roles.pop()
+        role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
+        return f"lost the {role} ({_ranks(role_ranks)}{exited}) during {operation}: {brief(error)}"
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks of this host whose process exited, from the pid files (waits a moment for a dying peer)."""
+        host, me = socket.gethostname(), dist.get_rank()
+        pids = {}
+        for rank in range(dist.get_world_size()):
+            try:
+                pid, pid_host = _pid_file(self.run_dir, rank).read_text().split()
+            except (OSError, ValueError):
+                continue
+            if rank != me and pid_host == host:
+                pids[rank] = int(pid)
+        deadline = time.monotonic() + _DEAD_PEER_WAIT_S
+        while True:
+            dead = [rank for rank, pid in sorted(pids.items()) if _process_gone(pid)]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)

@@ -1,0 +1,214 @@
+"""Preflight: everything a run needs that can be checked without a process group or model weights.
+
+`preflight(config)` reads the same files on every rank and nothing rank-dependent, so every rank raises
+the same error without talking to the others, and `meshkd train` runs it in the calling process before
+any worker starts. Errors name the config key they concern (`about`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from meshkd.core.packing import attention_windows
+from meshkd.parallel.sharded_loading import empty_causal_lm
+from meshkd.parallel.tensor_parallel import check_tensor_parallel
+from meshkd.recipe import data, models
+from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+
+# The corpus is read for a first document only when it is at most this large.
+_PREFLIGHT_READ_BYTES = 64 << 20
+
+
+def load_section_tokenizer(section) -> object:
+    if section.tokenizer == "byte":
+        return models.byte_tokenizer()
+    return models.load_tokenizer(path=section.tokenizer or section.path, gguf_file=section.gguf_file)
+
+
+def load_section_model(section) -> torch.nn.Module:
+    return models.load_causal_lm(
+        path=section.path,
+        gguf_file=section.gguf_file,
+        random_init=section.random_init,
+        keep_layers=section.keep_layers,
+        dtype=section.dtype,
+        attn_implementation=section.attn_implementation,
+        seed=section.seed,
+    )
+
+
+def load_section_model_for_layout(section):
+    """(model, `Checkpoint`) with meta parameters, to be filled by `load_shards` once laid out, for a Hugging
+    Face directory stored under the model's own names; else (the loaded model, None)."""
+    if section.path is not None and section.gguf_file is None and not str(section.path).endswith(".gguf"):
+        directory, _ = models._resolve_source(section.path, None)
+        empty = empty_causal_lm(directory, keep_layers=section.keep_layers, dtype=models._resolve_dtype(section.dtype),
+                                attn_implementation=section.attn_implementation)
+        if empty is not None:
+            return empty
+    return load_section_model(section), None
+
+
+@contextlib.contextmanager
+def about(key: str):
+    """Prefix the errors a user can cause (ValueError, OSError) with the config key they concern."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        if str(error).startswith(key):
+            raise
+        message = f"{key}: {error}"
+        try:
+            renamed = type(error)(message)
+        except Exception:  # an exception type whose constructor wants more than a message
+            renamed = ValueError(message)
+        raise renamed from error
+
+
+@dataclass
+class Preflight:
+    """What `preflight` loaded that setup reuses."""
+
+    tokenizer: object
+    teacher_tokenizer: object
+
+
+def _skeleton(section) -> torch.nn.Module:
+    """The model of a config section, pruned as configured, on the meta device: its config, no weights."""
+    if section.random_init is not None:
+        with torch.device("meta"):
+            return load_section_model(section)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = models._resolve_source(section.path, section.gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    attention = section.attn_implementation or models.default_attn_implementation(type(hf_config))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
+    if section.keep_layers is not None:
+        models.prune_layers(model, section.keep_layers)
+    return model
+
+
+def _embedding_rows(model: torch.nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def preflight(config: KDRecipeConfig) -> Preflight:
+    """Check everything that needs no process group; raises before any process or collective is involved.
+
+    Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
+    without talking to the others. Loads no weights (models are built on the meta device) and reads the
+    corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
+    exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
+    `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
+    attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel
+    plan (styles, attention and key/value head counts); both roles' pp_size against their decoder layers;
+    a TP student's vocabulary against the common one.
+
+    Raises:
+        ConfigError (a ValueError) or ValueError: naming the config key.
+        FileNotFoundError: naming the missing file or path.
+    """
+    student_layout = config.distributed
+    separate = config.separate_meshes
+    if not separate and config.teacher_distributed is not None:
+        raise ConfigError(
+            "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
+            "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
+        )
+    if student_layout.ep_size > 1:
+        raise ConfigError(
+            f"distributed.ep_size({student_layout.ep_size}) > 1: expert parallel is not supported yet; MoE experts "
+            "are sharded by tensor parallel inside each expert (tp_size)"
+        )
+    if student_layout.sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
+    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
+        raise ConfigError(
+            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
+            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
+        )
+    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
+        raise ConfigError(
+            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
+        )
+    if separate:
+        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
+            if layout is not None and layout.dp_size is None:
+                raise ConfigError(
+                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
+                )
+    teacher_key = "teacher_distributed" if separate else "distributed"
+    teacher_layout = config.teacher_distributed if separate else student_layout
+    steps, dataset = config.step_scheduler, config.dataset
+
+    with about("dataset"):
+        data._check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+                              dataset.max_document_chars, "replace")
+    with about("dataset.paths"):
+        files = data._match_files([expand_path(pattern) for pattern in dataset.paths])
+        # Reading stops at the first document, but a JSONL file is read whole: on a large corpus this is
+        # left to the students' setup, whose errors reach every rank too.
+        if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
+            first = data._read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
+                                         max_document_chars=None, encoding_errors="replace")
+            if not first:
+                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
+
+    with about("model.tokenizer"):
+        tokenizer = load_section_tokenizer(config.model)
+    with about("teacher_model.tokenizer"):
+        teacher_tokenizer = load_section_tokenizer(config.teacher_model)
+    with about("model"):
+        student = _skeleton(config.model)
+    with about("teacher_model"):
+        teacher = _skeleton(config.teacher_model)
+    with about("model.tokenizer / teacher_model.tokenizer"):
+        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
+                                              teacher_vocab_size=_embedding_rows(teacher))
+
+    for label, model in (("model", student), ("teacher_model", teacher)):
+        with about(label):
+            attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and steps.sequence_length > limit:
+            raise ConfigError(
+                f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
+                f"max_position_embeddings({limit})"
+            )
+    for key, layout, label, model in (("distributed", student_layout, "model", student),
+                                      (teacher_key, teacher_layout, "teacher_model", teacher)):
+        try:
+            check_tensor_parallel(model, layout.tp_size, layout.ep_size)
+        except ValueError as error:
+            sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
+            raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
+    for key, layout, label, model, section in (("distributed", student_layout, "model", student, config.model),
+                                               (teacher_key, teacher_layout, "teacher_model", teacher,
+                                                config.teacher_model)):
+        num_layers = model.config.num_hidden_layers
+        if layout.pp_size > num_layers:
+            raise ConfigError(
+                f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
+                + (" (after keep_layers)" if section.keep_layers is not None else "")
+            )
+    dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
+    micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
+    if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:
+        raise ConfigError(
+            f"distributed.pp_schedule '1f1b' needs at least pp_size({student_layout.pp_size}) micro-batches per "
+            f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
+            "step_scheduler.global_batch_size or use pp_schedule: gpipe"
+        )
+    if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
+        raise ConfigError(
+            f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
+            f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
+        )
+    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)

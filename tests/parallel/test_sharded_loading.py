@@ -1,0 +1,180 @@
+"""Sharded loading: a model built without weights, laid out, then filled with this rank's share only.
+
+Single process: the empty model has no parameter storage, pruning maps layers to their stored index, and a
+checkpoint that stores a tensor under another name is refused (None: the caller loads the whole model).
+In a 4-rank world: a teacher laid out tp2 / pp2 (tied embeddings) / pp2 x tp2 and a student under FSDP2 x
+tp2 and pp2 x dp2, each loaded in shards, equal the fully loaded model (logits, every parameter), and
+hold only their share of the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+from meshkd.core.packing import configure_packing
+from meshkd.core.topology import create_kd_distributed_setups
+from meshkd.parallel.data_parallel import parallelize_student
+from meshkd.parallel.sharded_loading import empty_causal_lm, is_empty, load_shards
+from meshkd.parallel.student_pipeline import StudentPipeline
+from meshkd.parallel.teacher_runner import TeacherRunner
+from meshkd.recipe.models import load_causal_lm, save_hf_model
+from tests.tiny import full, neat_layout
+from tests.world import world_test
+
+WORLD = 4
+VOCAB = 67
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MODELS = {"llama": {"model_type": "llama", **SHAPE},
+          "qwen3_tied": {"model_type": "qwen3", "head_dim": 8, "tie_word_embeddings": True, **SHAPE}}
+
+
+def saved_model(name: str, root: Path) -> Path:
+    """The random-init model `name` saved as a Hugging Face directory under `root` (written once)."""
+    directory = root / name
+    if not (directory / "config.json").is_file():
+        save_hf_model(load_causal_lm(random_init=MODELS[name], seed=4), None, directory)
+    return directory
+
+
+def batch() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    mask, positions = neat_layout([[6, 5], [11]], 11)
+    return {"input_ids": torch.randint(0, VOCAB, (2, 11), generator=generator), "attention_mask": mask,
+            "position_ids": positions}
+
+
+def test_empty_model_holds_no_weights_and_maps_pruned_layers(tmp_path):
+    directory = saved_model("llama", tmp_path)
+    model, checkpoint = empty_causal_lm(directory, keep_layers=[0, 2, 3], dtype=torch.float32,
+                                        attn_implementation=None)
+    assert is_empty(model) and model.config._attn_implementation == "sdpa"
+    assert checkpoint.names["model.layers.1.mlp.up_proj.weight"] == "model.layers.2.mlp.up_proj.weight"
+    load_shards(model, checkpoint, device="cpu")
+    assert not is_empty(model)
+    expected = load_causal_lm(path=directory, keep_layers=[0, 2, 3])
+    inputs = batch()["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=inputs).logits, expected(input_ids=inputs).logits)
+
+
+def test_checkpoint_under_other_names_is_not_loaded_in_shards(tmp_path):
+    directory = saved_model("llama", tmp_path)
+    state = load_file(str(directory / "model.safetensors"))
+    state["model.layers.0.mlp.experts.0.weight"] = state.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    assert empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None) is None
+    (directory / "model.safetensors").unlink()  # no weights at all
+    assert empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None) is None
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    directory = saved_model("llama", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (directory / "config.json").write_text(json.dumps(config))
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    try:
+        load_shards(model, checkpoint, device="cpu")
+    except ValueError as error:
+        assert "model.layers.0.mlp.gate_proj.weight" in str(error) and "(64, 32)" in str(error)
+    else:
+        raise AssertionError("a checkpoint tensor of the wrong shape was accepted")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distributed
+
+
+def shared_root() -> Path:
+    return Path(tempfile.gettempdir()) / f"meshkd-sharded-{os.getppid()}"  # the ranks' common parent
+
+
+def shared_directory(name: str) -> Path:
+    """A saved model every rank reads: rank 0 writes it, the others wait."""
+    if dist.get_rank() == 0:
+        saved_model(name, shared_root())
+    dist.barrier()
+    return shared_root() / name
+
+
+def check_remove_saved_models():
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(shared_root(), ignore_errors=True)
+
+
+def setup_for(section: dict):
+    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def run_teacher(name: str, section: dict, max_share: float) -> None:
+    directory = shared_directory(name)
+    reference = configure_packing(load_causal_lm(path=directory).eval())
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    total = sum(p.numel() for p in reference.parameters())
+    runner = TeacherRunner(model, setup_for(section), device="cpu")
+    load_shards(model, checkpoint, device="cpu")
+    share = local_numel(model) / total
+    assert share <= max_share, f"{name} {section}: this rank holds {share:.2f} of the parameters"
+    logits = runner.logits(batch())
+    if runner.is_last:
+        with torch.no_grad():
+            expected = reference(**batch()).logits
+        assert (full(logits) - expected).abs().max().item() <= 1e-5
+
+
+def check_teacher_tp2():
+    run_teacher("llama", {"tp_size": 2}, max_share=0.6)
+
+
+def check_teacher_pp2_tied():
+    run_teacher("qwen3_tied", {"pp_size": 2}, max_share=0.75)
+
+
+def check_teacher_pp2_tp2():
+    run_teacher("llama", {"pp_size": 2, "tp_size": 2}, max_share=0.4)
+
+
+def assert_parameters_equal(named_parameters, expected: dict, what: str) -> None:
+    for name, parameter in named_parameters:
+        assert torch.equal(full(parameter).detach(), expected[name]), f"{what}: {name}"
+
+
+def check_student_fsdp2_tp2():
+    directory = shared_directory("qwen3_tied")
+    expected = dict(load_causal_lm(path=directory).named_parameters(remove_duplicate=False))
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    model = parallelize_student(model, setup_for({"tp_size": 2}))
+    load_shards(model, checkpoint, device="cpu")
+    assert local_numel(model) <= 0.3 * sum(p.numel() for p in dict.fromkeys(expected.values()))
+    assert_parameters_equal(model.named_parameters(), expected, "fsdp2 x tp2")
+
+
+def check_student_pp2_dp2_tied():
+    directory = shared_directory("qwen3_tied")
+    expected = dict(load_causal_lm(path=directory).named_parameters(remove_duplicate=False))
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    pipe = StudentPipeline(model, setup_for({"pp_size": 2}), device="cpu", schedule="gpipe", num_micro_batches=2)
+    load_shards(pipe.stage_model, checkpoint, device="cpu")
+    assert_parameters_equal(pipe.stage_model.named_parameters(), expected, "pp2 x dp2")
+    assert not is_empty(pipe.stage_model)
+
+
+CHECKS = [check_teacher_tp2, check_teacher_pp2_tied, check_teacher_pp2_tp2, check_student_fsdp2_tp2,
+          check_student_pp2_dp2_tied, check_remove_saved_models]
+
+test_sharded_loading_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=240.0)

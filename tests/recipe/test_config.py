@@ -1,0 +1,72 @@
+"""Config: typed loading, overrides, and bad configs failing at load with the key named."""
+
+import pytest
+import yaml
+
+from meshkd.recipe.config import (
+    ConfigError,
+    apply_override,
+    config_from_dict,
+    load_config,
+    required_world_size,
+)
+from tests.tiny import base_config, with_layout
+
+
+def test_yaml_and_overrides_build_the_typed_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(with_layout(base_config(tmp_path), {"dp_size": 2}, {"dp_size": 1, "tp_size": 2})))
+    config = load_config(path, ["step_scheduler.max_steps=7", "kd.temperature=1.5", "optimizer.betas=[0.8, 0.9]"])
+    assert config.step_scheduler.max_steps == 7 and config.kd.temperature == 1.5
+    assert config.optimizer.betas == [0.8, 0.9] and config.teacher_distributed.tp_size == 2
+    assert required_world_size(config) == 4
+    assert config.get("distributed")["dp_size"] == 2  # the topology view
+
+
+def test_override_syntax_errors_name_the_override():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_override({}, "no_equals_sign")
+
+
+def test_missing_or_malformed_files_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"step_scheduler": {"max_step": 3}}, r"step_scheduler.max_step"),
+        ({"kd": {"kd_ratio": "high"}}, r"kd.kd_ratio must be a number"),
+        ({"kd": {"kd_ratio": 1.5}}, r"kd.kd_ratio must be in \[0, 1\]"),
+        ({"optimizer": {"lr": -1.0}}, r"optimizer.lr must be > 0"),
+        ({"teacher_distributed": {"dp_size": 1}}, r"teacher_distributed is set but separate_meshes is false"),
+        ({"distributed": {"dp_size": 3}, "step_scheduler": {"global_batch_size": 4}}, r"global_batch_size\(4\)"),
+        ({"dataset": {"paths": []}}, r"dataset.paths is empty"),
+        ({"model": {"path": "x", "random_init": {"model_type": "llama"}}}, r"exactly one of model.path"),
+        ({"unknown_section": {}}, r"unknown config key\(s\) \['unknown_section'\]"),
+        ({"model": {"attn_implementation": "flash_attention_2"}},
+         r"model.attn_implementation: 'flash_attention_2' is not supported; use sdpa or eager"),
+        ({"teacher_model": {"attn_implementation": "flex_attention"}}, r"teacher_model.attn_implementation"),
+    ],
+)
+def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
+    for section, values in change.items():
+        if isinstance(values, dict) and isinstance(config.get(section), dict):
+            config[section] = {**config[section], **values}
+        else:
+            config[section] = values
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(config)
+
+
+@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "hf_gpu"])
+def test_example_configs_load(name):
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parents[2] / "examples" / f"{name}.yaml")
+    assert required_world_size(config) >= 2
