@@ -216,13 +216,13 @@ def _reference_send_batch(value, route, device: torch.device):
 
     is_source = dist.get_rank() == route.src
     tensors: list[torch.Tensor] = []
-    holder = [wire._tree_spec(value, tensors) if is_source else None]
+    holder = [wire.tree_spec(value, tensors) if is_source else None]
     dist.broadcast_object_list(holder, src=route.src, group=route.group, device=device)
     if not is_source:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in wire.leaf_specs(holder[0])]
     for tensor in tensors:
         dist.broadcast(tensor, src=route.src, group=route.group)
-    return value if is_source else wire._tree_from_spec(holder[0], tensors)
+    return value if is_source else wire.tree_from_spec(holder[0], tensors)
 
 
 def _latency(bridge, settings: dict) -> dict:

@@ -349,7 +349,7 @@ class KDMeshBridge:
         document = None
         if not error:
             try:
-                document = wire.spec_bytes(wire._tree_spec(value, tensors))
+                document = wire.spec_bytes(wire.tree_spec(value, tensors))
             except TypeError as raised:  # unsendable: tell the receivers instead of leaving them waiting
                 error = f"rank {self.rank} cannot send its value: {raised}"
         same = document is not None and document == state.document
@@ -394,7 +394,7 @@ class KDMeshBridge:
                 self._broadcast_pair(word, buffer, route)
             if int(word.item()) == wire.SAME_SPEC:
                 state.repeats += 1
-                return wire._tree_from_spec(state.spec, wire.unpack_leaves(buffer, state.leaves))
+                return wire.tree_from_spec(state.spec, wire.unpack_leaves(buffer, state.leaves))
             word = word.clone()
             del buffer  # filler
         else:
@@ -417,7 +417,7 @@ class KDMeshBridge:
             buffer = self._receive_buffer(state.nbytes, route)
             dist.broadcast(buffer, src=route.src, group=route.group)
             tensors = wire.unpack_leaves(buffer, leaves)
-        return wire._tree_from_spec(spec, tensors)
+        return wire.tree_from_spec(spec, tensors)
 
     @staticmethod
     def _broadcast_pair(word: torch.Tensor, data: torch.Tensor, route: Route) -> None:

@@ -112,7 +112,7 @@ def assert_identical(actual, expected, path: str = "value") -> None:
 @given(value=trees)
 def test_any_tree_round_trips_through_spec_and_buffer_bit_for_bit(value):
     leaves_out: list[torch.Tensor] = []
-    spec = wire._tree_spec(value, leaves_out)
+    spec = wire.tree_spec(value, leaves_out)
     decoded = wire.decode_spec(wire.encode_spec(spec))
     assert json.dumps(decoded) == json.dumps(spec)
     leaves = wire.leaf_specs(decoded)
@@ -122,7 +122,7 @@ def test_any_tree_round_trips_through_spec_and_buffer_bit_for_bit(value):
     if len(leaves) > 1:
         offsets, total = wire.buffer_layout(leaves)
         assert buffer.numel() == total and all(offset % 16 == 0 for offset in offsets)
-    rebuilt = wire._tree_from_spec(decoded, wire.unpack_leaves(buffer, leaves))
+    rebuilt = wire.tree_from_spec(decoded, wire.unpack_leaves(buffer, leaves))
     assert_identical(rebuilt, value)
 
 
