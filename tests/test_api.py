@@ -11,10 +11,10 @@ KD_UTILS = {
     "materialize_teacher_logits": ["logits", "device_mesh", "sequence_length"],
     "configure_kd_teacher_packing": ["teacher_parts", "student_parts", "control_group"],
     "_mesh_size": ["distributed_cfg", "label"],
-    "model_replicas": ["setup"],
+    "_model_replicas": ["setup"],
     "_section_to_dict": ["section"],
-    "tree_spec": ["value", "tensors"],
-    "tree_from_spec": ["spec", "tensors"],
+    "_tree_spec": ["value", "tensors"],
+    "_tree_from_spec": ["spec", "tensors"],
 }
 BRIDGE_METHODS = {
     "__init__": ["self", "setups", "device"],
@@ -61,7 +61,7 @@ def test_data_names_and_dataclasses():
     assert (kd_utils.RUN_TEACHER, kd_utils.STOP_TEACHER) == (1, 0)
     assert list(inspect.signature(kd_utils.KDDistributedSetups).parameters) == [
         "student", "teacher", "student_ranks", "teacher_ranks", "separate"]
-    assert list(inspect.signature(kd_utils.Replica).parameters) == ["ranks", "input_rank", "output_rank"]
+    assert list(inspect.signature(kd_utils._Replica).parameters) == ["ranks", "input_rank", "output_rank"]
     assert list(inspect.signature(kd_utils._Route).parameters) == ["src", "ranks", "group"]
     assert hasattr(kd_utils._ConfigLike, "get")
     assert pipeline_parallel.LossMetricPayload is not None and pipeline_parallel.LossMetricPayloadT is not None
