@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import glob
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +50,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from meshkd.core.local_world import spawn_world
 
 MIB = 1 << 20
 SECTIONS = ("bandwidth", "latency", "modes", "overlap", "memory")
@@ -81,46 +80,31 @@ def _settings(quick: bool) -> dict:
 # --------------------------------------------------------------------------------------- the world
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _world_backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
 
 
-def _world_main(rank: int, world_size: int, port: int, backend: str, sections: list[str], settings: dict, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        from meshkd.core.bridge import KDMeshBridge
-        from meshkd.core.topology import create_kd_distributed_setups
+def _world_main(rank: int, backend: str, sections: list[str], settings: dict, out: str):
+    from meshkd.core.bridge import KDMeshBridge
+    from meshkd.core.topology import create_kd_distributed_setups
 
-        cfg = {"separate_meshes": True, "distributed": {"dp_size": 1}, "teacher_distributed": {"dp_size": 1}}
-        bridge = KDMeshBridge(create_kd_distributed_setups(cfg, world_size), device)
-        results = {}
-        for name in sections:
-            results[name] = {"bandwidth": _bandwidth, "latency": _latency, "overlap": _overlap}[name](
-                bridge, settings
-            )
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    cfg = {"separate_meshes": True, "distributed": {"dp_size": 1}, "teacher_distributed": {"dp_size": 1}}
+    bridge = KDMeshBridge(create_kd_distributed_setups(cfg, 2), device)
+    results = {}
+    for name in sections:
+        results[name] = {"bandwidth": _bandwidth, "latency": _latency, "overlap": _overlap}[name](bridge, settings)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
 
 
 def _run_world(sections: list[str], settings: dict) -> dict:
     backend = _world_backend()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "world.json"))
-        mp.start_processes(
-            _world_main, args=(2, _free_port(), backend, sections, settings, out), nprocs=2, start_method="spawn"
-        )
+        failure = spawn_world(2, _world_main, (backend, sections, settings, out), backend=backend, timeout_s=300)
+        if failure is not None:
+            raise RuntimeError(f"benchmark world failed: {failure}")
         results = json.loads(Path(out).read_text())
     results["backend"] = backend
     return results
@@ -261,43 +245,41 @@ def _latency(bridge, settings: dict) -> dict:
 
 
 def _overlap(bridge, settings: dict) -> list[dict]:
-    from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, TeacherPrefetcher
+    from meshkd.core.teacher_protocol import TeacherClient, TeacherRequest, TeacherServer
 
     logits = torch.randn(2, 256, 2048, device=bridge.device)  # 4 MiB of float32 logits per micro-batch
     count = settings["overlap_micro_batches"]
     rows = []
+    teacher = TeacherClient(bridge) if bridge.is_student else None
     for student_s, teacher_s in settings["overlap"]:
         if bridge.is_teacher:
-            runs = 2 * settings["overlap_repeats"]
-            for _ in range(runs):  # the teacher loop of the recipe, unchanged
-                while bridge.broadcast_command() == RUN_TEACHER:
-                    for wave in range(bridge.num_waves):
-                        bridge.send_batch(wave, None)
-                        time.sleep(teacher_s)
-                        bridge.send_logits(wave, logits)
+            def forward(request, teacher_s=teacher_s) -> dict:
+                time.sleep(teacher_s)
+                return {"mode": "full", "logits": logits}
+
+            for _ in range(2 * settings["overlap_repeats"]):  # the recipe's teacher loop
+                TeacherServer(bridge).serve(forward)
             continue
 
-        def batch(index: int) -> dict:
-            return {"input_ids": torch.full((2, 256), index, device=bridge.device)}
+        def request(index: int) -> TeacherRequest:
+            return TeacherRequest({"input_ids": torch.full((2, 256), index, device=bridge.device)}, "full")
 
         def synchronous(student_s=student_s) -> list[float]:
             marks = [time.perf_counter()]
             for index in range(count):
-                bridge.broadcast_command(RUN_TEACHER)
-                bridge.send_batch(0, batch(index))
-                bridge.send_logits(0, None)
+                teacher.request(request(index).batch, "full")
                 time.sleep(student_s)  # train on the micro-batch
                 marks.append(time.perf_counter())
-            bridge.broadcast_command(STOP_TEACHER)
+            teacher.close()
             return marks
 
         def overlapped(student_s=student_s) -> list[float]:
             marks = [time.perf_counter()]
-            with TeacherPrefetcher(bridge, range(count), batch_fn=batch) as prefetcher:
+            with teacher.prefetch(range(count), batch_fn=request) as prefetcher:
                 for _ in prefetcher:
                     time.sleep(student_s)
                     marks.append(time.perf_counter())
-            bridge.broadcast_command(STOP_TEACHER)
+            teacher.close()
             return marks
 
         sync_steps, overlap_steps = [], []
@@ -487,14 +469,16 @@ def _targets(results: dict) -> list[dict]:
 
     for row in results.get("bandwidth", []):
         if row["size_mib"] >= 16:
-            add(f"send_logits / raw broadcast bandwidth, {row['size_mib']} MiB", row["ratio"], ">= 0.95", row["ratio"] >= 0.95)
+            add(f"send_logits / raw broadcast bandwidth, {row['size_mib']} MiB", row["ratio"], ">= 0.95",
+                row["ratio"] >= 0.95)
     if "latency" in results:
         ratio = results["latency"]["ratio"]
         add("send_batch latency / reference", ratio, "<= 0.5", ratio <= 0.5)
     seen_bytes = set()
     for row in results.get("modes", {}).get("rows", []):
         where = f"{row['student']} student, T={row['temperature']:g}"
-        if row["mode"] in ("full_bf16", "topk k=64 (rest bucket)", "topk k=64 +32 tail samples") and row["mode"] not in seen_bytes:
+        compact = ("full_bf16", "topk k=64 (rest bucket)", "topk k=64 +32 tail samples")
+        if row["mode"] in compact and row["mode"] not in seen_bytes:
             seen_bytes.add(row["mode"])  # bytes depend on neither the student nor T
             goal, met = ("= 0.5", abs(row["bytes_ratio"] - 0.5) < 1e-9) if row["mode"] == "full_bf16" else (
                 "<= 0.005", row["bytes_ratio"] <= 0.005)
@@ -529,7 +513,8 @@ def _report(results: dict) -> str:
     parts = [f"backend: {meta['backend']}, torch {meta['torch']}, {meta['cpus']} CPUs, quick={meta['quick']}"]
     if "bandwidth" in results:
         parts.append(_table(
-            "(a) send_logits vs raw dist.broadcast (same bytes, same route group); ratio = median(raw time / meshkd time)",
+            "(a) send_logits vs raw dist.broadcast (same bytes, same route group); "
+            "ratio = median(raw time / meshkd time)",
             ["MiB", "meshkd GB/s", "raw GB/s", "ratio"],
             [[r["size_mib"], r["meshkd_gbps"], r["raw_gbps"], r["ratio"]] for r in results["bandwidth"]],
         ))  # fmt: skip

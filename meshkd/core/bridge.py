@@ -15,17 +15,14 @@ batches and logits cost one transfer each. A sender with nothing valid to send b
 instead, so its receivers raise too rather than wait forever. On the CPU, transfer buffers are reused
 once released (`_BufferPool`).
 
-`TeacherPrefetcher` runs the student's side of the exchange on a background thread, one micro-batch
-ahead of training, so that the teacher's forward overlaps the student's step.
+What travels in a teacher request, and the loops on both sides, are `meshkd.core.teacher_protocol`'s.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +137,8 @@ class KDMeshBridge:
         self.is_student = self.rank in self.student_ranks
         self.is_teacher = self.rank in self.teacher_ranks
         self._timeout = timeout
-        self._owner_thread: int | None = None  # set while a TeacherPrefetcher drives the bridge
+        # The thread a TeacherPrefetcher drives the bridge from (set and cleared by the prefetcher), else None.
+        self.owner_thread: int | None = None
         # Per route: the last spec and its repeat streak (`_broadcast_tree`), and CPU buffers to reuse.
         self._pools: dict[tuple, _BufferPool] = {}
         self._route_states: dict[tuple[int, tuple[int, ...]], _RouteState] = {}
@@ -181,12 +179,12 @@ class KDMeshBridge:
     @property
     def claimed(self) -> bool:
         """Whether a TeacherPrefetcher drives this bridge (then only its thread may use it)."""
-        return self._owner_thread is not None
+        return self.owner_thread is not None
 
     def _check_caller(self) -> None:
         """While a TeacherPrefetcher drives this bridge, only its thread may issue the bridge's collectives:
         another thread's would interleave with the prefetcher's in an order the other ranks cannot know."""
-        owner = self._owner_thread
+        owner = self.owner_thread
         if owner is not None and owner != threading.get_ident():
             raise RuntimeError(
                 "this KDMeshBridge is driven by a running TeacherPrefetcher: close it (or let it finish) before "
@@ -217,7 +215,7 @@ class KDMeshBridge:
         received = self._broadcast_along(self.input_routes[wave], batch, error)
         return received if self.is_teacher else None
 
-    def send_logits(self, wave: int, logits: Any | None) -> Any | None:
+    def send_logits(self, wave: int, logits: Any | None, *, error: str | None = None) -> Any | None:
         """Send teacher logits back to the assigned student replica.
 
         Args:
@@ -226,6 +224,8 @@ class KDMeshBridge:
                 their encoded form (a dict from `meshkd.core.logits_codec.encode_teacher_logits`); None
                 elsewhere. An unpaired teacher replica in the last wave has no route: its logits are
                 dropped.
+            error: on teacher output ranks, why there are no logits: the receivers raise RuntimeError
+                with this message instead of waiting (the sender's own exception is the caller's to raise).
 
         Returns:
             What the teacher sent ([batch, sequence, vocab], or the encoded dict) on every rank of the last
@@ -234,11 +234,10 @@ class KDMeshBridge:
         """
         self._check_wave(wave)
         self._check_caller()
-        error = None
         values = logits.values() if isinstance(logits, dict) else [logits]
-        if any(isinstance(value, DTensor) for value in values):
+        if error is None and any(isinstance(value, DTensor) for value in values):
             error = f"teacher rank {self.rank} passed a DTensor: call materialize_teacher_logits first"
-        elif not isinstance(logits, (torch.Tensor, dict)):
+        elif error is None and not isinstance(logits, (torch.Tensor, dict)):
             error = f"teacher rank {self.rank} is an output rank but passed logits={type(logits).__name__}"
         received = self._broadcast_along(self.output_routes[wave], logits, error)
         return received if self.is_student else None
@@ -364,7 +363,8 @@ class KDMeshBridge:
             dist.broadcast(buffer, src=route.src, group=route.group)
         elif state.speculating:
             # Filler when the spec changed: the receivers posted a buffer of the cached size.
-            data = self._pack(tensors, route) if same else torch.empty(state.nbytes, dtype=torch.uint8, device=self.device)
+            data = (self._pack(tensors, route) if same
+                    else torch.empty(state.nbytes, dtype=torch.uint8, device=self.device))
             self._broadcast_pair(word, data, route)
         else:
             dist.broadcast(word, src=route.src, group=route.group)
@@ -474,148 +474,4 @@ class KDMeshBridge:
         return teacher_logits.narrow(-1, offset[vocab_dim], local_shape[vocab_dim])
 
 
-class TeacherPrefetcher:
-    """Fetch teacher logits for upcoming micro-batches on a background thread while the caller trains.
-
-    The student side of the teacher loop, double-buffered: while the caller trains on micro-batch i, a
-    background thread already runs the request for micro-batch i + 1 (RUN_TEACHER, then send_batch and
-    send_logits for every wave), the very collectives a synchronous student issues, in the same order.
-    The teacher loop is unchanged: it serves requests in order. The logits, and so the loss curve, are
-    those of the synchronous loop.
-
-    Why it cannot deadlock: while the prefetcher runs only its thread issues the bridge's collectives (the
-    bridge refuses other threads), so every rank sees them in request order exactly as in the synchronous
-    loop. The caller's own collectives (data-parallel reductions, FSDP) are on other process groups, which
-    progress independently of the bridge's; under NCCL that relies on kernels of two communicators running
-    concurrently, which NCCL allows but does not guarantee for every launch configuration. Uneven replica
-    counts need nothing special: every request runs every wave, as `KDMeshBridge` requires, and a failure
-    in one wave does not skip the later waves (their routes' peers would wait forever).
-
-    Args:
-        bridge: the bridge the teacher loop serves; claimed by the prefetcher until it is closed.
-        items: the micro-batches, or any items from which `batch_fn` extracts the nested batch to send
-            (only the student input ranks' batches travel). Drawn lazily on the background thread: at most
-            `depth` items beyond the one the caller holds have been drawn.
-        depth: requests ahead of the item the caller holds. 1 (default) is double buffering; 0 fetches
-            only on demand, which is the synchronous loop (for comparisons).
-        batch_fn: item -> nested batch to send; default the item itself.
-
-    Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
-    tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the
-    background thread (a teacher that sent an error, a timeout) is raised by the iteration, on the
-    caller's thread. Exhausting the items or calling `close()` (also on leaving a `with` block) ends the
-    thread: a request in flight completes (the teacher answers it; its logits are dropped), no new one
-    starts, and the bridge is released, so the caller can then send STOP_TEACHER itself.
-    """
-
-    _END = object()
-
-    def __init__(
-        self,
-        bridge: KDMeshBridge,
-        items: Iterable[Any],
-        *,
-        depth: int = 1,
-        batch_fn: Callable[[Any], Any] | None = None,
-    ) -> None:
-        if not bridge.is_student:
-            raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks prefetch teacher logits")
-        if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
-        if bridge.claimed:
-            raise RuntimeError("this KDMeshBridge is already driven by another TeacherPrefetcher")
-        self.bridge = bridge
-        self.depth = depth
-        self._items = iter(items)
-        self._batch_fn = batch_fn or (lambda item: item)
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        # One permit per request the thread may start: `depth` up front, one more each time the caller asks.
-        self._permits = threading.Semaphore(depth)
-        self._closing = False
-        self._closed = False
-        self.num_fetched = 0  # requests answered so far (the caller may not have taken them yet)
-        self._thread = threading.Thread(target=self._run, name="meshkd-teacher-prefetch", daemon=True)
-        self._thread.start()
-        bridge._owner_thread = self._thread.ident
-
-    def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        return self
-
-    def __next__(self) -> tuple[Any, Any]:
-        if self._closed:
-            raise StopIteration
-        self._permits.release()
-        kind, payload = self._ready.get()
-        if kind == "item":
-            return payload
-        self.close()
-        if kind == "error":
-            raise payload
-        raise StopIteration
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Stop requesting, wait for a request in flight to complete, and release the bridge.
-
-        With `timeout` (seconds) it waits at most that long: a request whose peers never take part (after
-        a failure elsewhere) would otherwise hold it until the collective timeout. Returns whether the
-        bridge was released; if not, the thread is left to the process exit and the bridge stays claimed.
-        """
-        if self._closed:
-            return True
-        self._closing = True
-        self._permits.release()  # wakes the thread if it waits for a permit; it then sees `_closing`
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            return False
-        self._closed = True
-        self.bridge._owner_thread = None
-        return True
-
-    def __enter__(self) -> TeacherPrefetcher:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def _run(self) -> None:
-        try:
-            if self.bridge.device.type == "cuda":
-                torch.cuda.set_device(self.bridge.device)
-            while True:
-                self._permits.acquire()
-                if self._closing:
-                    return
-                item = next(self._items, self._END)
-                if item is self._END:
-                    self._ready.put(("end", None))
-                    return
-                logits = self._request(self._batch_fn(item))
-                self.num_fetched += 1
-                self._ready.put(("item", (item, logits)))
-        except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread, which raises it
-            self._ready.put(("error", raised))
-
-    def _request(self, batch: Any) -> Any:
-        """One synchronous teacher request: what the student's synchronous loop does per micro-batch."""
-        bridge = self.bridge
-        if bridge.broadcast_command(RUN_TEACHER) != RUN_TEACHER:
-            # Only the first student rank's command counts: it has stopped the teacher loop (its own run
-            # failed, say), so there is nobody left to serve this request.
-            raise RuntimeError(f"student rank {bridge.student_ranks[0]} stopped the teacher loop")
-        received, failure = None, None
-        for wave in range(bridge.num_waves):
-            try:
-                bridge.send_batch(wave, batch)
-                logits = bridge.send_logits(wave, None)
-                if logits is not None:
-                    received = logits
-            except (ValueError, RuntimeError) as raised:
-                failure = failure or raised
-        if failure is not None:
-            raise failure
-        if received is None and bridge.receives_logits:
-            raise RuntimeError(f"student rank {bridge.rank} received no teacher logits")
-        return received
-
-
-__all__ = ["RUN_TEACHER", "STOP_TEACHER", "KDMeshBridge", "TeacherPrefetcher", "Replica", "Route"]
+__all__ = ["RUN_TEACHER", "STOP_TEACHER", "KDMeshBridge", "Replica", "Route"]

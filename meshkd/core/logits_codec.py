@@ -133,6 +133,21 @@ def encode_teacher_logits(
     return encoded
 
 
+def encode_teacher_rows(logits: Tensor, mode: str, *, seeds: list[int], **options: Any) -> dict[str, Any]:
+    """`encode_teacher_logits` of [rows, sequence, vocab] logits with one tail-sampling seed per row.
+
+    A row's encoding then depends on that row alone, not on the rows it was batched with, so an encoding
+    computed ahead of time for each row (an offline cache) equals the one computed live for any batch.
+    """
+    if len(seeds) != logits.shape[0]:
+        raise ValueError(f"need one seed per row: {logits.shape[0]} rows, {len(seeds)} seeds")
+    if mode != "topk" or not options.get("tail_samples"):
+        return encode_teacher_logits(logits, mode, **options)
+    rows = [encode_teacher_logits(logits[i : i + 1], mode, seed=seed, **options) for i, seed in enumerate(seeds)]
+    return {key: torch.cat([row[key] for row in rows]) if isinstance(value, Tensor) else value
+            for key, value in rows[0].items()}
+
+
 def _sample_tail(tail_log_p: Tensor, num_samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Systematic sample of `num_samples` tokens per row from the tail distribution.
 
@@ -245,4 +260,5 @@ def encoded_nbytes(encoded: Any) -> int:
     return wire.payload_nbytes(encoded)
 
 
-__all__ = ["LOGITS_MODES", "check_encoded_logits", "decode_teacher_logits", "encode_teacher_logits", "encoded_nbytes"]
+__all__ = ["LOGITS_MODES", "check_encoded_logits", "decode_teacher_logits", "encode_teacher_logits",
+           "encode_teacher_rows", "encoded_nbytes"]

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from meshkd.recipe.faults import brief
+
 _PARTIAL = ".partial"
 # Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline
 # stages hold different parameters, and their positional param_groups would collide in one checkpoint.
@@ -119,3 +121,24 @@ def load_checkpoint(
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
+
+
+def resume_latest(root: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  group: dist.ProcessGroup | None) -> tuple[Path | None, int]:
+    """Restore the latest complete checkpoint under `root`; returns it and its step ((None, 0) when none).
+
+    Only complete checkpoints count: a save killed half-way left a `.partial` directory. A checkpoint that
+    does not fit this run raises ValueError naming it.
+    """
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return None, 0
+    try:
+        meta = load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler, group=group)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # DCP raises CheckpointException, a BaseException
+        raise ValueError(
+            f"checkpoint {latest} cannot be loaded into this run (a different model or layout?): {brief(error)}"
+        ) from error
+    return latest, meta["step"]

@@ -1,14 +1,14 @@
-"""KDMeshBridge, TeacherPrefetcher and teacher-logits materialization on a real 5-rank gloo world.
+"""KDMeshBridge and teacher-logits materialization on a real 5-rank gloo world.
 
 Each check lays the 5 ranks out differently: uneven replica counts (3 students on 2 teachers, 4 on 1,
 1 on 4), a TP x CP teacher, a TP student, a pipelined student (logits to its last stage only), and a
 teacher serving loop driven by commands. Later checks cover the per-route spec cache (fewer collectives
-and bytes when a structure repeats, exact values when it changes) and the prefetcher (the synchronous loop's logits, in order, fetched one ahead).
+and bytes when a structure repeats, exact values when it changes). The request loop on top of the bridge
+is tested in test_teacher_protocol.py.
 """
 
 import contextlib
 import datetime
-import time
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkd.core import wire
-from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge, TeacherPrefetcher
+from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 from meshkd.core.logits import cp_shard, materialize_teacher_logits
 from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.topology import create_kd_distributed_setups
@@ -258,7 +258,7 @@ def my_student_replica(bridge: KDMeshBridge) -> int | None:
 def check_repeated_structure_costs_fewer_collectives_and_bytes():
     bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
     per_call = []
-    for call in range(5):
+    for _ in range(5):
         with counted_broadcasts() as counts:
             exchange_every_wave(bridge)
         per_call.append(dict(counts))
@@ -349,84 +349,6 @@ def check_encoded_logits_travel_as_sent():
                     assert_same_tree(arrived, encoded)
 
 
-def serve(bridge: KDMeshBridge, *, fail_on: int | None = None) -> int:
-    """A teacher loop like the recipe's; `fail_on`: a request whose logits every output rank refuses."""
-    rank, served = dist.get_rank(), 0
-    output_ranks = {r.output_rank for r in bridge.teacher_replicas}
-    while bridge.broadcast_command() == RUN_TEACHER:
-        for wave in range(bridge.num_waves):
-            batch = bridge.send_batch(wave, None)
-            time.sleep(0.01)
-            logits = logits_for(batch) if rank in output_ranks and served != fail_on else None
-            with contextlib.suppress(ValueError):  # this rank's own refusal
-                bridge.send_logits(wave, logits)
-        served += 1
-    return served
-
-
-def request_batch(index: int) -> dict:
-    return {"input_ids": torch.full((1, 3), index), "index": dist.get_rank() * 100 + index}
-
-
-def check_prefetcher_yields_the_synchronous_sequence_one_ahead():
-    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
-    count = 5
-    if bridge.is_teacher:
-        assert serve(bridge) == count and serve(bridge) == count
-        return
-    synchronous = []
-    for index in range(count):
-        bridge.broadcast_command(RUN_TEACHER)
-        for wave in range(bridge.num_waves):
-            bridge.send_batch(wave, request_batch(index))
-            logits = bridge.send_logits(wave, None)
-            if logits is not None:
-                synchronous.append(logits)
-    bridge.broadcast_command(STOP_TEACHER)
-    prefetched = []
-    with TeacherPrefetcher(bridge, range(count), batch_fn=request_batch) as prefetcher:
-        for position, (item, logits) in enumerate(prefetcher):
-            assert item == position
-            prefetched.append(logits)
-            if position + 1 < count:  # the next request completes while this one is held
-                deadline = time.monotonic() + 30
-                while prefetcher.num_fetched < position + 2:
-                    assert time.monotonic() < deadline, "the next micro-batch was not fetched ahead"
-                    time.sleep(0.005)
-                # ... and no further: depth 1 keeps one request ahead of the caller.
-                time.sleep(0.05)
-                assert prefetcher.num_fetched == position + 2
-            with pytest.raises(RuntimeError, match="driven by a running TeacherPrefetcher"):
-                bridge.broadcast_command(STOP_TEACHER)
-    assert len(prefetched) == len(synchronous) == count
-    for got, want in zip(prefetched, synchronous):
-        assert_same_tree(got, want)
-    bridge.broadcast_command(STOP_TEACHER)  # released once the items ran out
-
-
-def check_prefetcher_raises_teacher_errors_and_closes_cleanly():
-    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
-    if bridge.is_teacher:
-        assert serve(bridge, fail_on=2) == 3  # requests 0, 1 and the refused 2; then STOP
-        assert serve(bridge) == 2  # stopped early by the caller: the request in flight still completes
-        bridge.synchronize()
-        return
-    taken = []
-    prefetcher = TeacherPrefetcher(bridge, range(6), batch_fn=request_batch)
-    with pytest.raises(RuntimeError, match="passed logits=NoneType"), prefetcher:
-        for item, _ in prefetcher:
-            taken.append(item)
-    assert taken == [0, 1]
-    bridge.broadcast_command(STOP_TEACHER)
-    with TeacherPrefetcher(bridge, range(6), batch_fn=request_batch) as prefetcher:
-        item, _ = next(prefetcher)
-        while prefetcher.num_fetched < 2:  # request 1 is fetched ahead; then the caller stops early
-            time.sleep(0.005)
-    assert item == 0
-    bridge.broadcast_command(STOP_TEACHER)
-    bridge.synchronize()
-
-
 test_five_rank_world = world_test(
     WORLD,
     [
@@ -444,7 +366,5 @@ test_five_rank_world = world_test(
         check_changing_shapes_dtypes_and_errors_arrive_exactly,
         check_received_buffers_are_reused_only_once_released,
         check_encoded_logits_travel_as_sent,
-        check_prefetcher_yields_the_synchronous_sequence_one_ahead,
-        check_prefetcher_raises_teacher_errors_and_closes_cleanly,
     ],
 )

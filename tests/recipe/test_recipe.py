@@ -16,6 +16,8 @@ from meshkd.recipe.metrics import read_metrics
 from tests.tiny import STEPS, base_config, with_layout
 from tests.world import run_world
 
+pytestmark = pytest.mark.world  # every test here trains in a world
+
 
 class TrainRun:
     """A check that trains `config` in the world it runs in (picklable for spawned ranks).
@@ -31,21 +33,22 @@ class TrainRun:
         import torch.distributed as dist
 
         from meshkd.recipe.run import KDRecipe
+        from meshkd.recipe.student_trainer import StudentTrainer
 
         recipe = KDRecipe(config_from_dict(self.config), resume=self.resume)
         try:
             recipe.setup()
-            if recipe.is_student:
+            if isinstance(recipe.role, StudentTrainer):
                 logged = Path(self.config["logging"]["run_dir"], "logged", f"rank{dist.get_rank()}.jsonl")
                 logged.parent.mkdir(parents=True, exist_ok=True)
-                log = recipe.metrics.log
+                log = recipe.role.metrics.log
 
                 def log_and_keep(kind: str, step: int, values: dict) -> None:
                     with logged.open("a") as sink:
                         sink.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
                     log(kind, step, values)
 
-                recipe.metrics.log = log_and_keep
+                recipe.role.metrics.log = log_and_keep
             recipe.train()
         finally:
             recipe.cleanup()

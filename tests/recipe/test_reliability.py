@@ -220,6 +220,7 @@ def assert_world_gone(outcome: dict) -> None:
 # Peer death
 
 
+@pytest.mark.world
 def test_killing_the_student_mid_save_ends_the_teachers_with_an_error_naming_it(chain):
     outcome = chain["run1"]
     run = outcome["run"]
@@ -234,6 +235,7 @@ def test_killing_the_student_mid_save_ends_the_teachers_with_an_error_naming_it(
     assert_world_gone(outcome)
 
 
+@pytest.mark.world
 def test_killing_a_teacher_rank_ends_the_student_with_an_error_naming_the_teacher(chain):
     outcome = chain["run2"]
     run = outcome["run"]
@@ -253,6 +255,7 @@ def test_killing_a_teacher_rank_ends_the_student_with_an_error_naming_the_teache
 # Atomic checkpoints and exact resume
 
 
+@pytest.mark.world
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint_as_the_latest(chain):
     outcome = chain["run1"]
     step = outcome["killed_step"]
@@ -261,6 +264,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_as_the_latest(cha
     assert json.loads((outcome["latest"] / "meta.json").read_text())["step"] == step - CKPT_EVERY
 
 
+@pytest.mark.world
 def test_resume_ignores_the_partial_checkpoint_and_replays_the_killed_steps_exactly(chain):
     killed = chain["run1"]
     step = killed["killed_step"]
@@ -280,6 +284,7 @@ def test_resume_ignores_the_partial_checkpoint_and_replays_the_killed_steps_exac
 # Clean stop
 
 
+@pytest.mark.world
 def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_of_that_step(chain):
     outcome = chain["run3"]
     run = outcome["run"]
@@ -295,6 +300,7 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_of_that_step(chain):
     assert_world_gone(outcome)
 
 
+@pytest.mark.world
 def test_resume_after_the_stop_finishes_with_every_step_logged_once(chain):
     outcome = chain["run4"]
     run = outcome["run"]
@@ -637,17 +643,18 @@ class FailOnStudentRankOne:
 
         from meshkd.recipe.faults import PeerLostError
         from meshkd.recipe.run import KDRecipe
+        from meshkd.recipe.student_trainer import StudentTrainer
 
         recipe = KDRecipe(config_from_dict(self.config))
-        micro_batch_loss, calls = recipe._micro_batch_loss, []
+        micro_batch_loss, calls = StudentTrainer.micro_batch_loss, []
 
-        def failing(*args):
+        def failing(trainer, *args):
             calls.append(args)
             if dist.get_rank() == 1 and len(calls) == 3:  # step 2, in the middle of its micro-batches
                 raise RuntimeError("out of memory (simulated)")
-            return micro_batch_loss(*args)
+            return micro_batch_loss(trainer, *args)
 
-        recipe._micro_batch_loss = failing
+        StudentTrainer.micro_batch_loss = failing  # this process only: the check ends it
         if dist.get_rank() == 1:
             recipe.run()  # raises: the harness records it and ends this process
         started = time.monotonic()
@@ -707,11 +714,13 @@ def three_rank_world(tmp_path_factory):
     return run_world(3, checks, timeout_s=WORLD_TIMEOUT_S, deadline_s=300)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("check", SETUP_CHECKS[:-1])
 def test_three_rank_world(check, three_rank_world):
     three_rank_world.check(check)
 
 
+@pytest.mark.world
 def test_a_rank_local_failure_in_training_ends_every_rank_within_seconds(three_rank_world):
     errors = three_rank_world.errors(SETUP_CHECKS[-1])
     assert "out of memory (simulated)" in (errors.get(1) or ""), errors

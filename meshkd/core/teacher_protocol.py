@@ -1,0 +1,295 @@
+"""The teacher protocol: one request from the student's micro-batch to the teacher's encoded logits.
+
+Design. The student trains against a `TeacherSource`: `request(batch, logits_transport)` returns the
+teacher's logits for that micro-batch in the asked encoding (`meshkd.core.logits_codec`), or None on ranks
+that compute no loss (pipeline stages before a student's last), and `prefetch(items, ...)` yields
+`(item, logits)` pairs, possibly fetched ahead. Two sources exist:
+
+- `LocalTeacher`: the teacher runs on the student's own ranks (shared meshes); a request is a call.
+- `TeacherClient`: the teacher runs on its own ranks, driven through `KDMeshBridge`. One request is
+  RUN_TEACHER, then `send_batch` and `send_logits` for every routing wave; `TeacherServer.serve(forward)`
+  on the teacher ranks answers requests until STOP_TEACHER. `TeacherPrefetcher` runs the same requests
+  on a background thread, one micro-batch ahead, so the teacher's forward overlaps the student's step.
+
+A request travels as a `TeacherRequest` (the batch and the encoding asked for). A teacher that fails on
+a request sends its error in place of the logits, on every wave, then raises: the student raises the
+teacher's message instead of waiting for logits that never come. Every request runs every wave even after
+a failure in one (the later waves' peers would otherwise wait forever).
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
+from meshkd.core.logits_codec import LOGITS_MODES
+
+Batch = dict[str, torch.Tensor]
+Encoded = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TeacherRequest:
+    """What the student asks of the teacher for one micro-batch."""
+
+    batch: Batch
+    """input_ids [batch, sequence]; position_ids and attention_mask (NEAT document indices) as packed."""
+    logits_transport: str
+    """The encoding of the answer: one of `meshkd.core.logits_codec.LOGITS_MODES`."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"batch": self.batch, "logits_transport": self.logits_transport}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> TeacherRequest:
+        """The request a teacher rank received; ValueError naming what is wrong with a malformed one."""
+        if not isinstance(value, dict) or set(value) != {"batch", "logits_transport"}:
+            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"teacher request must have the keys ['batch', 'logits_transport'], got {keys}")
+        if value["logits_transport"] not in LOGITS_MODES:
+            raise ValueError(
+                f"teacher request: logits_transport {value['logits_transport']!r} is not one of {LOGITS_MODES}"
+            )
+        if not isinstance(value["batch"], dict) or not isinstance(value["batch"].get("input_ids"), torch.Tensor):
+            raise ValueError("teacher request: batch must be a dict holding an input_ids tensor")
+        return cls(batch=value["batch"], logits_transport=value["logits_transport"])
+
+
+class TeacherSource(Protocol):
+    """Where a student's teacher logits come from."""
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+        """The encoded teacher logits of this rank's micro-batch (None on ranks that compute no loss)."""
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
+        """(item, logits of `batch_fn(item)`) for every item in order; may fetch up to `depth` items ahead."""
+
+    def close(self) -> None:
+        """Release the teacher: no more requests follow."""
+
+
+class LocalTeacher:
+    """A teacher on the student's own ranks: `forward(request)` computes the answer in place."""
+
+    def __init__(self, forward: Callable[[TeacherRequest], Encoded | None]) -> None:
+        self._forward = forward
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+        return self._forward(TeacherRequest(batch, logits_transport))
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
+        return ((item, self._forward(batch_fn(item))) for item in items)
+
+    def close(self) -> None:
+        pass
+
+
+class TeacherClient:
+    """The student side of a teacher on its own ranks: every student rank calls it in the same order."""
+
+    def __init__(self, bridge: KDMeshBridge) -> None:
+        if not bridge.is_student:
+            raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks request teacher logits")
+        self.bridge = bridge
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+        return self.exchange(TeacherRequest(batch, logits_transport).to_wire())
+
+    def exchange(self, payload: Any) -> Any:
+        """One request with any nested `payload` (the wire form of a request); what the teacher answered."""
+        bridge = self.bridge
+        if bridge.broadcast_command(RUN_TEACHER) != RUN_TEACHER:
+            # Only the first student rank's command counts: it has stopped the teacher loop (its own run
+            # failed, say), so there is nobody left to serve this request.
+            raise RuntimeError(f"student rank {bridge.student_ranks[0]} stopped the teacher loop")
+        received, failure = None, None
+        for wave in range(bridge.num_waves):
+            try:
+                bridge.send_batch(wave, payload)
+                logits = bridge.send_logits(wave, None)
+                if logits is not None:
+                    received = logits
+            except (ValueError, RuntimeError) as raised:
+                failure = failure or raised
+        if failure is not None:
+            raise failure
+        if received is None and bridge.receives_logits:
+            raise RuntimeError(f"student rank {bridge.rank} received no teacher logits")
+        return received
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
+        """Depth 0 asks on demand on the caller's thread; otherwise a `TeacherPrefetcher` asks ahead."""
+        if depth == 0:
+            return ((item, self.exchange(batch_fn(item).to_wire())) for item in items)
+        return TeacherPrefetcher(self.bridge, items, depth=depth, batch_fn=lambda item: batch_fn(item).to_wire())
+
+    def close(self, timeout: datetime.timedelta | None = None) -> None:
+        """Send STOP_TEACHER (only the first student rank's command counts); `timeout` bounds the wait."""
+        self.bridge.broadcast_command(STOP_TEACHER, timeout=timeout)
+
+
+class TeacherServer:
+    """The teacher side: every teacher rank serves requests until the student sends STOP_TEACHER."""
+
+    def __init__(self, bridge: KDMeshBridge) -> None:
+        if not bridge.is_teacher:
+            raise ValueError(f"rank {bridge.rank} is not a teacher rank: only teacher ranks serve")
+        self.bridge = bridge
+        self.is_output = bridge.rank in {replica.output_rank for replica in bridge.teacher_replicas}
+
+    def serve(self, forward: Callable[[TeacherRequest], Encoded | None]) -> int:
+        """Answer requests with `forward(request)` until STOP_TEACHER; returns how many were served.
+
+        `forward` runs on every rank of the teacher replica (with the request on the device); what it
+        returns on the replica's output rank is sent back, the encoded logits. If it raises, the output
+        rank sends the error instead and every rank raises it once all waves of the request ran.
+        """
+        bridge, served = self.bridge, 0
+        while bridge.broadcast_command() == RUN_TEACHER:
+            failure = None
+            for wave in range(bridge.num_waves):
+                answer, error = None, None
+                try:
+                    request = TeacherRequest.from_wire(bridge.move_to_device(bridge.send_batch(wave, None)))
+                    answer = forward(request)
+                except Exception as raised:  # noqa: BLE001 - sent to the student, then raised here
+                    failure = failure or raised
+                    error = f"teacher rank {bridge.rank} failed on this batch: {raised}"
+                try:  # after `error` the source raises too: the failure is already recorded
+                    bridge.send_logits(wave, answer if self.is_output else None,
+                                       error=error if self.is_output else None)
+                except (ValueError, RuntimeError) as raised:
+                    failure = failure or raised
+            if failure is not None:
+                raise failure
+            served += 1
+        return served
+
+
+class TeacherPrefetcher:
+    """Fetch teacher logits for upcoming micro-batches on a background thread while the caller trains.
+
+    The student side of the teacher loop, double-buffered: while the caller trains on micro-batch i, a
+    background thread already runs the request for micro-batch i + 1 (`TeacherClient.exchange`), the very
+    collectives a synchronous student issues, in the same order. The teacher loop is unchanged: it serves
+    requests in order. The logits, and so the loss curve, are those of the synchronous loop.
+
+    Why it cannot deadlock: while the prefetcher runs only its thread issues the bridge's collectives (the
+    bridge refuses other threads), so every rank sees them in request order exactly as in the synchronous
+    loop. The caller's own collectives (data-parallel reductions, FSDP) are on other process groups, which
+    progress independently of the bridge's; under NCCL that relies on kernels of two communicators running
+    concurrently, which NCCL allows but does not guarantee for every launch configuration.
+
+    Args:
+        bridge: the bridge the teacher loop serves; claimed by the prefetcher until it is closed.
+        items: the micro-batches, or any items from which `batch_fn` extracts the nested payload to send
+            (only the student input ranks' payloads travel). Drawn lazily on the background thread: at
+            most `depth` items beyond the one the caller holds have been drawn.
+        depth: requests ahead of the item the caller holds. 1 (default) is double buffering; 0 fetches
+            only on demand, which is the synchronous loop (for comparisons).
+        batch_fn: item -> nested payload to send; default the item itself.
+
+    Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
+    tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the
+    background thread (a teacher that sent an error, a timeout) is raised by the iteration, on the
+    caller's thread. Exhausting the items or calling `close()` (also on leaving a `with` block) ends the
+    thread: a request in flight completes (the teacher answers it; its logits are dropped), no new one
+    starts, and the bridge is released, so the caller can then send STOP_TEACHER itself.
+    """
+
+    _END = object()
+
+    def __init__(
+        self,
+        bridge: KDMeshBridge,
+        items: Iterable[Any],
+        *,
+        depth: int = 1,
+        batch_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        client = TeacherClient(bridge)
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        if bridge.claimed:
+            raise RuntimeError("this KDMeshBridge is already driven by another TeacherPrefetcher")
+        self.bridge = bridge
+        self.depth = depth
+        self._client = client
+        self._items = iter(items)
+        self._batch_fn = batch_fn or (lambda item: item)
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        # One permit per request the thread may start: `depth` up front, one more each time the caller asks.
+        self._permits = threading.Semaphore(depth)
+        self._closing = False
+        self._closed = False
+        self.num_fetched = 0  # requests answered so far (the caller may not have taken them yet)
+        self._thread = threading.Thread(target=self._run, name="meshkd-teacher-prefetch", daemon=True)
+        self._thread.start()
+        bridge.owner_thread = self._thread.ident
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self._closed:
+            raise StopIteration
+        self._permits.release()
+        kind, payload = self._ready.get()
+        if kind == "item":
+            return payload
+        self.close()
+        if kind == "error":
+            raise payload
+        raise StopIteration
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop requesting, wait for a request in flight to complete, and release the bridge.
+
+        With `timeout` (seconds) it waits at most that long: a request whose peers never take part (after
+        a failure elsewhere) would otherwise hold it until the collective timeout. Returns whether the
+        bridge was released; if not, the thread is left to the process exit and the bridge stays claimed.
+        """
+        if self._closed:
+            return True
+        self._closing = True
+        self._permits.release()  # wakes the thread if it waits for a permit; it then sees `_closing`
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self._closed = True
+        self.bridge.owner_thread = None
+        return True
+
+    def __enter__(self) -> TeacherPrefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            if self.bridge.device.type == "cuda":
+                torch.cuda.set_device(self.bridge.device)
+            while True:
+                self._permits.acquire()
+                if self._closing:
+                    return
+                item = next(self._items, self._END)
+                if item is self._END:
+                    self._ready.put(("end", None))
+                    return
+                logits = self._client.exchange(self._batch_fn(item))
+                self.num_fetched += 1
+                self._ready.put(("item", (item, logits)))
+        except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            self._ready.put(("error", raised))

@@ -1,0 +1,517 @@
+"""The student's role in a run: load, lay out, train against a teacher source, evaluate, save, export.
+
+One step: `data.iterate_batches` gives this data-parallel rank's share of the global batch, cut into
+micro-batches (`_step_items`); the teacher source (`meshkd.core.teacher_protocol`) pairs each with its
+teacher logits, fetched one micro-batch ahead on separate meshes (`kd.overlap_teacher`) so the teacher's
+forward overlaps the student's step; `train_step` (or `pipelined_train_step`, whose schedule runs a whole
+step at once) computes each micro-batch's loss (`micro_batch_loss`), backpropagates, clips and steps.
+
+Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
+valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
+average gradients over dp ranks, so the loss is multiplied by dp before backward to turn that average
+into the sum the normalization asks for. The curve then equals a single-process run on the same global
+batch.
+
+A pipelined student (`meshkd.parallel.student_pipeline`) gets its teacher logits on the last stage only;
+the loss values reach every stage through `broadcast_loss_metrics_from_last_stage` (evaluation sums
+through `broadcast_tensors_from_last_stage`), so every rank logs, clips and checkpoints alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from transformers import AutoModelForCausalLM
+
+from meshkd.core.bridge import KDMeshBridge
+from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
+from meshkd.core.packing import configure_packing
+from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage, broadcast_tensors_from_last_stage
+from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherPrefetcher, TeacherRequest
+from meshkd.core.topology import KDDistributedSetups
+from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
+from meshkd.parallel.data_parallel import (
+    clip_grad_norm,
+    gather_full_state_dict,
+    parallelize_student,
+    student_loss_scale,
+)
+from meshkd.parallel.sharded_loading import is_empty, load_shards
+from meshkd.parallel.student_pipeline import StudentPipeline
+from meshkd.recipe import checkpoint as ckpt
+from meshkd.recipe import data, models
+from meshkd.recipe.config import KDRecipeConfig, expand_path
+from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
+from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0
+from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
+from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
+
+# After a rank-local failure in training: how long to try to hand off cleanly before simply exiting.
+FAILURE_WAIT_S = 5.0
+
+
+def lr_lambda(config: KDRecipeConfig):
+    """The learning-rate factor per step: linear warmup, then constant, linear or cosine decay."""
+    schedule = config.lr_scheduler
+    total = schedule.total_steps or config.step_scheduler.max_steps
+
+    def factor(step: int) -> float:
+        if step < schedule.warmup_steps:
+            return (step + 1) / schedule.warmup_steps
+        if schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - schedule.warmup_steps) / max(1, total - schedule.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1 - progress
+        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+
+    return factor
+
+
+class StudentTrainer:
+    """A student rank (on shared meshes also the teacher): the recipe calls load, lay_out, resume, run, close."""
+
+    def __init__(self, config: KDRecipeConfig, setups: KDDistributedSetups, faults: FaultWatch,
+                 device: torch.device, stop: StopRequest) -> None:
+        self.config = config
+        self.setups = setups
+        self.setup = setups.student
+        self.faults = faults
+        self.device = device
+        self._stop = stop
+        self.run_dir = Path(config.logging.run_dir)
+        self.checkpoint_root = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
+        self.dp_size, self.dp_rank = self.setup.dp_size, self.setup.dp_mesh.get_local_rank()
+        steps = config.step_scheduler
+        self.num_micro_batches = steps.global_batch_size // (steps.local_batch_size * self.dp_size)
+        self.summary: dict = {}
+        self.start_step = 0
+        self.metrics: MetricsSink | None = None
+
+    # ---- setup, phase by phase ----
+
+    def load(self, checked: Preflight) -> None:
+        """This rank's models and data (the teacher too on shared meshes)."""
+        config, steps = self.config, self.config.step_scheduler
+        self.tokenizer = checked.tokenizer
+        # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out.
+        with about("model"):
+            if self.setup.strategy == "fsdp2":
+                self._model, self._checkpoint = load_section_model_for_layout(config.model)
+            else:
+                self._model, self._checkpoint = load_section_model(config.model), None
+        self._teacher = None if self.setups.separate else load_teacher(config)
+        with about("dataset"):
+            self.train_set, self.val_set = data.build_datasets(
+                self.tokenizer,
+                paths=[expand_path(p) for p in config.dataset.paths],
+                sequence_length=steps.sequence_length,
+                val_fraction=config.dataset.val_fraction,
+                seed=config.dataset.seed,
+                text_key=config.dataset.text_key,
+                format=config.dataset.format,
+                max_documents=config.dataset.max_documents,
+                max_document_chars=config.dataset.max_document_chars,
+                pack=config.dataset.packing,
+            )
+        configure_packing(self._model)
+
+    def vocab_rows(self) -> tuple[int, int]:
+        """(student, teacher) output-embedding rows known here; -1 for a model this rank does not hold."""
+        teacher = self._teacher[0].get_output_embeddings().weight.shape[0] if self._teacher else -1
+        return self._model.get_output_embeddings().weight.shape[0], teacher
+
+    def packing_parts(self) -> tuple[list, list]:
+        """(teacher parts, student parts) held here, for `configure_kd_teacher_packing`."""
+        return ([self._teacher[0]] if self._teacher else []), [self._model]
+
+    def lay_out(self, vocab_size: int, bridge: KDMeshBridge | None) -> None:
+        """Lay out the models (teacher first, as its ranks do), then the optimizer and the teacher source."""
+        config, setup = self.config, self.setup
+        self.vocab_size = vocab_size
+        self.bridge = bridge
+        if bridge is None:
+            runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
+            self.teacher = LocalTeacher(TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed))
+        else:
+            self.teacher = TeacherClient(bridge)
+        self._teacher = None
+        if setup.pp_size > 1:
+            self.pipeline = StudentPipeline(self._model, setup, device=self.device, schedule=setup.pp_schedule,
+                                            num_micro_batches=self.num_micro_batches)
+            self.model = self.pipeline.stage_model
+        else:
+            self.pipeline = None
+            # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
+            if not is_empty(self._model):  # else `load_shards` gives it storage on the device
+                self._model.to(self.device)
+            self.model = parallelize_student(self._model, setup)
+        if self._checkpoint is not None:
+            with about("model"):
+                load_shards(self.model, self._checkpoint, device=self.device)
+        del self._model, self._checkpoint
+        opt = config.optimizer
+        if opt.name == "adamw":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
+                                               betas=tuple(opt.betas), eps=opt.eps, foreach=False)
+        else:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+
+    def resume(self, resume: bool) -> None:
+        """With `resume`, continue from the latest complete checkpoint; open the metrics and the run directory."""
+        if resume:
+            latest, self.start_step = ckpt.resume_latest(self.checkpoint_root, model=self.model,
+                                                         optimizer=self.optimizer, scheduler=self.scheduler,
+                                                         group=self.student_group)
+            print0(f"resumed from {latest} at step {self.start_step}" if latest is not None
+                   else f"no checkpoint under {self.checkpoint_root}: starting at step 0")
+        self.metrics = MetricsSink(self.run_dir, tensorboard=self.config.logging.tensorboard,
+                                   resume_step=self.start_step if resume else None)
+        if is_logging_rank():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+
+    @property
+    def student_group(self) -> dist.ProcessGroup | None:
+        """The student ranks' group on separate meshes; None (the world) on shared ones."""
+        return self.bridge.student_group if self.bridge is not None else None
+
+    # ---- the run ----
+
+    def run(self) -> dict:
+        """Train to max_steps or an agreed stop, then release the teacher; returns the summary."""
+        try:
+            self._train()
+        except PeerLostError:
+            raise  # a peer is gone or silent: STOP_TEACHER would only fail or wait out the timeout
+        except BaseException:
+            self._release_teacher_after_failure()
+            raise
+        with self.faults.watch("broadcast_command", "teacher"):
+            self.teacher.close()
+        return self.summary
+
+    def _release_teacher_after_failure(self) -> None:
+        """Tell the teacher to stop, briefly and only if it can help; this rank's error is the one to report.
+
+        Only the first student rank's command reaches the teacher. Peers of a rank that failed on its own
+        (out of memory, say) may be inside another collective and never take part, so the attempt is
+        bounded: past it the rank simply exits, and its peers then fail fast on the lost connection. A
+        prefetch thread that could not be stopped still holds the bridge: then nothing is sent.
+        """
+        if self.bridge is None or self.bridge.claimed or dist.get_rank() != self.setups.student_ranks[0]:
+            return
+        with contextlib.suppress(RuntimeError):  # timed out or a peer gone: nothing more to do here
+            self.teacher.close(timeout=datetime.timedelta(seconds=FAILURE_WAIT_S))
+
+    def _stop_agreed(self) -> bool:
+        """Whether any student rank was asked to stop: one all-reduce, so all stop at the same step."""
+        flag = torch.tensor([int(self._stop.requested())], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.student_group)
+        return bool(flag.item())
+
+    def _train(self) -> None:
+        config, steps = self.config, self.config.step_scheduler
+        with self.faults.watch("the first evaluation", "student"):
+            if self._stop_agreed():  # asked to stop during setup: not even the evaluation
+                self._stopped(self.start_step, self.start_step)
+                return
+            before = self.evaluate(with_teacher=True)
+        self.metrics.log("eval", self.start_step, before)
+        self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
+        batches = data.iterate_batches(
+            self.train_set, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            seed=config.dataset.seed, start_step=self.start_step,
+        )
+        feed = self._teacher_feed(self._step_items(batches))
+        try:
+            step, saved = self._train_steps(feed)
+        except PeerLostError:
+            raise  # a prefetch thread may wait on the lost peer forever: it ends with the process
+        except BaseException:
+            # The prefetch thread may wait on peers that are stuck elsewhere: do not wait for it long.
+            if isinstance(feed, TeacherPrefetcher):
+                feed.close(timeout=FAILURE_WAIT_S)
+            raise
+        if isinstance(feed, TeacherPrefetcher):
+            # A prefetched request in flight completes (its logits are dropped); the bridge is free again.
+            with self.faults.watch("the last teacher request", "teacher"):
+                feed.close()
+        if step < steps.max_steps:
+            self._stopped(step, saved)
+            return
+        with self.faults.watch("the last evaluation", "student"):
+            after = self.evaluate()
+        self.metrics.log("eval", step, after)
+        self.summary["val_loss_after"] = after["val_loss"]
+        if config.checkpoint.enabled and config.checkpoint.save_hf:
+            with self.faults.watch("the HF export", "student"):
+                self.summary["hf_dir"] = str(self.export_hf().resolve())
+        if is_logging_rank():
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+    def _train_steps(self, feed: Iterator) -> tuple[int, int]:
+        """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved)."""
+        config, steps = self.config, self.config.step_scheduler
+        progress = self._progress(steps.max_steps)
+        step = saved = self.start_step
+        self.model.train()
+        train_step = self.train_step if self.pipeline is None else self.pipelined_train_step
+        while step < steps.max_steps:
+            with self.faults.watch(f"step {step + 1}", "student"):
+                if self._stop_agreed():
+                    break
+                started = time.perf_counter()
+                metrics = train_step(feed)
+            step += 1
+            elapsed = time.perf_counter() - started
+            metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
+            metrics["step_time_s"] = elapsed
+            self.metrics.log("train", step, metrics)
+            if progress is not None:
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}", ce=f"{metrics['ce_loss']:.3f}",
+                                     kd=f"{metrics['kd_loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                progress.update(1)
+            if steps.val_every_steps and step % steps.val_every_steps == 0 and step < steps.max_steps:
+                with self.faults.watch(f"the evaluation after step {step}", "student"):
+                    self.metrics.log("eval", step, self.evaluate())
+            if config.checkpoint.enabled and steps.ckpt_every_steps and step % steps.ckpt_every_steps == 0:
+                self.save(step)
+                saved = step
+        if progress is not None:
+            progress.close()
+        return step, saved
+
+    def _progress(self, total: int):
+        if not (is_logging_rank() and self.config.logging.progress_bar):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=self.start_step, desc="distill", dynamic_ncols=True)
+
+    def _stopped(self, step: int, saved: int) -> None:
+        """After an agreed stop at `step`: checkpoint it (unless it is on disk or nothing was trained)."""
+        self.summary["stopped_at_step"] = step
+        note = "checkpointing is off: nothing saved"
+        if self.config.checkpoint.enabled:
+            if step != saved:
+                self.save(step)
+            where = ckpt.checkpoint_dir(self.checkpoint_root, step)
+            note = f"resume from {where} with --resume" if step else "nothing trained yet"
+        print0(f"meshkd: stopped at step {step} on {self._stop.reason()}; {note}")
+
+    # ---- one step ----
+
+    def _step_items(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
+        ignore, size = self.config.kd.ignore_index, self.config.step_scheduler.local_batch_size
+        for _ in range(self.start_step, self.config.step_scheduler.max_steps):
+            batch = next(batches)
+            micro_batches = [{key: value[i : i + size].to(self.device) for key, value in batch.items()}
+                             for i in range(0, batch["input_ids"].shape[0], size)]
+            valid = sum(int((micro_batch["labels"] != ignore).sum()) for micro_batch in micro_batches)
+            for micro_batch in micro_batches:
+                yield {"micro_batch": micro_batch, "step_valid": valid}
+
+    def _teacher_feed(self, items: Iterator[dict]) -> Iterator[tuple[dict, dict | None]]:
+        """(item, encoded teacher logits) in order; the logits are None when the loss needs no teacher.
+
+        With `kd.overlap_teacher` a teacher on its own ranks is asked for the next micro-batch while this
+        one trains (the next step's micro-batches under pipeline parallel, whose schedule takes a whole step
+        at once): the same requests in the same order, so the same logits.
+        """
+        kd = self.config.kd
+        if kd.kd_ratio == 0:
+            return ((item, None) for item in items)
+        depth = (self.num_micro_batches if self.pipeline is not None else 1) if kd.overlap_teacher else 0
+        return self.teacher.prefetch(items, depth=depth,
+                                     batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport))
+
+    def _next_from(self, feed: Iterator) -> tuple[tuple[dict, dict | None], float]:
+        """The next (item, teacher logits) of `feed` and the seconds spent waiting for it."""
+        started = time.perf_counter()
+        with self.faults.watch("the teacher request", "teacher"):
+            pair = next(feed)
+        return pair, time.perf_counter() - started
+
+    def _shard(self, micro_batch: dict, teacher: dict | None) -> tuple[dict, dict | None]:
+        """This cp rank's head-tail share of a micro-batch and of its encoded teacher logits (identity without cp)."""
+        if self.setup.cp_size == 1:
+            return micro_batch, teacher
+        local, _ = shard_student_batch(micro_batch, self.setup, ignore_index=self.config.kd.ignore_index)
+        if teacher is not None:
+            # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
+            teacher = {key: shard_teacher_logits(value, self.setup) if isinstance(value, torch.Tensor)
+                       and value.ndim >= 2 else value for key, value in teacher.items()}
+        return local, teacher
+
+    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, teacher_logits: dict | None,
+                         norm: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the loss to backpropagate, its loss / ce_loss / kd_loss values) of one micro-batch."""
+        kd_cfg = self.config.kd
+        labels = micro_batch["labels"]
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
+                                chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
+        kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
+                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
+                             chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
+        loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
+        values = {"loss": float(loss.detach()), "ce_loss": float(ce.detach()) if ce is not None else 0.0,
+                  "kd_loss": float(kd.detach()) if kd is not None else 0.0}
+        # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
+        return loss * student_loss_scale(self.setup), values
+
+    def _step_pairs(self, feed: Iterator) -> tuple[list[tuple[dict, dict | None]], float, float]:
+        """The step's (micro-batch, teacher logits) pairs, cp-sharded; the teacher wait; the global valid tokens."""
+        pairs, wait = [], 0.0
+        for _ in range(self.num_micro_batches):
+            pair, waited = self._next_from(feed)
+            pairs.append(pair)
+            wait += waited
+        (num_valid,) = self._sum_over_dp([pairs[0][0]["step_valid"]])
+        return [self._shard(item["micro_batch"], logits) for item, logits in pairs], wait, num_valid
+
+    def train_step(self, feed: Iterator[tuple[dict, dict | None]]) -> dict[str, float]:
+        """One optimizer step over the next `num_micro_batches` pairs of `feed`, forward and backward each."""
+        records, wait, num_valid = [], 0.0, None
+        for index in range(self.num_micro_batches):
+            pair, waited = self._next_from(feed)
+            wait += waited
+            if index == 0:
+                (num_valid,) = self._sum_over_dp([pair[0]["step_valid"]])
+            micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
+            logits = self._student_logits(micro_batch)
+            loss, values = self.micro_batch_loss(logits, micro_batch, teacher_logits, max(num_valid, 1.0))
+            loss.backward()
+            records.append(values)
+        return self._finish_step(records, wait, num_valid)
+
+    def pipelined_train_step(self, feed: Iterator[tuple[dict, dict | None]]) -> dict[str, float]:
+        """One optimizer step of a pipelined student: the schedule runs every micro-batch of the step at once.
+
+        All the step's teacher logits come first (the last stage's; None on the others), while the
+        prefetcher already asks for the next step's. Only the last stage computes losses; every stage
+        logs, clips and checkpoints the values it broadcasts.
+        """
+        pairs, wait, num_valid = self._step_pairs(feed)
+        micro_batches, teacher_logits = zip(*pairs)
+        by_index: dict[int, dict[str, float]] = {}
+
+        def loss_fn(index: int, logits: torch.Tensor) -> torch.Tensor:
+            loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], teacher_logits[index],
+                                                          max(num_valid, 1.0))
+            return loss
+
+        self.pipeline.step(list(micro_batches), loss_fn)
+        records = broadcast_loss_metrics_from_last_stage(
+            [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None,
+            pp_group=self.setup.pp_group,
+        )
+        return self._finish_step(records, wait, num_valid)
+
+    def _finish_step(self, records: list[dict[str, float]], wait: float, num_valid: float) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule; the step's metrics summed over dp and cp ranks."""
+        stages = self.setup.pp_group if self.pipeline is not None else None
+        copies = self.pipeline.tied_copies if self.pipeline is not None else ()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm,
+                                   stages_group=stages, uncounted=copies)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
+        summed = self._sum_over_dp(totals, and_cp=True)
+        return {"loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
+                "num_tokens": num_valid, "teacher_wait_s": wait}
+
+    def _sum_over_dp(self, values: list[float], *, and_cp: bool = False) -> list[float]:
+        """Sum over data-parallel ranks; `and_cp` also over context-parallel ranks (per-rank token shares)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.setup.dp_mesh.get_group())
+        if and_cp and self.setup.cp_size > 1:
+            dist.all_reduce(tensor, group=self.setup.device_mesh.get_group("cp"))
+        return tensor.tolist()
+
+    def _student_logits(self, micro_batch: dict) -> torch.Tensor | None:
+        """The student's logits for a micro-batch; under pipeline parallel forward only, None before the last stage."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(micro_batch)
+        output = self.model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                            attention_mask=micro_batch["attention_mask"])
+        return output.logits
+
+    # ---- evaluation, checkpoints, export ----
+
+    @torch.no_grad()
+    def evaluate(self, *, with_teacher: bool = False) -> dict[str, float]:
+        """Validation CE (and perplexity) of the student, and of the teacher when asked."""
+        steps = self.config.step_scheduler
+        ignore = self.config.kd.ignore_index
+        sums = [0.0, 0.0, 0.0]  # student CE sum, teacher CE sum, token count
+        self.model.eval()
+        for index, batch in enumerate(
+            data.eval_batches(self.val_set, batch_size=steps.local_batch_size, dp_rank=self.dp_rank,
+                              dp_size=self.dp_size)
+        ):
+            if steps.val_batches is not None and index >= steps.val_batches:
+                break
+            micro_batch = {key: value.to(self.device) for key, value in batch.items()}
+            teacher_logits = None
+            if with_teacher:
+                with self.faults.watch("the teacher request", "teacher"):
+                    teacher_logits = self.teacher.request(micro_batch, "full")
+            micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
+            labels = micro_batch["labels"]
+            logits = self._student_logits(micro_batch)
+            if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
+                continue
+            sums[0] += float(cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1))
+            if with_teacher:
+                sums[1] += float(cross_entropy_loss(teacher_logits["logits"], labels, ignore_index=ignore,
+                                                    num_valid_tokens=1))
+            sums[2] += float((labels != ignore).sum())
+        self.model.train()
+        if self.pipeline is not None:
+            last = {"sums": torch.tensor(sums, dtype=torch.float64)} if self.pipeline.is_last else None
+            sums = broadcast_tensors_from_last_stage(last, pp_group=self.setup.pp_group)["sums"].tolist()
+        student_sum, teacher_sum, count = self._sum_over_dp(sums, and_cp=True)
+        count = max(count, 1.0)
+        result = {"val_loss": student_sum / count, "val_perplexity": math.exp(min(student_sum / count, 50.0))}
+        if with_teacher:
+            result["teacher_val_loss"] = teacher_sum / count
+        return result
+
+    def save(self, step: int) -> None:
+        with self.faults.watch(f"saving the checkpoint of step {step}", "student"):
+            ckpt.save_checkpoint(self.checkpoint_root, step, model=self.model, optimizer=self.optimizer,
+                                 scheduler=self.scheduler, group=self.student_group)
+
+    def export_hf(self) -> Path:
+        """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student."""
+        out_dir = self.run_dir / "hf_student"
+        if self.pipeline is None:
+            state_dict, model = gather_full_state_dict(self.model), getattr(self.model, "module", self.model)
+        else:
+            # This rank holds one stage: the whole model is written from an empty (meta) shell of its config.
+            state_dict = self.pipeline.full_state_dict()
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.model.config)
+        if is_logging_rank():
+            models.save_hf_model(model, self.tokenizer, out_dir, state_dict=state_dict)
+        if self.student_group is not None or dist.get_world_size() > 1:
+            dist.barrier(group=self.student_group)
+        return out_dir
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,105 @@
+"""The teacher's role in a run: load only its share of the teacher, lay it out, answer requests.
+
+On separate meshes the teacher-only ranks run a `TeacherWorker`: it builds the teacher without weights
+where the checkpoint allows (`meshkd.parallel.sharded_loading`), lays it out with `TeacherRunner`, reads
+this rank's share, and serves the student through `meshkd.core.teacher_protocol.TeacherServer` until the
+student sends STOP_TEACHER. `TeacherForward` is the answer to one request (the runner's logits cut to the
+common vocabulary, encoded as asked); on shared meshes the student trainer calls it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshkd.core.bridge import KDMeshBridge
+from meshkd.core.logits_codec import encode_teacher_rows
+from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
+from meshkd.core.topology import DistributedSetup
+from meshkd.parallel.sharded_loading import Checkpoint, load_shards
+from meshkd.parallel.teacher_runner import TeacherRunner
+from meshkd.recipe.config import KDConfig, KDRecipeConfig
+from meshkd.recipe.faults import FaultWatch
+from meshkd.recipe.preflight import about, load_section_model_for_layout
+
+
+class TeacherForward:
+    """The teacher's answer to a request: its logits over the common vocabulary, encoded as asked.
+
+    `encodes`: whether this rank encodes (the rank that sends the answer); elsewhere the answer is None.
+    """
+
+    def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True):
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.kd = kd
+        self.seed = seed
+        self.encodes = encodes
+
+    def __call__(self, request: TeacherRequest) -> Encoded | None:
+        logits = self.runner.logits(request.batch)
+        if logits is None or not self.encodes:
+            return None
+        return self.encode(logits[..., : self.vocab_size], request.batch, request.logits_transport)
+
+    def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
+        """Encode as `mode`; each row's tail samples are seeded by that row's tokens, so a resumed run, and a
+        teacher cache written ahead of time, draw the same ones whatever the rows are batched with."""
+        kd = self.kd
+        seeds = [self.seed + int(row.sum()) for row in batch["input_ids"]]
+        return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),
+                                   temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
+
+
+def load_teacher(config: KDRecipeConfig) -> tuple[torch.nn.Module, Checkpoint | None]:
+    """The teacher model, without weights when they can be read in shards once it is laid out."""
+    with about("teacher_model"):
+        return load_section_model_for_layout(config.teacher_model)
+
+
+def lay_out_teacher(model: torch.nn.Module, checkpoint: Checkpoint | None, setup: DistributedSetup, *,
+                    device: torch.device) -> TeacherRunner:
+    """Lay the teacher out over `setup`, then read this rank's share of its weights."""
+    runner = TeacherRunner(model, setup, device=device)
+    if checkpoint is not None:
+        with about("teacher_model"):
+            load_shards(model, checkpoint, device=device)
+    return runner
+
+
+class TeacherWorker:
+    """A teacher-only rank (separate meshes): the recipe calls load, lay_out, resume, run, close in order."""
+
+    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, faults: FaultWatch, device: torch.device):
+        self.config = config
+        self.setup = setup
+        self.faults = faults
+        self.device = device
+
+    def load(self, checked) -> None:
+        self.model, self._checkpoint = load_teacher(self.config)
+
+    def vocab_rows(self) -> tuple[int, int]:
+        """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
+        return -1, self.model.get_output_embeddings().weight.shape[0]
+
+    def packing_parts(self) -> tuple[list, list]:
+        """(teacher parts, student parts) held here, for `configure_kd_teacher_packing`."""
+        return [self.model], []
+
+    def lay_out(self, vocab_size: int, bridge: KDMeshBridge) -> None:
+        runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
+        self.server = TeacherServer(bridge)
+        self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
+                                      encodes=self.server.is_output)
+
+    def resume(self, resume: bool) -> None:
+        """Nothing to restore: the teacher is frozen."""
+
+    def run(self) -> dict:
+        """Serve the student's requests until it sends STOP_TEACHER; a lost student is reported as such."""
+        with self.faults.watch("serving the student", "student"):
+            self.server.serve(self.forward)
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,190 @@
+"""The teacher protocol on a real 5-rank gloo world: requests, served answers, failures and prefetching.
+
+A student of 3 replicas asks a teacher of 2 (two routing waves per request). The client's answers are
+the teacher's for exactly that batch; a teacher whose forward fails sends its error, so the student raises
+the teacher's message instead of waiting; the prefetcher yields the synchronous loop's logits in order,
+one request ahead, and raises a teacher's refusal on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
+from meshkd.core.teacher_protocol import (
+    LocalTeacher,
+    TeacherClient,
+    TeacherPrefetcher,
+    TeacherRequest,
+    TeacherServer,
+)
+from tests.core.test_bridge import logits_for, make_bridge
+from tests.trees import assert_same_tree
+from tests.world import world_test
+
+WORLD = 5
+
+
+def test_a_malformed_request_is_refused_naming_what_is_wrong():
+    batch = {"input_ids": torch.zeros(1, 3, dtype=torch.int64)}
+    assert TeacherRequest.from_wire(TeacherRequest(batch, "topk").to_wire()).logits_transport == "topk"
+    with pytest.raises(ValueError, match=r"keys \['batch', 'logits_transport'\], got \['batch'\]"):
+        TeacherRequest.from_wire({"batch": batch})
+    with pytest.raises(ValueError, match="logits_transport 'fp8' is not one of"):
+        TeacherRequest.from_wire({"batch": batch, "logits_transport": "fp8"})
+    with pytest.raises(ValueError, match="input_ids tensor"):
+        TeacherRequest.from_wire({"batch": {"ids": batch["input_ids"]}, "logits_transport": "full"})
+    with pytest.raises(ValueError, match="got list"):
+        TeacherRequest.from_wire([batch])
+
+
+def test_a_local_teacher_answers_in_place_and_in_order():
+    asked = []
+    teacher = LocalTeacher(lambda request: asked.append(request) or {"mode": request.logits_transport})
+    assert teacher.request({"input_ids": torch.zeros(1, 2)}, "full") == {"mode": "full"}
+    pairs = list(teacher.prefetch(range(3), batch_fn=lambda i: TeacherRequest({"input_ids": torch.full((1, 2), i)},
+                                                                              "topk")))
+    assert [item for item, _ in pairs] == [0, 1, 2] and len(asked) == 4
+    teacher.close()
+
+
+def protocol_batch(index: int) -> dict:
+    return {"input_ids": torch.full((1, 3), index), "position_ids": torch.arange(3)[None],
+            "attention_mask": torch.ones(1, 3, dtype=torch.int64)}
+
+
+def answer(request: TeacherRequest) -> dict:
+    """A fake teacher's encoded answer: depends on the batch, so mixups show."""
+    return {"mode": "full", "logits": request.batch["input_ids"].float().unsqueeze(-1) * 10}
+
+
+def check_client_requests_get_the_teachers_answer_for_their_own_batch():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    if bridge.is_teacher:
+        assert TeacherServer(bridge).serve(answer) == 6
+        return
+    client = TeacherClient(bridge)
+    replica = next(i for i, r in enumerate(bridge.student_replicas) if dist.get_rank() in r.ranks)
+    items = [replica * 10 + i for i in range(3)]
+    synchronous = [client.request(protocol_batch(i), "full") for i in items]
+    prefetched = list(client.prefetch(items, batch_fn=lambda i: TeacherRequest(protocol_batch(i), "full")))
+    assert [item for item, _ in prefetched] == items
+    for index, got, (_, ahead) in zip(items, synchronous, prefetched):
+        want = answer(TeacherRequest(protocol_batch(index), "full"))
+        assert_same_tree(got, want)
+        assert_same_tree(ahead, want)
+    client.close()
+
+
+def check_a_failing_teacher_forward_reaches_the_student_and_the_next_request_works():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    if bridge.is_teacher:
+        def forward(request: TeacherRequest) -> dict:
+            if int(request.batch["input_ids"][0, 0]) == 1:
+                raise ValueError("no logits for index 1")
+            return answer(request)
+
+        server = TeacherServer(bridge)
+        with pytest.raises(ValueError, match="no logits for index 1"):
+            server.serve(forward)
+        assert server.serve(forward) == 1
+        return
+    client = TeacherClient(bridge)
+    with pytest.raises(RuntimeError, match=r"teacher rank [34] failed on this batch: no logits for index 1"):
+        client.request(protocol_batch(1), "full")
+    assert_same_tree(client.request(protocol_batch(2), "full"), answer(TeacherRequest(protocol_batch(2), "full")))
+    client.close()
+
+
+def serve(bridge: KDMeshBridge, *, fail_on: int | None = None) -> int:
+    """A teacher loop on the bare bridge; `fail_on`: a request whose logits every output rank refuses."""
+    rank, served = dist.get_rank(), 0
+    output_ranks = {r.output_rank for r in bridge.teacher_replicas}
+    while bridge.broadcast_command() == RUN_TEACHER:
+        for wave in range(bridge.num_waves):
+            batch = bridge.send_batch(wave, None)
+            time.sleep(0.01)
+            logits = logits_for(batch) if rank in output_ranks and served != fail_on else None
+            with contextlib.suppress(ValueError):  # this rank's own refusal
+                bridge.send_logits(wave, logits)
+        served += 1
+    return served
+
+
+def request_batch(index: int) -> dict:
+    return {"input_ids": torch.full((1, 3), index), "index": dist.get_rank() * 100 + index}
+
+
+def check_prefetcher_yields_the_synchronous_sequence_one_ahead():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    count = 5
+    if bridge.is_teacher:
+        assert serve(bridge) == count and serve(bridge) == count
+        return
+    synchronous = []
+    for index in range(count):
+        bridge.broadcast_command(RUN_TEACHER)
+        for wave in range(bridge.num_waves):
+            bridge.send_batch(wave, request_batch(index))
+            logits = bridge.send_logits(wave, None)
+            if logits is not None:
+                synchronous.append(logits)
+    bridge.broadcast_command(STOP_TEACHER)
+    prefetched = []
+    with TeacherPrefetcher(bridge, range(count), batch_fn=request_batch) as prefetcher:
+        for position, (item, logits) in enumerate(prefetcher):
+            assert item == position
+            prefetched.append(logits)
+            if position + 1 < count:  # the next request completes while this one is held
+                deadline = time.monotonic() + 30
+                while prefetcher.num_fetched < position + 2:
+                    assert time.monotonic() < deadline, "the next micro-batch was not fetched ahead"
+                    time.sleep(0.005)
+                # ... and no further: depth 1 keeps one request ahead of the caller.
+                time.sleep(0.05)
+                assert prefetcher.num_fetched == position + 2
+            with pytest.raises(RuntimeError, match="driven by a running TeacherPrefetcher"):
+                bridge.broadcast_command(STOP_TEACHER)
+    assert len(prefetched) == len(synchronous) == count
+    for got, want in zip(prefetched, synchronous):
+        assert_same_tree(got, want)
+    bridge.broadcast_command(STOP_TEACHER)  # released once the items ran out
+
+
+def check_prefetcher_raises_teacher_errors_and_closes_cleanly():
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    if bridge.is_teacher:
+        assert serve(bridge, fail_on=2) == 3  # requests 0, 1 and the refused 2; then STOP
+        assert serve(bridge) == 2  # stopped early by the caller: the request in flight still completes
+        bridge.synchronize()
+        return
+    taken = []
+    prefetcher = TeacherPrefetcher(bridge, range(6), batch_fn=request_batch)
+    with pytest.raises(RuntimeError, match="passed logits=NoneType"), prefetcher:
+        for item, _ in prefetcher:
+            taken.append(item)
+    assert taken == [0, 1]
+    bridge.broadcast_command(STOP_TEACHER)
+    with TeacherPrefetcher(bridge, range(6), batch_fn=request_batch) as prefetcher:
+        item, _ = next(prefetcher)
+        while prefetcher.num_fetched < 2:  # request 1 is fetched ahead; then the caller stops early
+            time.sleep(0.005)
+    assert item == 0
+    bridge.broadcast_command(STOP_TEACHER)
+    bridge.synchronize()
+
+
+test_five_rank_world = world_test(
+    WORLD,
+    [
+        check_client_requests_get_the_teachers_answer_for_their_own_batch,
+        check_a_failing_teacher_forward_reaches_the_student_and_the_next_request_works,
+        check_prefetcher_yields_the_synchronous_sequence_one_ahead,
+        check_prefetcher_raises_teacher_errors_and_closes_cleanly,
+    ],
+)
