@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshkd.core.agreement import gather_values, group_device
+
 NEAT_INDEXED = "neat-indexed"
 """Layout name: `attention_mask` holds 1-based document indices, 0 for padding."""
 
@@ -382,7 +384,7 @@ def configure_kd_teacher_packing(
         local["teacher"] = _layouts(teacher_parts, "teacher")
     except Exception as error:  # reported to every rank below instead of raised here
         local["error"] = f"{type(error).__name__}: {error}"
-    gathered = _all_gather(local, control_group)
+    gathered = gather_values(local, control_group, device=group_device(control_group))
     _raise_errors(gathered)
     students = [(_label(r["rank"], i), layout) for r in gathered for i, layout in enumerate(r["student"])]
     student_layout = _student_layout(students)
@@ -398,7 +400,7 @@ def configure_kd_teacher_packing(
     except Exception as error:
         failure = error
         local["error"] = f"{type(error).__name__}: {error}"
-    gathered = _all_gather(local, control_group)
+    gathered = gather_values(local, control_group, device=group_device(control_group))
     try:
         _raise_errors(gathered)
     except ValueError as error:
@@ -406,12 +408,6 @@ def configure_kd_teacher_packing(
     _check_teachers(
         [(_label(r["rank"], i), layout) for r in gathered for i, layout in enumerate(r["teacher"])], student_layout
     )
-
-
-def _all_gather(payload: dict[str, Any], group: dist.ProcessGroup) -> list[dict[str, Any]]:
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, payload, group=group)
-    return gathered
 
 
 def _raise_errors(gathered: list[dict[str, Any]]) -> None:

@@ -26,6 +26,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
+from meshkd.core.agreement import group_device
 from meshkd.core.topology import get_current_setup
 
 __all__ = [
@@ -63,13 +64,6 @@ def _resolve_pp_group(pp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if dist.get_rank(pp_group) < 0:
         raise ValueError(f"global rank {dist.get_rank()} is not a member of pp_group")
     return pp_group
-
-
-def group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where tensors for `group`'s collectives must live: NCCL only moves CUDA memory, gloo moves host memory."""
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshkd.core.stage_broadcast import group_device
+from meshkd.core.agreement import group_device
 from meshkd.core.topology import DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import STUDENT_CP_AXIS, check_student_cp, enable_student_cp
 from meshkd.parallel.stages import decoder_of

@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshkd.core.agreement import first_failure
 from meshkd.core.topology import KDDistributedSetups
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
 
-# Bytes of a setup error message sent to the other ranks (one fixed-size broadcast, longer ones cut).
-_MESSAGE_BYTES = 2048
 # How long a rank that saw a collective fail looks for the peer process that exited (same host only).
 _DEAD_PEER_WAIT_S = 1.0
 # RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
@@ -179,21 +178,15 @@ class FaultWatch:
         self.agree(None, stage)
 
     def agree(self, error: BaseException | None, stage: str) -> None:
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        first = torch.tensor([rank if error is not None else world_size], dtype=torch.int64, device=self.device)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        origin = int(first.item())
-        if origin == world_size:
-            return
-        message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
-        if rank == origin:
+        """Raise SetupError on every rank but the failing ones when `error` is set on any (see `on_every_rank`)."""
+        text = None
+        if error is not None:
             text = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
-            encoded = (text or type(error).__name__).encode()[:_MESSAGE_BYTES]
-            message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device)
-        dist.broadcast(message, src=origin)
-        if error is None:
-            text = bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-            raise SetupError(f"rank {origin} ({self.role_of(origin)}) failed {stage}: {text}", origin_rank=origin)
+            text = text or type(error).__name__
+        failure = first_failure(text, device=self.device)
+        if failure is not None and error is None:
+            origin, message = failure
+            raise SetupError(f"rank {origin} ({self.role_of(origin)}) failed {stage}: {message}", origin_rank=origin)
 
     def role_of(self, rank: int) -> str:
         if not self.setups.separate:
