@@ -142,9 +142,8 @@ class KDRecipeConfig:
     collective_timeout_s: float = 600.0
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Topology view (`meshkd.core.topology._ConfigLike`): sections as plain dicts."""
-        value = getattr(self, key, default)
-        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        """Topology view (`meshkd.core.topology._ConfigLike`): the typed sections, read as they are."""
+        return getattr(self, key, default)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,11 +161,13 @@ def _build(cls: type, values: Any, key: str) -> Any:
     if unknown:
         prefix = f"{key}." if key else ""
         raise ConfigError(f"unknown config key(s) {[prefix + name for name in unknown]}; known: {sorted(names)}")
-    return cls(**{name: _coerce(hints[name], value, f"{key}.{name}" if key else name) for name, value in values.items()})
+    return cls(**{name: _coerce(hints[name], value, f"{key}.{name}" if key else name)
+                  for name, value in values.items()})
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if is_union else (hint,)
     if value is None:
         if type(None) in options:
             return None
@@ -190,7 +191,8 @@ def _coerce_one(hint: Any, value: Any, key: str) -> Any:
         (item,) = typing.get_args(hint) or (Any,)
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {value!r}")
-        return [_coerce_one(item, element, f"{key}[{i}]") if item is not Any else element for i, element in enumerate(value)]
+        return [_coerce_one(item, element, f"{key}[{i}]") if item is not Any else element
+                for i, element in enumerate(value)]
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")

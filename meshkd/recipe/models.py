@@ -83,7 +83,7 @@ def load_causal_lm(
     Raises ValueError when zero or several sources are given or an argument is invalid, and
     FileNotFoundError when a path does not exist.
     """
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype)
     has_file = path is not None or gguf_file is not None
     if has_file == (random_init is not None):
         given = [name for name, value in (("path", path), ("gguf_file", gguf_file), ("random_init", random_init))
@@ -95,7 +95,7 @@ def load_causal_lm(
     if random_init is not None:
         model = _random_causal_lm(random_init, torch_dtype, attn_implementation, seed)
     else:
-        directory, gguf_name = _resolve_source(path, gguf_file)
+        directory, gguf_name = resolve_source(path, gguf_file)
         model = _pretrained_causal_lm(directory, gguf_name, torch_dtype, attn_implementation)
     if keep_layers is not None:
         prune_layers(model, keep_layers)
@@ -172,7 +172,7 @@ def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str
     if path is None and gguf_file is None:
         raise ValueError("load_tokenizer needs `path` (optionally with `gguf_file`); use byte_tokenizer() for "
                          "random-init models")
-    directory, gguf_name = _resolve_source(path, gguf_file)
+    directory, gguf_name = resolve_source(path, gguf_file)
     kwargs = {"gguf_file": gguf_name} if gguf_name is not None else {}
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
     if tokenizer.pad_token is None:
@@ -290,14 +290,14 @@ def demo_teacher_source() -> dict[str, str]:
     )
 
 
-def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}")
     return resolved
 
 
-def _resolve_source(path, gguf_file) -> tuple[Path, str | None]:
+def resolve_source(path, gguf_file) -> tuple[Path, str | None]:
     """Return (directory, GGUF file name or None) for a file source, checking that it exists."""
     if path is None:
         # A GGUF file given on its own must be a path to the file.

@@ -16,7 +16,7 @@ import torch
 from meshkd.core.packing import attention_windows
 from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
-from meshkd.recipe import data, models
+from meshkd.recipe import data, documents, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 
 # The corpus is read for a first document only when it is at most this large.
@@ -45,8 +45,8 @@ def load_section_model_for_layout(section):
     """(model, `Checkpoint`) with meta parameters, to be filled by `load_shards` once laid out, for a Hugging
     Face directory stored under the model's own names; else (the loaded model, None)."""
     if section.path is not None and section.gguf_file is None and not str(section.path).endswith(".gguf"):
-        directory, _ = models._resolve_source(section.path, None)
-        empty = empty_causal_lm(directory, keep_layers=section.keep_layers, dtype=models._resolve_dtype(section.dtype),
+        directory, _ = models.resolve_source(section.path, None)
+        empty = empty_causal_lm(directory, keep_layers=section.keep_layers, dtype=models.resolve_dtype(section.dtype),
                                 attn_implementation=section.attn_implementation)
         if empty is not None:
             return empty
@@ -84,7 +84,7 @@ def _skeleton(section) -> torch.nn.Module:
             return load_section_model(section)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory, gguf_file = models._resolve_source(section.path, section.gguf_file)
+    directory, gguf_file = models.resolve_source(section.path, section.gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
     attention = section.attn_implementation or models.default_attn_implementation(type(hf_config))
@@ -149,14 +149,14 @@ def preflight(config: KDRecipeConfig) -> Preflight:
     steps, dataset = config.step_scheduler, config.dataset
 
     with about("dataset"):
-        data._check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+        data.check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                               dataset.max_document_chars, "replace")
     with about("dataset.paths"):
-        files = data._match_files([expand_path(pattern) for pattern in dataset.paths])
+        files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
         # Reading stops at the first document, but a JSONL file is read whole: on a large corpus this is
         # left to the students' setup, whose errors reach every rank too.
         if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
-            first = data._read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
+            first = documents.read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
                                          max_document_chars=None, encoding_errors="replace")
             if not first:
                 raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")

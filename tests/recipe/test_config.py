@@ -20,7 +20,7 @@ def test_yaml_and_overrides_build_the_typed_config(tmp_path):
     assert config.step_scheduler.max_steps == 7 and config.kd.temperature == 1.5
     assert config.optimizer.betas == [0.8, 0.9] and config.teacher_distributed.tp_size == 2
     assert required_world_size(config) == 4
-    assert config.get("distributed")["dp_size"] == 2  # the topology view
+    assert config.get("distributed").dp_size == 2  # the topology reads the typed section as it is
 
 
 def test_override_syntax_errors_name_the_override():
