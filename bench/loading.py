@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from meshkd.core.local_world import spawn_world
 
 
 def _status_kib(field: str) -> int:
@@ -57,9 +55,7 @@ def _write_model(directory: Path, kind: str, hidden: int, layers: int) -> None:
     config.save_pretrained(str(directory))
 
 
-def _rank_main(rank: int, world: int, port: int, directory: str, layout: dict, sharded: bool, out: str) -> None:
-    import datetime
-
+def _rank_main(rank: int, world: int, directory: str, layout: dict, sharded: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
     import transformers  # noqa: F401  (the import floor includes it)
@@ -69,8 +65,6 @@ def _rank_main(rank: int, world: int, port: int, directory: str, layout: dict, s
     from meshkd.parallel.teacher_runner import TeacherRunner
     from meshkd.recipe.models import load_causal_lm
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     setup = create_kd_distributed_setups({"distributed": layout}, world).student
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")
@@ -88,16 +82,13 @@ def _rank_main(rank: int, world: int, port: int, directory: str, layout: dict, s
     peak = _status_kib("VmHWM") - floor
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_mib": peak / 1024}))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _measure(directory: Path, layout: dict, world: int, sharded: bool) -> list[float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, port, str(directory), layout, sharded, out), nprocs=world,
-                           start_method="spawn", join=True)
+        failure = spawn_world(world, _rank_main, (world, str(directory), layout, sharded, out), timeout_s=600)
+        if failure is not None:
+            raise RuntimeError(f"loading benchmark world failed: {failure}")
         records = sorted((json.loads(p.read_text()) for p in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
     return [record["peak_mib"] for record in records]
 
@@ -110,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     results: dict = {"layouts": []}
-    tp2, pp2, ep2 = {"tp_size": 2, "dp_size": 1}, {"pp_size": 2, "dp_size": 1}, {"tp_size": 2, "ep_size": 2, "dp_size": 1}
+    tp2, pp2 = {"tp_size": 2, "dp_size": 1}, {"pp_size": 2, "dp_size": 1}
+    ep2 = {"tp_size": 2, "ep_size": 2, "dp_size": 1}
     runs = (("llama", True, {"tp 2": tp2, "pp 2": pp2}), ("llama", False, {"tp 2": tp2, "pp 2": pp2}),
             ("qwen3_moe", True, {"tp 2": tp2, "ep 2 (tp 2)": ep2}))
     for kind in ("llama", "qwen3_moe"):

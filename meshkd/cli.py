@@ -152,7 +152,8 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
     preflight(config)
     world_size = _world_size(config, nproc)
-    args = ["train", config_path, *[item for o in overrides for item in ("--set", o)]] + (["--resume"] if resume else [])
+    args = ["train", config_path, *[item for o in overrides for item in ("--set", o)]]
+    args += ["--resume"] if resume else []
     return _launch(world_size, args)
 
 

@@ -4,10 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from meshkd.recipe.metrics import read_metrics
 from tests.tiny import base_config, with_layout
+
+pytestmark = pytest.mark.world  # every test here runs the meshkd command
 
 
 def test_cli_trains_end_to_end_and_plots(tmp_path):

@@ -1,58 +1,42 @@
-"""Run many checks in one multi-process gloo world, because starting processes is the expensive part.
+"""Run many checks in one multi-process gloo world (`meshkd.core.local_world`): starting processes is the
+expensive part.
 
 A test module lists its checks (module-level functions, so that spawned processes can import them) and
-asks `World.run` for their results once; each pytest test then asserts on one check's result. A check
+asks `run_world` (or `world_test`) for their results once; each pytest test then asserts on one check's result. A check
 runs on every rank; it fails when it raises on any rank. A failing check ends the world (its peers may
 be stuck in a collective), and the checks after it are reported as not run.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from meshkd.core.local_world import spawn_world
 
 Check = Callable[[], None]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _name(check: Check) -> str:
     return getattr(check, "__name__", None) or str(check)
 
 
-def _rank_main(rank: int, world_size: int, port: int, checks: Sequence[Check], out_dir: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+def _run_checks(rank: int, checks: Sequence[Check], out_dir: str) -> None:
     results_file = Path(out_dir, f"rank{rank}.jsonl")
-    try:
-        for check in checks:
-            try:
-                check()
-                outcome = None
-            except BaseException:
-                outcome = traceback.format_exc()
-            with results_file.open("a") as sink:
-                sink.write(json.dumps({"check": _name(check), "error": outcome}) + "\n")
-            if outcome is not None:
-                os._exit(1)  # peers may be blocked in a collective: end the world
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for check in checks:
+        try:
+            check()
+            outcome = None
+        except BaseException:
+            outcome = traceback.format_exc()
+        with results_file.open("a") as sink:
+            sink.write(json.dumps({"check": _name(check), "error": outcome}) + "\n")
+        if outcome is not None:
+            os._exit(1)  # peers may be blocked in a collective: end the world
 
 
 class WorldResults:
@@ -76,7 +60,8 @@ class WorldResults:
             raise AssertionError(f"check {name} failed:\n{report}")
         if len(per_rank) < self._world_size:
             missing = sorted(set(range(self._world_size)) - set(per_rank))
-            raise AssertionError(f"check {name} did not finish on ranks {missing}: {self._launch_error or 'world ended'}")
+            ended = self._launch_error or "world ended"
+            raise AssertionError(f"check {name} did not finish on ranks {missing}: {ended}")
 
 
 def run_world(
@@ -87,26 +72,8 @@ def run_world(
     `timeout_s` bounds each collective of the default group; `deadline_s` the whole world.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        launch_error = None
-        context = mp.start_processes(
-            _rank_main,
-            args=(world_size, _free_port(), list(checks), out_dir, timeout_s),
-            nprocs=world_size,
-            start_method="spawn",
-            join=False,
-        )
-        deadline = time.monotonic() + deadline_s
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    launch_error = f"world did not finish within {deadline_s} s"
-                    break
-        except Exception as error:  # a rank exited non-zero; its check result says why
-            launch_error = f"{type(error).__name__}: {str(error)[:2000]}"
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+        launch_error = spawn_world(world_size, _run_checks, (list(checks), out_dir), timeout_s=timeout_s,
+                                   deadline_s=deadline_s)
         errors: dict[str, dict[int, str | None]] = {}
         for rank in range(world_size):
             path = Path(out_dir, f"rank{rank}.jsonl")
@@ -123,6 +90,7 @@ def world_test(world_size: int, checks: Sequence[Check], **options):
 
     results: list[WorldResults] = []
 
+    @pytest.mark.world
     @pytest.mark.parametrize("check", [_name(check) for check in checks])
     def test(check: str) -> None:
         if not results:

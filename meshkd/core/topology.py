@@ -339,7 +339,8 @@ def model_replicas(setup: DistributedSetup) -> list[Replica]:
     Input rank: pp = cp = tp = 0. Output rank: the last pipeline stage with cp = tp = 0.
     """
     return [
-        Replica(ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]), output_rank=int(block[-1, 0]))
+        Replica(ranks=tuple(sorted(block.flatten().tolist())), input_rank=int(block[0, 0]),
+                output_rank=int(block[-1, 0]))
         for block in _replica_blocks(setup)
     ]
 

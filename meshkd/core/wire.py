@@ -88,7 +88,8 @@ def tree_from_spec(spec: Any, tensors: list[torch.Tensor]) -> Any:
         tensor = tensors[spec["tensor"]]
         if _DTYPE_NAMES.get(tensor.dtype) != spec["dtype"] or list(tensor.shape) != spec["shape"]:
             raise ValueError(
-                f"leaf {spec['tensor']} is {tensor.dtype} {list(tensor.shape)}, spec says {spec['dtype']} {spec['shape']}"
+                f"leaf {spec['tensor']} is {tensor.dtype} {list(tensor.shape)}, "
+                f"spec says {spec['dtype']} {spec['shape']}"
             )
         return tensor
     if "dict" in spec:

@@ -323,7 +323,8 @@ def test_topk_sampled_tail_is_unbiased():
     student, teacher, labels = _inputs(shape=(2, 10, 50), seed=3)
     full = kd_loss(student, teacher, labels, temperature=2.0).item()
     estimates = [
-        kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=5, temperature=2.0, tail_samples=4, seed=seed),
+        kd_loss_encoded(student,
+                        encode_teacher_logits(teacher, "topk", k=5, temperature=2.0, tail_samples=4, seed=seed),
                         labels, temperature=2.0).item()
         for seed in range(200)
     ]  # fmt: skip

@@ -343,7 +343,7 @@ def check_loss_metrics_bad_payload_raises_everywhere():
     is_last = _rank() >= 2
     for bad in ((1.0, 2.0), 3.0, [{"loss": 1.0}, "oops"]):
         _expect_everywhere(
-            lambda: broadcast_loss_metrics_from_last_stage(bad if is_last else None, pp_group=group),
+            lambda bad=bad: broadcast_loss_metrics_from_last_stage(bad if is_last else None, pp_group=group),
             last_error=ValueError,
             other_error=RuntimeError,
             match="dict",
@@ -432,7 +432,7 @@ def check_tensors_bad_input_raises_everywhere():
     bad_inputs = (None, {"x": [1.0, 2.0]}, {0: torch.ones(1)}, {"sparse": torch.eye(2).to_sparse()})
     for bad in bad_inputs:
         _expect_everywhere(
-            lambda: broadcast_tensors_from_last_stage(bad if is_last else None, pp_group=group),
+            lambda bad=bad: broadcast_tensors_from_last_stage(bad if is_last else None, pp_group=group),
             last_error=ValueError,
             group=group,
             is_last=True,
