@@ -9,6 +9,7 @@ before any process group or model exists. `to_dict` gives the resolved config to
 from __future__ import annotations
 
 import dataclasses
+import math
 import sysconfig
 import types
 import typing
@@ -290,8 +291,8 @@ def validate(config: KDRecipeConfig) -> None:
     kd = config.kd
     if not 0.0 <= kd.kd_ratio <= 1.0:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
-    if kd.temperature <= 0:
-        raise ConfigError(f"kd.temperature must be > 0, got {kd.temperature}")
+    if not (kd.temperature > 0 and math.isfinite(kd.temperature)):
+        raise ConfigError(f"kd.temperature must be a finite number > 0, got {kd.temperature}")
     if kd.logits_transport not in ("full", "full_bf16", "topk"):
         raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
     if kd.topk < 1 or kd.topk_tail_samples < 0:
@@ -307,12 +308,19 @@ def validate(config: KDRecipeConfig) -> None:
     for name in ("val_every_steps", "val_batches", "ckpt_every_steps"):
         if getattr(steps, name) is not None and getattr(steps, name) < 1:
             raise ConfigError(f"step_scheduler.{name} must be >= 1 or null, got {getattr(steps, name)}")
-    if config.optimizer.name not in ("adamw", "sgd"):
-        raise ConfigError(f"optimizer.name must be adamw or sgd, got {config.optimizer.name!r}")
-    if config.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
-    if config.lr_scheduler.decay not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"lr_scheduler.decay must be cosine, linear or constant, got {config.lr_scheduler.decay!r}")
+    _check_optimizer(config.optimizer)
+    schedule = config.lr_scheduler
+    if schedule.decay not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"lr_scheduler.decay must be cosine, linear or constant, got {schedule.decay!r}")
+    if schedule.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {schedule.warmup_steps}")
+    if schedule.total_steps is not None and schedule.total_steps < 1:
+        raise ConfigError(f"lr_scheduler.total_steps must be >= 1 or null, got {schedule.total_steps}")
+    if not 0.0 <= schedule.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {schedule.min_lr_ratio}")
+    if not (config.collective_timeout_s > 0 and math.isfinite(config.collective_timeout_s)):
+        raise ConfigError(f"collective_timeout_s must be a finite number of seconds > 0, got "
+                          f"{config.collective_timeout_s}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
     world_size = required_world_size(config)
@@ -327,3 +335,20 @@ def validate(config: KDRecipeConfig) -> None:
                 f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
                 f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
             )
+
+
+def _check_optimizer(optimizer: OptimizerConfig) -> None:
+    """Values torch would reject only inside the workers, or accept and train to NaN with."""
+    if optimizer.name not in ("adamw", "sgd"):
+        raise ConfigError(f"optimizer.name must be adamw or sgd, got {optimizer.name!r}")
+    if not (optimizer.lr > 0 and math.isfinite(optimizer.lr)):
+        raise ConfigError(f"optimizer.lr must be a finite number > 0, got {optimizer.lr}")
+    if not (optimizer.weight_decay >= 0 and math.isfinite(optimizer.weight_decay)):
+        raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {optimizer.weight_decay}")
+    if not (optimizer.eps > 0 and math.isfinite(optimizer.eps)):
+        raise ConfigError(f"optimizer.eps must be a finite number > 0, got {optimizer.eps}")
+    if len(optimizer.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optimizer.betas):
+        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {optimizer.betas}")
+    if optimizer.max_grad_norm is not None and not (optimizer.max_grad_norm > 0
+                                                    and math.isfinite(optimizer.max_grad_norm)):
+        raise ConfigError(f"optimizer.max_grad_norm must be a finite number > 0 or null, got {optimizer.max_grad_norm}")

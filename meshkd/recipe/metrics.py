@@ -39,8 +39,7 @@ class MetricsSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step is not None and self.path.is_file():
-            kept = [r for r in read_metrics(run_dir)
-                    if r["step"] < resume_step or (r["kind"] == "train" and r["step"] == resume_step)]
+            kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step]
         self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         if tensorboard:
             try:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import yaml
 from transformers import AutoModelForCausalLM
 
+from meshkd.core.agreement import gather_values, group_device
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.core.packing import configure_packing
@@ -51,7 +52,7 @@ from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data, models
 from meshkd.recipe.config import KDRecipeConfig, expand_path
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
-from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0
+from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
@@ -225,8 +226,7 @@ class StudentTrainer:
             if self._stop_agreed():  # asked to stop during setup: not even the evaluation
                 self._stopped(self.start_step, self.start_step)
                 return
-            before = self.evaluate(with_teacher=True)
-        self.metrics.log("eval", self.start_step, before)
+            before = self._first_evaluation()
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
         batches = data.iterate_batches(
             self.train_set, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -258,6 +258,26 @@ class StudentTrainer:
                 self.summary["hf_dir"] = str(self.export_hf().resolve())
         if is_logging_rank():
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+    def _first_evaluation(self) -> dict[str, float]:
+        """Step 0's evaluation (student and teacher): a resumed run reuses the one its run directory logged.
+
+        Rank 0 reads the run's metrics and hands what it found to every student rank, so all take the same
+        branch (the run directory need not be shared across hosts).
+        """
+        logged = None
+        if self.start_step > 0 and is_logging_rank():
+            with contextlib.suppress(FileNotFoundError):
+                logged = next((record for record in read_metrics(self.run_dir)
+                               if record["kind"] == "eval" and record["step"] == 0 and "teacher_val_loss" in record),
+                              None)
+        if self.start_step > 0:
+            logged = gather_values(logged, self.student_group, device=group_device(self.student_group))[0]
+        if logged is not None:
+            return logged
+        before = self.evaluate(with_teacher=True)
+        self.metrics.log("eval", self.start_step, before)
+        return before
 
     def _train_steps(self, feed: Iterator) -> tuple[int, int]:
         """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved)."""
@@ -425,12 +445,19 @@ class StudentTrainer:
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm,
                                    stages_group=stages, uncounted=copies)
+        totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
+        summed = self._sum_over_dp(totals, and_cp=True)
+        if not all(math.isfinite(value) for value in (*summed, grad_norm)):
+            # The same sums on every student rank: all stop here, before the weights take the update.
+            raise ValueError(
+                f"step {self.scheduler.last_epoch + 1}: the loss or its gradient is not finite (loss {summed[0]}, "
+                f"ce_loss {summed[1]}, kd_loss {summed[2]}, grad_norm {grad_norm}); training stopped before this "
+                "update. Lower optimizer.lr, check the data, or resume from the last checkpoint"
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
-        summed = self._sum_over_dp(totals, and_cp=True)
         return {"loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
                 "num_tokens": num_valid, "teacher_wait_s": wait}
 

@@ -189,6 +189,10 @@ def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp
     assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
     # The export holds the whole model (every pipeline stage), loadable as is.
     summary = json.loads(Path(config["logging"]["run_dir"], "summary.json").read_text())
+    # Step 0's evaluation is the run's "before", logged once; the resume step adds none.
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, STEPS]
+    assert summary["val_loss_before"] == evals[0]["val_loss"]
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(summary["hf_dir"], output_loading_info=True)

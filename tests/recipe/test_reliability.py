@@ -361,7 +361,20 @@ CONFIG_CASES = {
     "no_teacher_source": ({"teacher_model": {}}, r"teacher_model: set exactly one"),
     "bad_dtype": ({"model__dtype": "int8"}, r"model\.dtype"),
     "kd_ratio_above_one": ({"kd__kd_ratio": 1.5}, r"kd\.kd_ratio must be in \[0, 1\]"),
-    "zero_temperature": ({"kd__temperature": 0}, r"kd\.temperature must be > 0"),
+    "zero_temperature": ({"kd__temperature": 0}, r"kd\.temperature must be a finite number > 0"),
+    "nan_temperature": ({"kd__temperature": float("nan")}, r"kd\.temperature must be a finite number > 0"),
+    "infinite_lr": ({"optimizer__lr": float("inf")}, r"optimizer\.lr must be a finite number > 0, got inf"),
+    "nan_lr": ({"optimizer__lr": float("nan")}, r"optimizer\.lr must be a finite number > 0, got nan"),
+    "one_beta": ({"optimizer__betas": [0.9]}, r"optimizer\.betas must be two numbers in \[0, 1\), got \[0\.9\]"),
+    "beta_of_one": ({"optimizer__betas": [0.9, 1.0]}, r"optimizer\.betas must be two numbers"),
+    "negative_weight_decay": ({"optimizer__weight_decay": -0.1}, r"optimizer\.weight_decay must be"),
+    "zero_eps": ({"optimizer__eps": 0.0}, r"optimizer\.eps must be a finite number > 0"),
+    "zero_max_grad_norm": ({"optimizer__max_grad_norm": 0.0}, r"optimizer\.max_grad_norm must be"),
+    "negative_warmup": ({"lr_scheduler__warmup_steps": -3}, r"lr_scheduler\.warmup_steps must be >= 0, got -3"),
+    "min_lr_ratio_above_one": ({"lr_scheduler__min_lr_ratio": 5.0}, r"lr_scheduler\.min_lr_ratio must be in \[0, 1\]"),
+    "zero_total_steps": ({"lr_scheduler__total_steps": 0}, r"lr_scheduler\.total_steps must be >= 1 or null"),
+    "zero_collective_timeout": ({"collective_timeout_s": 0}, r"collective_timeout_s must be a finite number"),
+    "negative_collective_timeout": ({"collective_timeout_s": -5}, r"collective_timeout_s must be a finite number"),
     "no_data_paths": ({"dataset__paths": []}, r"dataset\.paths is empty"),
     "zero_steps": ({"step_scheduler__max_steps": 0}, r"step_scheduler\.max_steps must be >= 1"),
     "batch_not_divisible": ({"step_scheduler__global_batch_size": 5, "step_scheduler__local_batch_size": 2},
@@ -596,6 +609,28 @@ class ExpectSetupFailure:
         assert _train_records(self.config) == trained_before, "a training step ran"
 
 
+class ExpectNonFiniteStop:
+    """A check: a student whose loss is not finite stops at step 1 on every student rank with the step and the
+    values named, before the update; the teacher is released and ends normally."""
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.__name__, self.config = name, config
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        from meshkd.recipe.run import KDRecipe
+
+        recipe = KDRecipe(config_from_dict(self.config))
+        if dist.get_rank() == 2:
+            assert recipe.run() == {}  # served until the student's STOP_TEACHER
+            return
+        stopped = r"step 1: the loss or its gradient is not finite \(loss .*grad_norm nan\); training stopped"
+        with pytest.raises(ValueError, match=stopped):
+            recipe.run()
+        assert _train_records(self.config) == 0, "a step was logged as trained"
+
+
 class SignalOneStudentRank:
     """A check: SIGINT reaches student rank 1 only, after step 2; every rank stops at the same step."""
 
@@ -673,6 +708,7 @@ def _read_quietly(run_dir: Path) -> list[dict]:
 SETUP_CHECKS = ["student_data_leaves_no_training_document", "teacher_weights_missing",
                 "train_one_step_with_a_checkpoint", "resume_from_a_checkpoint_of_another_model",
                 "sigint_to_one_student_rank_stops_every_rank_at_the_same_step",
+                "a_non_finite_loss_stops_every_rank_before_the_update",
                 "a_rank_local_failure_in_training_ends_every_rank_within_seconds"]
 
 
@@ -696,6 +732,8 @@ def three_rank_world(tmp_path_factory):
     trained["checkpoint"] = {"enabled": True, "save_hf": False}
     other_model = copy.deepcopy(trained)
     other_model["model"]["random_init"].update(hidden_size=48, intermediate_size=96)
+    overflowing = variant("overflowing")  # logits / 1e-40 overflow float32: the KD loss is not finite
+    overflowing["kd"]["temperature"] = 1e-40
     stopped = variant("stopped")
     stopped["step_scheduler"].update(max_steps=200)
     stopped["checkpoint"] = {"enabled": True, "save_hf": False}
@@ -708,8 +746,9 @@ def three_rank_world(tmp_path_factory):
         ExpectSetupFailure(SETUP_CHECKS[3], other_model, failing_ranks={0, 1}, resume=True,
                            match=r"checkpoint .*step_00000001 cannot be loaded into this run"),
         SignalOneStudentRank(SETUP_CHECKS[4], stopped),
+        ExpectNonFiniteStop(SETUP_CHECKS[5], overflowing),
         # Last: rank 1's process exits, which ends this world.
-        FailOnStudentRankOne(SETUP_CHECKS[5], variant("rank_local_failure")),
+        FailOnStudentRankOne(SETUP_CHECKS[6], variant("rank_local_failure")),
     ]
     return run_world(3, checks, timeout_s=WORLD_TIMEOUT_S, deadline_s=300)
 
