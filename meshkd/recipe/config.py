@@ -231,7 +231,11 @@ def apply_override(data: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted}: {part} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or "not valid YAML"
+        raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({problem})") from None
 
 
 def config_from_dict(data: dict, overrides: list[str] = ()) -> KDRecipeConfig:

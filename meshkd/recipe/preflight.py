@@ -80,8 +80,11 @@ class Preflight:
 def _skeleton(section) -> torch.nn.Module:
     """The model of a config section, pruned as configured, on the meta device: its config, no weights."""
     if section.random_init is not None:
-        with torch.device("meta"):
-            return load_section_model(section)
+        try:
+            with torch.device("meta"):
+                return load_section_model(section)
+        except (RuntimeError, TypeError) as error:  # e.g. a negative size reaching a tensor's shape
+            raise ValueError(f"random_init: {error}") from None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory, gguf_file = models.resolve_source(section.path, section.gguf_file)
@@ -144,6 +147,8 @@ def preflight(config: KDRecipeConfig) -> Preflight:
                 raise ConfigError(
                     f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
                 )
+    for key, path in (("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)):
+        _check_writable_directory(key, path)
     teacher_key = "teacher_distributed" if separate else "distributed"
     teacher_layout = config.teacher_distributed if separate else student_layout
     steps, dataset = config.step_scheduler, config.dataset
@@ -212,3 +217,19 @@ def preflight(config: KDRecipeConfig) -> Preflight:
             f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
         )
     return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
+
+
+def _check_writable_directory(key: str, path: str | None) -> None:
+    """`path` is a directory this process can write, or can be created as one."""
+    if path is None:
+        return
+    target = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(f"{key}: {path} exists and is not a directory")
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}: {path} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {path} is not writable (no write permission on {existing})")

@@ -26,6 +26,8 @@ def test_yaml_and_overrides_build_the_typed_config(tmp_path):
 def test_override_syntax_errors_name_the_override():
     with pytest.raises(ConfigError, match="key.path=value"):
         apply_override({}, "no_equals_sign")
+    with pytest.raises(ConfigError, match=r"override 'step_scheduler.max_steps=\[1': the value is not valid YAML"):
+        apply_override({}, "step_scheduler.max_steps=[1")
 
 
 def test_missing_or_malformed_files_are_clear(tmp_path):
@@ -42,7 +44,7 @@ def test_missing_or_malformed_files_are_clear(tmp_path):
         ({"step_scheduler": {"max_step": 3}}, r"step_scheduler.max_step"),
         ({"kd": {"kd_ratio": "high"}}, r"kd.kd_ratio must be a number"),
         ({"kd": {"kd_ratio": 1.5}}, r"kd.kd_ratio must be in \[0, 1\]"),
-        ({"optimizer": {"lr": -1.0}}, r"optimizer.lr must be > 0"),
+        ({"optimizer": {"lr": -1.0}}, r"optimizer.lr must be a finite number > 0"),
         ({"teacher_distributed": {"dp_size": 1}}, r"teacher_distributed is set but separate_meshes is false"),
         ({"distributed": {"dp_size": 3}, "step_scheduler": {"global_batch_size": 4}}, r"global_batch_size\(4\)"),
         ({"dataset": {"paths": []}}, r"dataset.paths is empty"),

@@ -441,6 +441,12 @@ def hf_dir_without_weights(directory: Path) -> str:
     return str(directory)
 
 
+def write_file(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a directory\n")
+    return str(path)
+
+
 def preflight_cases(tmp: Path) -> dict:
     student_tp2 = {"distributed": {"dp_size": 1, "tp_size": 2}}
     return {
@@ -505,6 +511,12 @@ def preflight_cases(tmp: Path) -> dict:
                                              r"distributed\.ep_size\(2\) > 1: expert parallel is not supported yet"),
         "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}}, ConfigError,
                                       r"distributed\.sequence_parallel is not supported for the student"),
+        "negative_model_size": ({"model__random_init__hidden_size": -64}, ValueError,
+                                r"model: random_init: .*negative dimension -64"),
+        "run_dir_is_a_file": ({"logging__run_dir": write_file(tmp / "afile")}, ConfigError,
+                              r"logging\.run_dir: .*afile exists and is not a directory"),
+        "checkpoint_dir_under_a_file": ({"checkpoint__dir": str(Path(write_file(tmp / "bfile")) / "ckpt")},
+                                        ConfigError, r"checkpoint\.dir: .*cannot be created: .*bfile is not a dir"),
         "ddp_with_tp_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
                                           "distributed": {"strategy": "ddp", "dp_size": 1, "tp_size": 2}},
                                          ConfigError, r"distributed\.strategy 'ddp' with tp_size\(2\)"),
@@ -521,7 +533,8 @@ PREFLIGHT_CASES = [
     "student_tp_with_a_larger_vocabulary", "keep_layers_out_of_range", "misspelled_model_size", "unknown_model_type",
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_on_shared_meshes", "student_sequence_parallel",
-    "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp",
+    "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
+    "run_dir_is_a_file", "checkpoint_dir_under_a_file",
 ]
 
 
