@@ -231,6 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         return _plot(args.run_dir, args.out)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, OSError) as error:
         print(f"meshkd: error: {error}", file=sys.stderr)
         return 2

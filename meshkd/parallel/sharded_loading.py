@@ -43,15 +43,29 @@ def _checkpoint_files(directory: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> safetensors file, from the index or the single file; {} when neither exists."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{index}: not a safetensors index (JSON with a weight_map): {error}") from None
         return {name: directory / file for name, file in weight_map.items()}
     single = directory / "model.safetensors"
     if not single.is_file():
         return {}
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as handle:
+    with _open_safetensors(single) as handle:
         return dict.fromkeys(handle.keys(), single)
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """safe_open, with a damaged file reported as ValueError naming it (not safetensors' own error type)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+    with handle:
+        yield handle
 
 
 @contextlib.contextmanager
@@ -133,8 +147,6 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
     wrapper): `names` then maps this module's parameter names to the model's (default: the same). Buffers
     keep their values.
     """
-    from safetensors import safe_open
-
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)
     for name, buffer in model.named_buffers():
@@ -144,7 +156,7 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
         file = checkpoint.files[stored]
         # Opened per tensor: the file's pages read for one tensor are unmapped before the next is read, so
         # they never add up to the whole checkpoint in this process's resident memory.
-        with safe_open(str(file), framework="pt") as handle:
+        with _open_safetensors(file) as handle:
             _fill(parameter, handle.get_slice(stored), what=f"{stored} ({file.name})")
 
 

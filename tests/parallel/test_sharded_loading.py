@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -89,6 +90,13 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
         assert "model.layers.0.mlp.gate_proj.weight" in str(error) and "(64, 32)" in str(error)
     else:
         raise AssertionError("a checkpoint tensor of the wrong shape was accepted")
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
+    directory = saved_model("llama", tmp_path)
+    (directory / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
 
 
 # ---------------------------------------------------------------------------------------------------------

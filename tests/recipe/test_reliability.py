@@ -472,6 +472,9 @@ def preflight_cases(tmp: Path) -> dict:
                                             r"has 200 rows"),
         "missing_tokenizer_directory": ({"teacher_model__tokenizer": str(tmp / "no_tokenizer")}, FileNotFoundError,
                                         r"teacher_model\.tokenizer: model directory not found: .*no_tokenizer"),
+        "model_config_not_json": ({"teacher_model": {"path": write_files(tmp / "bad_json", {"config.json": "{no"})[:-2],
+                                                     "tokenizer": "byte"}},
+                                  OSError, r"teacher_model: .*bad_json/config\.json' is not a valid JSON file"),
         "missing_model_directory": ({"teacher_model": {"path": str(tmp / "no_model"), "tokenizer": "byte"}},
                                     FileNotFoundError, r"teacher_model: model directory not found: .*no_model"),
         "student_tp_splits_heads": ({"distributed": {"dp_size": 1, "tp_size": 3}}, ConfigError,
@@ -534,7 +537,7 @@ PREFLIGHT_CASES = [
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_on_shared_meshes", "student_sequence_parallel",
     "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
-    "run_dir_is_a_file", "checkpoint_dir_under_a_file",
+    "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json",
 ]
 
 
@@ -565,6 +568,12 @@ def test_meshkd_train_rejects_bad_input_before_starting_any_process(tmp_path, ca
     assert time.monotonic() - started < 30
     assert "meshkd: error: dataset.paths: no file matches the data path" in capsys.readouterr().err
     assert not Path(config["logging"]["run_dir"]).exists()  # no worker ever ran
+    # An OSError (a model's config.json that is not JSON) is one line too, not a traceback.
+    broken = write_files(tmp_path / "broken_model", {"config.json": "{no"})[:-2]
+    config_path.write_text(yaml.safe_dump(tiny(tmp_path, teacher_model={"path": broken, "tokenizer": "byte"})))
+    assert cli.main(["train", str(config_path)]) == 2
+    assert re.match(r"meshkd: error: teacher_model: .*config\.json' is not a valid JSON file\.\n$",
+                    capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------------------------------------------------
