@@ -6,7 +6,8 @@ and `meta.json` (step, scheduler state) written last. It is first written under 
 and renamed by the first student rank after every rank finished, so a process killed mid-save leaves the
 previous checkpoint as the latest and the partial one ignored (`latest_checkpoint` counts only `step_N`
 directories holding meta.json). The next save of that step removes the leftover partial directory first.
-The data position is the step itself: batches are a pure function of (seed, step).
+The data position is the step itself: batches are a pure function of (seed, step). `export_hf` writes the
+final student as an HF directory.
 """
 
 from __future__ import annotations
@@ -142,3 +143,28 @@ def resume_latest(root: str | Path, *, model: torch.nn.Module, optimizer: torch.
             f"checkpoint {latest} cannot be loaded into this run (a different model or layout?): {brief(error)}"
         ) from error
     return latest, meta["step"]
+
+
+def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, group: dist.ProcessGroup | None) -> Path:
+    """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
+
+    `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
+    model is gathered from the stages and written from an empty shell of its config), else None.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from meshkd.parallel.data_parallel import gather_full_state_dict
+    from meshkd.recipe.metrics import is_logging_rank
+    from meshkd.recipe.models import save_hf_model
+
+    if pipeline is None:
+        state_dict, shell = gather_full_state_dict(model), getattr(model, "module", model)
+    else:
+        state_dict = pipeline.full_state_dict()
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(model.config)
+    if is_logging_rank():
+        save_hf_model(shell, tokenizer, out_dir, state_dict=state_dict)
+    if group is not None or dist.get_world_size() > 1:
+        dist.barrier(group=group)
+    return out_dir

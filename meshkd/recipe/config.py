@@ -109,6 +109,21 @@ class LRSchedulerConfig:
     total_steps: int | None = None  # length of the schedule; None: step_scheduler.max_steps
     min_lr_ratio: float = 0.1
 
+    def factor(self, max_steps: int):
+        """step -> learning-rate factor: linear warmup, then constant, linear or cosine decay to min_lr_ratio."""
+        total = self.total_steps or max_steps
+
+        def factor(step: int) -> float:
+            if step < self.warmup_steps:
+                return (step + 1) / self.warmup_steps
+            if self.decay == "constant":
+                return 1.0
+            progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
+            shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1 - progress
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
+
+        return factor
+
 
 @dataclass
 class CheckpointConfig:

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoModelForCausalLM
 
 from meshkd.core.agreement import gather_values, group_device
 from meshkd.core.bridge import KDMeshBridge
@@ -42,14 +41,13 @@ from meshkd.core.topology import KDDistributedSetups
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import (
     clip_grad_norm,
-    gather_full_state_dict,
     parallelize_student,
     student_loss_scale,
 )
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
-from meshkd.recipe import data, models
+from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig, expand_path
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics
@@ -58,23 +56,6 @@ from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_t
 
 # After a rank-local failure in training: how long to try to hand off cleanly before simply exiting.
 FAILURE_WAIT_S = 5.0
-
-
-def lr_lambda(config: KDRecipeConfig):
-    """The learning-rate factor per step: linear warmup, then constant, linear or cosine decay."""
-    schedule = config.lr_scheduler
-    total = schedule.total_steps or config.step_scheduler.max_steps
-
-    def factor(step: int) -> float:
-        if step < schedule.warmup_steps:
-            return (step + 1) / schedule.warmup_steps
-        if schedule.decay == "constant":
-            return 1.0
-        progress = min(1.0, (step - schedule.warmup_steps) / max(1, total - schedule.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1 - progress
-        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
-
-    return factor
 
 
 class StudentTrainer:
@@ -165,7 +146,8 @@ class StudentTrainer:
                                                betas=tuple(opt.betas), eps=opt.eps, foreach=False)
         else:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, config.lr_scheduler.factor(config.step_scheduler.max_steps))
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the latest complete checkpoint; open the metrics and the run directory."""
@@ -525,19 +507,8 @@ class StudentTrainer:
 
     def export_hf(self) -> Path:
         """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student."""
-        out_dir = self.run_dir / "hf_student"
-        if self.pipeline is None:
-            state_dict, model = gather_full_state_dict(self.model), getattr(self.model, "module", self.model)
-        else:
-            # This rank holds one stage: the whole model is written from an empty (meta) shell of its config.
-            state_dict = self.pipeline.full_state_dict()
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.model.config)
-        if is_logging_rank():
-            models.save_hf_model(model, self.tokenizer, out_dir, state_dict=state_dict)
-        if self.student_group is not None or dist.get_world_size() > 1:
-            dist.barrier(group=self.student_group)
-        return out_dir
+        return ckpt.export_hf(self.run_dir / "hf_student", model=self.model, pipeline=self.pipeline,
+                              tokenizer=self.tokenizer, group=self.student_group)
 
     def close(self) -> None:
         if self.metrics is not None:
