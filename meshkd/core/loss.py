@@ -61,7 +61,6 @@ from meshkd.core.logits_codec import check_encoded_logits
 _TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
 
 
-
 def kd_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
