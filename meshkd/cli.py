@@ -1,13 +1,15 @@
-"""The `meshkd` command: train, demo, plot.
+"""The `meshkd` command: train, cache-teacher, demo, plot.
 
 `meshkd train CONFIG` validates the config and runs the recipe's preflight checks in the calling process
 (a typo or a missing file fails in seconds, before any process starts), then starts `--nproc` local
 processes through torch's own launcher (torch.distributed.run: gloo on CPU, NCCL on CUDA). Inside an
 existing torchrun world it trains in that world directly, so `torchrun --nproc-per-node 8 -m meshkd train
-CONFIG` works unchanged on a cluster.
+CONFIG` works unchanged on a cluster. `meshkd cache-teacher CONFIG` does the same with the teacher's
+ranks only, writing the teacher's answers to `kd.teacher_cache` (`meshkd.recipe.cache_writer`).
 
-Exit status of `meshkd train`: 0 when the run finished; 2 for a bad config or input found before any
-process started; 1 when a worker failed (each failing worker prints one `meshkd: error: rank R: ...` line);
+Exit status of `meshkd train` (and of `meshkd cache-teacher`): 0 when the run finished; 2 for a bad
+config or input found before any process started; 1 when a worker failed (each failing worker prints one
+`meshkd: error: rank R: ...` line);
 128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a stop request that every process obeyed.
 The first SIGINT or SIGTERM asks the workers to stop at the next step boundary (they save a checkpoint of
 that step); a second one hands the stop to torchrun, which signals the workers and kills them after its
@@ -20,15 +22,17 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from meshkd.recipe.config import ConfigError, KDRecipeConfig, load_config, required_world_size
+from meshkd.recipe.config import ConfigError, load_config, required_world_size
 
 _DEMO_CONFIG = "demo.yaml"
 
@@ -112,49 +116,72 @@ def _launch(nproc: int, args: list[str]) -> int:
     return 128 + received[0] if received and code == 0 else code
 
 
-def _world_size(config: KDRecipeConfig, nproc: int | None) -> int:
-    needed = required_world_size(config)
+def _world_size(needed: int | None, nproc: int | None, dp_key: str = "distributed.dp_size") -> int:
     if nproc is None:
         if needed is None:
-            raise ConfigError("distributed.dp_size is null: pass --nproc N to say how many processes to start")
+            raise ConfigError(f"{dp_key} is null: pass --nproc N to say how many processes to start")
         return needed
     if needed is not None and needed != nproc:
         raise ConfigError(f"the config lays out {needed} ranks but --nproc is {nproc}")
     return nproc
 
 
-def _train_here(config: KDRecipeConfig, resume: bool) -> int:
-    """Train as one rank of the current world; a user error or a lost peer prints one line and returns 1.
+def _run_here(work: Callable[[], object]) -> int:
+    """Run `work` as one rank of the current world; a user error or a lost peer prints one line and returns 1.
 
     Other exceptions (bugs) keep their traceback.
     """
     from meshkd.core.wire import SenderError  # a peer's own error, forwarded in place of its data
     from meshkd.recipe.faults import PeerLostError, SetupError
-    from meshkd.recipe.run import KDRecipe
 
     # The recipe handles SIGINT / SIGTERM while it runs; before and after, a worker on its way out ignores
     # them (torchrun signals every worker once one fails), so that it ends with its own exit status.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     try:
-        KDRecipe(config, resume=resume).run()
+        work()
     except (ValueError, OSError, PeerLostError, SetupError, SenderError) as error:
         _report(f"meshkd: error: rank {os.environ.get('RANK', '?')}: {error}")
         return 1
     return 0
 
 
+def _set_args(overrides: list[str]) -> list[str]:
+    return [item for override in overrides for item in ("--set", override)]
+
+
 def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
     config = load_config(config_path, overrides)
     if _inside_torchrun():
-        return _train_here(config, resume)
+        from meshkd.recipe.run import KDRecipe
+
+        return _run_here(lambda: KDRecipe(config, resume=resume).run())
     from meshkd.recipe.preflight import preflight
 
     preflight(config)
-    world_size = _world_size(config, nproc)
-    args = ["train", config_path, *[item for o in overrides for item in ("--set", o)]]
-    args += ["--resume"] if resume else []
-    return _launch(world_size, args)
+    world_size = _world_size(required_world_size(config), nproc)
+    return _launch(world_size, ["train", config_path, *_set_args(overrides), *(["--resume"] if resume else [])])
+
+
+def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None) -> int:
+    config = load_config(config_path, overrides)
+    if config.kd.teacher_cache is None:
+        raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
+                          "(e.g. --set kd.teacher_cache=runs/teacher_cache)")
+    if _inside_torchrun():
+        from meshkd.recipe.cache_writer import cache_teacher
+
+        return _run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
+    from meshkd.recipe.preflight import preflight
+
+    preflight(config, writing_cache=True)
+    layout = config.teacher_layout
+    sizes = (layout.dp_size, layout.tp_size, layout.cp_size, layout.pp_size)
+    needed = None if layout.dp_size is None else math.prod(sizes)
+    dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
+    world_size = _world_size(needed, nproc, dp_key)
+    extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
+    return _launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 
 
 def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
@@ -168,15 +195,35 @@ def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
     return [*overrides, f"logging.run_dir={run_dir}", *extra]
 
 
+def _demo_cache(config_path: str, overrides: list[str]) -> int:
+    """Write the demo's teacher cache unless the one there already fits the run (then the teacher never runs)."""
+    from meshkd.recipe.preflight import preflight
+
+    try:
+        preflight(load_config(config_path, overrides))
+        print(f"meshkd demo: the teacher's answers come from the cache {overrides[-1].split('=', 1)[1]}")
+        return 0
+    except ConfigError as error:
+        if not str(error).startswith("kd.teacher_cache:"):
+            raise
+    print("meshkd demo: computing the teacher's answers once (meshkd cache-teacher)")
+    return _cache_teacher(config_path, overrides, None, None)
+
+
 def _demo(args: argparse.Namespace) -> int:
     config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
+    cache = [f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
+    if cache:
+        code = _demo_cache(config_path, demo_overrides(args.run_dir, args.set + cache))
+        if code != 0:
+            return code
     summaries = {}
     for name, run_dir, extra in runs:
         print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
-        code = _train(config_path, demo_overrides(run_dir, extra + args.set), None, False)
+        code = _train(config_path, demo_overrides(run_dir, extra + args.set + cache), None, False)
         if code != 0:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
@@ -212,8 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "ignored inside torchrun")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of the run")
 
+    cache = commands.add_parser("cache-teacher", help="run only the teacher and write its answers to kd.teacher_cache")
+    cache.add_argument("config", help="YAML config file: the same as for train")
+    cache.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set kd.teacher_cache=runs/cache (repeatable)")
+    cache.add_argument("--nproc", type=int, default=None,
+                       help="local processes to start (default: the ranks the teacher's layout needs)")
+    cache.add_argument("--shard-rows", type=int, default=None,
+                       help="rows per shard file (default: about 256 MiB of answers per shard)")
+
     demo = commands.add_parser("demo", help="heal a pruned SmolLM2 student by distilling the full model (CPU)")
     demo.add_argument("--compare", action="store_true", help="also heal with CE only and print both results")
+    demo.add_argument("--cache", action="store_true",
+                      help="take the teacher's answers from a cache next to the run (written on first use)")
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 
@@ -228,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.config, args.set, args.nproc, args.resume)
+        if args.command == "cache-teacher":
+            return _cache_teacher(args.config, args.set, args.nproc, args.shard_rows)
         if args.command == "demo":
             return _demo(args)
         return _plot(args.run_dir, args.out)

@@ -44,6 +44,10 @@ from torch import Tensor
 from meshkd.core import wire
 
 LOGITS_MODES = ("full", "full_bf16", "topk")
+LABEL_LOG_PROBS = "label_log_probs"
+"""What an evaluation asks of the teacher instead of logits: its log-probability of each label (4 bytes a token)."""
+TEACHER_ANSWERS = (*LOGITS_MODES, LABEL_LOG_PROBS)
+"""Everything a teacher request may ask for."""
 _FIELDS = {
     "full": {"mode", "logits"},
     "full_bf16": {"mode", "logits"},
@@ -146,6 +150,30 @@ def encode_teacher_rows(logits: Tensor, mode: str, *, seeds: list[int], **option
     rows = [encode_teacher_logits(logits[i : i + 1], mode, seed=seed, **options) for i, seed in enumerate(seeds)]
     return {key: torch.cat([row[key] for row in rows]) if isinstance(value, Tensor) else value
             for key, value in rows[0].items()}
+
+
+def label_log_probs(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
+                    chunk_size: int = 1024) -> dict[str, Any]:
+    """The teacher's log-probability of each label: {"mode": LABEL_LOG_PROBS, "log_probs": [...] float32}.
+
+    Args:
+        logits: [batch, sequence, vocab] full teacher logits (temperature 1).
+        labels: [batch, sequence] targets aligned with the logits; positions holding `ignore_index` get 0.
+        chunk_size: tokens at a time (bounds the float32 working memory).
+
+    The sum of -log_probs over valid labels is the teacher's cross-entropy on them.
+    """
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels {tuple(labels.shape)} do not fit teacher logits {tuple(logits.shape)}")
+    rows, targets = logits.detach().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    valid = targets != ignore_index
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, rows.shape[0], chunk_size):
+        chunk = slice(start, start + chunk_size)
+        log_p = torch.log_softmax(rows[chunk].float(), dim=-1)
+        picked = log_p.gather(-1, targets[chunk].clamp(min=0)[:, None])[:, 0]
+        out[chunk] = torch.where(valid[chunk], picked, 0.0)
+    return {"mode": LABEL_LOG_PROBS, "log_probs": out.view(labels.shape)}
 
 
 def _sample_tail(tail_log_p: Tensor, num_samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -260,5 +288,5 @@ def encoded_nbytes(encoded: Any) -> int:
     return wire.payload_nbytes(encoded)
 
 
-__all__ = ["LOGITS_MODES", "check_encoded_logits", "decode_teacher_logits", "encode_teacher_logits",
-           "encode_teacher_rows", "encoded_nbytes"]
+__all__ = ["LABEL_LOG_PROBS", "LOGITS_MODES", "TEACHER_ANSWERS", "check_encoded_logits", "decode_teacher_logits",
+           "encode_teacher_logits", "encode_teacher_rows", "encoded_nbytes", "label_log_probs"]

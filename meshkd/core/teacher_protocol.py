@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
-from meshkd.core.logits_codec import LOGITS_MODES
+from meshkd.core.logits_codec import TEACHER_ANSWERS
 
 Batch = dict[str, torch.Tensor]
 Encoded = dict[str, Any]
@@ -42,7 +42,8 @@ class TeacherRequest:
     batch: Batch
     """input_ids [batch, sequence]; position_ids and attention_mask (NEAT document indices) as packed."""
     logits_transport: str
-    """The encoding of the answer: one of `meshkd.core.logits_codec.LOGITS_MODES`."""
+    """The answer asked for: an encoding of the logits (`meshkd.core.logits_codec.LOGITS_MODES`), or the
+    teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation needs)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"batch": self.batch, "logits_transport": self.logits_transport}
@@ -53,9 +54,9 @@ class TeacherRequest:
         if not isinstance(value, dict) or set(value) != {"batch", "logits_transport"}:
             keys = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise ValueError(f"teacher request must have the keys ['batch', 'logits_transport'], got {keys}")
-        if value["logits_transport"] not in LOGITS_MODES:
+        if value["logits_transport"] not in TEACHER_ANSWERS:
             raise ValueError(
-                f"teacher request: logits_transport {value['logits_transport']!r} is not one of {LOGITS_MODES}"
+                f"teacher request: logits_transport {value['logits_transport']!r} is not one of {TEACHER_ANSWERS}"
             )
         if not isinstance(value["batch"], dict) or not isinstance(value["batch"].get("input_ids"), torch.Tensor):
             raise ValueError("teacher request: batch must be a dict holding an input_ids tensor")

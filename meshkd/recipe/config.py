@@ -65,6 +65,7 @@ class KDConfig:
     topk: int = 64  # entries per token with logits_transport: topk
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
+    teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks
 
 
 @dataclass
@@ -158,8 +159,18 @@ class KDRecipeConfig:
     collective_timeout_s: float = 600.0
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Topology view (`meshkd.core.topology._ConfigLike`): the typed sections, read as they are."""
+        """Topology view (`meshkd.core.topology._ConfigLike`): the typed sections, read as they are.
+
+        Training from a teacher cache runs no teacher ranks: the view has the student's layout only.
+        """
+        if self.kd.teacher_cache is not None and key in ("separate_meshes", "teacher_distributed"):
+            return False if key == "separate_meshes" else None
         return getattr(self, key, default)
+
+    @property
+    def teacher_layout(self) -> DistributedConfig:
+        """The teacher's own layout: `teacher_distributed` on separate meshes, else the student's."""
+        return self.teacher_distributed if self.separate_meshes and self.teacher_distributed else self.distributed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -285,7 +296,7 @@ def required_world_size(config: KDRecipeConfig) -> int | None:
         return section.dp_size * section.tp_size * section.cp_size * section.pp_size
 
     student = ranks(config.distributed)
-    if not config.separate_meshes or config.teacher_distributed is None:
+    if not config.get("separate_meshes") or config.teacher_distributed is None:
         return student
     teacher = ranks(config.teacher_distributed)
     return None if student is None or teacher is None else student + teacher
@@ -299,6 +310,9 @@ def expand_path(pattern: str) -> str:
 def validate(config: KDRecipeConfig) -> None:
     """Cross-field checks that need no process group; raises ConfigError naming the key."""
     for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
+        if (label == "teacher_model" and config.kd.teacher_cache is not None and model.path is None
+                and model.random_init is None):
+            continue  # no teacher given: the cache's stands
         if (model.path is None) == (model.random_init is None):
             raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
         if model.dtype not in ("float32", "bfloat16", "float16"):

@@ -28,6 +28,7 @@ Batch layout (every tensor int64, [rows, sequence_length]):
 from __future__ import annotations
 
 import codecs
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -190,6 +191,18 @@ def build_datasets(
     return train, val
 
 
+def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *,
+                       sequence_length: int) -> tuple[PackedDataset, PackedDataset]:
+    """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says."""
+    from meshkd.recipe.config import expand_path
+
+    return build_datasets(
+        tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=sequence_length,
+        val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=dataset.text_key, format=dataset.format,
+        max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars, pack=dataset.packing,
+    )
+
+
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:
     """Optimizer steps in one pass over `dataset`; the last `len(dataset) % global_batch_size` rows of each
     epoch's permutation are left out of that epoch (different rows each epoch)."""
@@ -238,14 +251,35 @@ def _training_batches(
     dataset: PackedDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int, start_step: int
 ) -> Iterator[dict[str, torch.Tensor]]:
     local_batch_size = global_batch_size // dp_size
-    per_epoch = steps_per_epoch(dataset, global_batch_size)
+    for rows in _step_rows(len(dataset), global_batch_size, seed, start_step):
+        start = dp_rank * local_batch_size
+        yield dataset[rows[start : start + local_batch_size]]  # advanced indexing: a copy
+
+
+def _step_rows(num_rows: int, global_batch_size: int, seed: int, start_step: int) -> Iterator[torch.Tensor]:
+    """The row indices of every step's global batch from `start_step` on, forever (see `iterate_batches`)."""
+    per_epoch = num_rows // global_batch_size
     epoch, step_in_epoch = divmod(start_step, per_epoch)
     while True:
-        order = torch.as_tensor(_permutation(len(dataset), seed + epoch))
+        order = torch.as_tensor(_permutation(num_rows, seed + epoch))
         for step in range(step_in_epoch, per_epoch):
-            start = step * global_batch_size + dp_rank * local_batch_size
-            yield dataset[order[start : start + local_batch_size]]  # advanced indexing: a copy
+            yield order[step * global_batch_size : (step + 1) * global_batch_size]
         epoch, step_in_epoch = epoch + 1, 0
+
+
+def training_rows(dataset: PackedDataset, *, global_batch_size: int, seed: int, num_steps: int) -> list[int]:
+    """The rows that steps [0, num_steps) of `iterate_batches` visit, in order of first visit, each once.
+
+    Independent of the data-parallel layout; once the steps span an epoch, every row the epochs use.
+    """
+    if not 1 <= global_batch_size <= len(dataset):
+        raise ValueError(f"global_batch_size ({global_batch_size}) must be in [1, {len(dataset)}] (the packed rows)")
+    seen: dict[int, None] = {}  # insertion-ordered
+    for rows in itertools.islice(_step_rows(len(dataset), global_batch_size, seed, 0), num_steps):
+        seen.update(dict.fromkeys(rows.tolist()))
+        if len(seen) == len(dataset):
+            break
+    return list(seen)
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], num_micro_batches: int) -> list[dict[str, torch.Tensor]]:

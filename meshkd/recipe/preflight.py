@@ -16,7 +16,7 @@ import torch
 from meshkd.core.packing import attention_windows
 from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
-from meshkd.recipe import data, documents, models
+from meshkd.recipe import data, documents, models, teacher_cache
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 
 # The corpus is read for a first document only when it is at most this large.
@@ -74,7 +74,10 @@ class Preflight:
     """What `preflight` loaded that setup reuses."""
 
     tokenizer: object
-    teacher_tokenizer: object
+    teacher_tokenizer: object  # the student's own when the teacher's answers come from a cache
+    student_vocab_rows: int
+    teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
+    cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
 
 
 def _skeleton(section) -> torch.nn.Module:
@@ -102,7 +105,7 @@ def _embedding_rows(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def preflight(config: KDRecipeConfig) -> Preflight:
+def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflight:
     """Check everything that needs no process group; raises before any process or collective is involved.
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
@@ -112,15 +115,18 @@ def preflight(config: KDRecipeConfig) -> Preflight:
     `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
     attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel
     plan (styles, attention and key/value head counts); both roles' pp_size against their decoder layers;
-    a TP student's vocabulary against the common one.
+    a TP student's vocabulary against the common one. Training from `kd.teacher_cache` checks the cache
+    against the run instead of the teacher (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's
+    identity when `teacher_model` is given; `writing_cache` (`meshkd cache-teacher`) checks the teacher.
 
     Raises:
         ConfigError (a ValueError) or ValueError: naming the config key.
         FileNotFoundError: naming the missing file or path.
     """
     student_layout = config.distributed
-    separate = config.separate_meshes
-    if not separate and config.teacher_distributed is not None:
+    from_cache = config.kd.teacher_cache is not None and not writing_cache
+    separate = config.separate_meshes and not from_cache
+    if not config.separate_meshes and config.teacher_distributed is not None:
         raise ConfigError(
             "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
             "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
@@ -147,10 +153,11 @@ def preflight(config: KDRecipeConfig) -> Preflight:
                 raise ConfigError(
                     f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
                 )
-    for key, path in (("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)):
+    outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
+    for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
         _check_writable_directory(key, path)
     teacher_key = "teacher_distributed" if separate else "distributed"
-    teacher_layout = config.teacher_distributed if separate else student_layout
+    teacher_layout = config.teacher_layout if not from_cache else student_layout
     steps, dataset = config.step_scheduler, config.dataset
 
     with about("dataset"):
@@ -168,17 +175,30 @@ def preflight(config: KDRecipeConfig) -> Preflight:
 
     with about("model.tokenizer"):
         tokenizer = load_section_tokenizer(config.model)
-    with about("teacher_model.tokenizer"):
-        teacher_tokenizer = load_section_tokenizer(config.teacher_model)
     with about("model"):
         student = _skeleton(config.model)
-    with about("teacher_model"):
-        teacher = _skeleton(config.teacher_model)
+    manifest = teacher = None
+    if from_cache:  # the cache stands for the teacher: it was written with the student's tokenizer
+        teacher_tokenizer = tokenizer
+        manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student))
+        teacher_rows = manifest["teacher_vocab_rows"]
+    else:
+        with about("teacher_model.tokenizer"):
+            teacher_tokenizer = load_section_tokenizer(config.teacher_model)
+        with about("teacher_model"):
+            teacher = _skeleton(config.teacher_model)
+        teacher_rows = _embedding_rows(teacher)
     with about("model.tokenizer / teacher_model.tokenizer"):
         vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
-                                              teacher_vocab_size=_embedding_rows(teacher))
+                                              teacher_vocab_size=teacher_rows)
 
-    for label, model in (("model", student), ("teacher_model", teacher)):
+    checked = Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                        student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
+                        cache_manifest=manifest)
+    roles = [("distributed", student_layout, "model", student, config.model)]
+    if teacher is not None:
+        roles.append((teacher_key, teacher_layout, "teacher_model", teacher, config.teacher_model))
+    for _, _, label, model, _ in roles:
         with about(label):
             attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -187,16 +207,13 @@ def preflight(config: KDRecipeConfig) -> Preflight:
                 f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
                 f"max_position_embeddings({limit})"
             )
-    for key, layout, label, model in (("distributed", student_layout, "model", student),
-                                      (teacher_key, teacher_layout, "teacher_model", teacher)):
+    for key, layout, label, model, _ in roles:
         try:
             check_tensor_parallel(model, layout.tp_size, layout.ep_size)
         except ValueError as error:
             sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
             raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
-    for key, layout, label, model, section in (("distributed", student_layout, "model", student, config.model),
-                                               (teacher_key, teacher_layout, "teacher_model", teacher,
-                                                config.teacher_model)):
+    for key, layout, label, model, section in roles:
         num_layers = model.config.num_hidden_layers
         if layout.pp_size > num_layers:
             raise ConfigError(
@@ -216,7 +233,7 @@ def preflight(config: KDRecipeConfig) -> Preflight:
             f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
             f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
         )
-    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer)
+    return checked
 
 
 def _check_writable_directory(key: str, path: str | None) -> None:

@@ -42,13 +42,20 @@ from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
 
 
-def _device(config: KDRecipeConfig) -> torch.device:
+def init_world(config: KDRecipeConfig) -> tuple[torch.device, bool]:
+    """This rank's device, and whether the process group was created here (from torchrun's environment,
+    NCCL on CUDA, gloo on CPU, `collective_timeout_s`), so that the caller destroys it at the end."""
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cpu")
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        device = torch.device("cuda", local_rank)
+    if dist.is_initialized():
+        return device, False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+    return device, True
 
 
 class KDRecipe:
@@ -67,11 +74,7 @@ class KDRecipe:
         config = self.config
         # Same files, same answer on every rank: a bad input raises everywhere before any collective.
         checked = preflight(config)
-        self.device = _device(config)
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s))
-            self._owns_process_group = True
+        self.device, self._owns_process_group = init_world(config)
         self.setups = setups = create_kd_distributed_setups(config, dist.get_world_size())
         self.faults = faults = FaultWatch(setups, self.run_dir, self.device)
         flatten_student_cp_axes(setups.student)  # collective over the world: teacher ranks take part
@@ -92,8 +95,9 @@ class KDRecipe:
                 bridge = KDMeshBridge(setups, self.device,
                                       timeout=datetime.timedelta(seconds=config.collective_timeout_s))
             teacher_parts, student_parts = role.packing_parts()
-            configure_kd_teacher_packing(teacher_parts, student_parts,
-                                         control_group=bridge.control_group if bridge else None)
+            if config.kd.teacher_cache is None:  # a cache has no teacher model to configure
+                configure_kd_teacher_packing(teacher_parts, student_parts,
+                                             control_group=bridge.control_group if bridge else None)
             with faults.on_every_rank("while laying out the models"):
                 role.lay_out(vocab_size, bridge)
             with faults.on_every_rank("while resuming and opening the run directory"):

@@ -33,6 +33,7 @@ import yaml
 
 from meshkd.core.agreement import gather_values, group_device
 from meshkd.core.bridge import KDMeshBridge
+from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.core.packing import configure_packing
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage, broadcast_tensors_from_last_stage
@@ -48,10 +49,11 @@ from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
-from meshkd.recipe.config import KDRecipeConfig, expand_path
+from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
+from meshkd.recipe.teacher_cache import CachedTeacher
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
 # After a rank-local failure in training: how long to try to hand off cleanly before simply exiting.
@@ -90,25 +92,18 @@ class StudentTrainer:
                 self._model, self._checkpoint = load_section_model_for_layout(config.model)
             else:
                 self._model, self._checkpoint = load_section_model(config.model), None
-        self._teacher = None if self.setups.separate else load_teacher(config)
+        self._cache_manifest = checked.cache_manifest
+        self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
         with about("dataset"):
-            self.train_set, self.val_set = data.build_datasets(
-                self.tokenizer,
-                paths=[expand_path(p) for p in config.dataset.paths],
-                sequence_length=steps.sequence_length,
-                val_fraction=config.dataset.val_fraction,
-                seed=config.dataset.seed,
-                text_key=config.dataset.text_key,
-                format=config.dataset.format,
-                max_documents=config.dataset.max_documents,
-                max_document_chars=config.dataset.max_document_chars,
-                pack=config.dataset.packing,
-            )
+            self.train_set, self.val_set = data.build_run_datasets(self.tokenizer, config.dataset,
+                                                                   sequence_length=steps.sequence_length)
         configure_packing(self._model)
 
     def vocab_rows(self) -> tuple[int, int]:
         """(student, teacher) output-embedding rows known here; -1 for a model this rank does not hold."""
         teacher = self._teacher[0].get_output_embeddings().weight.shape[0] if self._teacher else -1
+        if self._cache_manifest is not None:
+            teacher = self._cache_manifest["teacher_vocab_rows"]
         return self._model.get_output_embeddings().weight.shape[0], teacher
 
     def packing_parts(self) -> tuple[list, list]:
@@ -120,7 +115,9 @@ class StudentTrainer:
         config, setup = self.config, self.setup
         self.vocab_size = vocab_size
         self.bridge = bridge
-        if bridge is None:
+        if self._cache_manifest is not None:
+            self.teacher = self._cached_teacher()
+        elif bridge is None:
             runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
             self.teacher = LocalTeacher(TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed))
         else:
@@ -148,6 +145,18 @@ class StudentTrainer:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, config.lr_scheduler.factor(config.step_scheduler.max_steps))
+
+    def _cached_teacher(self) -> CachedTeacher:
+        """The teacher's answers from `kd.teacher_cache`, for the rows this run visits and evaluates."""
+        steps = self.config.step_scheduler
+        visited = data.training_rows(self.train_set, global_batch_size=steps.global_batch_size,
+                                     seed=self.config.dataset.seed, num_steps=steps.max_steps)
+        evaluated = len(self.val_set)
+        if steps.val_batches is not None:
+            evaluated = min(evaluated, steps.val_batches * steps.local_batch_size * self.dp_size)
+        return CachedTeacher(self.config.kd.teacher_cache, self._cache_manifest,
+                             {"train": self.train_set, "validation": self.val_set}, training_rows=visited,
+                             evaluation_rows=evaluated, device=self.device)
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the latest complete checkpoint; open the metrics and the run directory."""
@@ -475,19 +484,18 @@ class StudentTrainer:
             if steps.val_batches is not None and index >= steps.val_batches:
                 break
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
-            teacher_logits = None
+            teacher_answer = None
             if with_teacher:
                 with self.faults.watch("the teacher request", "teacher"):
-                    teacher_logits = self.teacher.request(micro_batch, "full")
-            micro_batch, teacher_logits = self._shard(micro_batch, teacher_logits)
+                    teacher_answer = self.teacher.request(micro_batch, LABEL_LOG_PROBS)
+            micro_batch, teacher_answer = self._shard(micro_batch, teacher_answer)
             labels = micro_batch["labels"]
             logits = self._student_logits(micro_batch)
             if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
                 continue
             sums[0] += float(cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1))
-            if with_teacher:
-                sums[1] += float(cross_entropy_loss(teacher_logits["logits"], labels, ignore_index=ignore,
-                                                    num_valid_tokens=1))
+            if with_teacher:  # 0 at ignored labels
+                sums[1] -= float(teacher_answer["log_probs"].sum())
             sums[2] += float((labels != ignore).sum())
         self.model.train()
         if self.pipeline is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.logits_codec import encode_teacher_rows
+from meshkd.core.logits_codec import LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
@@ -42,9 +42,13 @@ class TeacherForward:
         return self.encode(logits[..., : self.vocab_size], request.batch, request.logits_transport)
 
     def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
-        """Encode as `mode`; each row's tail samples are seeded by that row's tokens, so a resumed run, and a
-        teacher cache written ahead of time, draw the same ones whatever the rows are batched with."""
+        """Encode as `mode`, or give each label's log-probability (`LABEL_LOG_PROBS`).
+
+        Each row's tail samples are seeded by that row's tokens, so a resumed run, and a teacher cache
+        written ahead of time, draw the same ones whatever the rows are batched with."""
         kd = self.kd
+        if mode == LABEL_LOG_PROBS:
+            return label_log_probs(logits, batch["labels"], ignore_index=kd.ignore_index)
         seeds = [self.seed + int(row.sum()) for row in batch["input_ids"]]
         return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)

@@ -1,0 +1,276 @@
+"""`meshkd cache-teacher`: run only the teacher over a run's rows and write its answers to `kd.teacher_cache`.
+
+Every rank of the world is a teacher rank, laid out as the teacher's section says (`teacher_distributed`
+on separate meshes, else `distributed`). Every rank builds the run's datasets and the same plan: the rows
+the run will ask about (`meshkd.recipe.teacher_cache`), cut into shards of `shard_rows` rows. Rank 0 keeps
+the shards a killed run completed (sidecar matches the plan, bytes match their sha256), removes the rest,
+and checks the space the others need against the free disk. The shards left go round-robin to the
+teacher's data-parallel replicas: in round r replica t computes the (r * dp + t)-th, micro-batch by
+micro-batch (`step_scheduler.local_batch_size` rows, as training asks), and its output rank writes it.
+After every round the world agrees on failures, so a full disk on one output rank stops every rank with
+that rank's message. Once every shard is written, rank 0 writes the manifest: the cache is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshkd.core.agreement import gather_values
+from meshkd.core.logits_codec import LABEL_LOG_PROBS
+from meshkd.core.teacher_protocol import TeacherRequest
+from meshkd.core.topology import create_kd_distributed_setups, model_replicas
+from meshkd.recipe import data
+from meshkd.recipe import teacher_cache as cache
+from meshkd.recipe.config import KDRecipeConfig
+from meshkd.recipe.faults import FaultWatch
+from meshkd.recipe.metrics import is_logging_rank, print0
+from meshkd.recipe.preflight import about, preflight
+from meshkd.recipe.run import init_world
+from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
+
+# Default shard size: large enough that a shard's sha256 and open cost little per row, small enough that a
+# killed run loses little.
+SHARD_BYTES = 256 << 20
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    split: str
+    index: int
+    first: int  # position of its first row in the split's cached rows
+    rows: tuple[int, ...]  # dataset row indices
+
+    @property
+    def name(self) -> str:
+        return cache.shard_name(self.split, self.index)
+
+
+def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
+    """Bytes of one cached row: the encoding training asks for, or each label's log-probability."""
+    kd, sequence = config.kd, config.step_scheduler.sequence_length
+    if split == "validation":
+        return 4 * sequence
+    per_token = {"full": 4 * vocab_size, "full_bf16": 2 * vocab_size,
+                 "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
+    return per_token * sequence
+
+
+def cached_rows(config: KDRecipeConfig, datasets: dict) -> dict[str, list[int]]:
+    """The rows a run of `config` asks the teacher about: the training rows its steps visit, the validation
+    rows an evaluation at any data-parallel size reads (`val_batches` steps of at most a global batch each)."""
+    steps = config.step_scheduler
+    train = data.training_rows(datasets["train"], global_batch_size=steps.global_batch_size, seed=config.dataset.seed,
+                               num_steps=steps.max_steps)
+    num_val = len(datasets["validation"])
+    if steps.val_batches is not None:
+        num_val = min(num_val, steps.val_batches * steps.global_batch_size)
+    return {"train": train, "validation": list(range(num_val))}
+
+
+def plan_shards(rows: dict[str, list[int]], shard_rows: dict[str, int]) -> list[Shard]:
+    return [Shard(split, index, first, tuple(rows[split][first : first + shard_rows[split]]))
+            for split in cache.SPLITS
+            for index, first in enumerate(range(0, len(rows[split]), shard_rows[split]))]
+
+
+def _shard_record(shard: Shard, plan_key: str, hashes: dict[str, list[str]]) -> dict:
+    return {"split": shard.split, "first": shard.first, "count": len(shard.rows), "plan": plan_key,
+            "rows_digest": cache.rows_digest(hashes[shard.split][row] for row in shard.rows)}
+
+
+def _complete(directory: Path, shard: Shard, expected: dict) -> dict | None:
+    """The sidecar of a shard a previous run completed for this same plan, else None."""
+    sidecar = directory / Path(shard.name).with_suffix(".json")
+    try:
+        record = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return None
+    if any(record.get(key) != value for key, value in expected.items()):
+        return None
+    path = directory / record["file"]
+    if not path.is_file() or path.stat().st_size != record["bytes"] or cache.file_sha256(path) != record["sha256"]:
+        return None
+    return record
+
+
+class CacheWriter:
+    """One rank of `meshkd cache-teacher`: `run()` plans, computes this replica's shards, completes the cache."""
+
+    def __init__(self, config: KDRecipeConfig, device: torch.device, *, shard_rows: int | None = None) -> None:
+        if config.kd.teacher_cache is None:
+            raise ValueError("kd.teacher_cache: set it to the directory the teacher cache is written to")
+        if shard_rows is not None and shard_rows < 1:
+            raise ValueError(f"--shard-rows must be >= 1, got {shard_rows}")
+        self.config = config
+        self.device = device
+        self.directory = Path(config.kd.teacher_cache)
+        self.shard_rows = shard_rows
+
+    def run(self) -> dict:
+        """Write the cache (every rank of the world calls); returns its summary on every rank."""
+        config = self.config
+        checked = preflight(config, writing_cache=True)
+        setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
+                                              dist.get_world_size())
+        faults = FaultWatch(setups, self.directory, self.device)
+        vocab_size = min(checked.student_vocab_rows, checked.teacher_vocab_rows)
+        with faults.on_every_rank("while reading the data and planning the cache"):
+            faults.write_pid_file()  # creates the directory too
+            datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
+                checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)))
+            rows = cached_rows(config, datasets)
+            hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
+            row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}
+            plan = plan_shards(rows, {split: self.shard_rows or max(1, SHARD_BYTES // row_bytes[split])
+                                      for split in cache.SPLITS})
+            state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
+        state = gather_values(state, device=self.device)[0]  # rank 0's: the plan key and the shards kept
+        todo = [shard for shard in plan if shard.name not in state["done"]]
+        tokens = {split: (datasets[split].attention_mask != 0).sum(dim=1).tolist() for split in cache.SPLITS}
+        started = time.perf_counter()
+        if todo:
+            self._compute(todo, setups.student, faults, datasets, state["plan"], hashes, vocab_size, tokens, checked)
+        seconds = time.perf_counter() - started
+        computed = sum(tokens[shard.split][row] for shard in todo for row in shard.rows)
+        with faults.on_every_rank("while writing the manifest"):
+            summary = None
+            if is_logging_rank():
+                summary = self._finish(plan, rows, hashes, tokens, state, checked, computed_tokens=computed,
+                                       seconds=seconds)
+        summary = gather_values(summary, device=self.device)[0]
+        if is_logging_rank():
+            shutil.rmtree(self.directory / "pids", ignore_errors=True)
+        return summary
+
+    def _resume(self, plan: list[Shard], hashes: dict, row_bytes: dict, checked, vocab_size: int) -> dict:
+        """On rank 0: keep the shards a killed run completed for this plan, remove other files, check the space."""
+        directory = self.directory
+        key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size)
+        identity = cache.teacher_identity(self.config)
+        plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
+        (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
+        done, keep = [], set()
+        for shard in plan:
+            record = _complete(directory, shard, _shard_record(shard, plan_key, hashes))
+            if record is not None:
+                done.append(shard.name)
+                keep.update({shard.name, Path(shard.name).with_suffix(".json").name})
+        for path in directory.iterdir():
+            if path.is_file() and path.name not in keep and path.suffix in (".safetensors", ".json", ".partial"):
+                path.unlink()
+        needed = sum(len(shard.rows) * row_bytes[shard.split] for shard in plan if shard.name not in done)
+        free = shutil.disk_usage(directory).free
+        print0(f"meshkd cache-teacher: {sum(len(shard.rows) for shard in plan)} rows in {len(plan)} shards "
+               f"({len(done)} kept from an earlier run), {needed / MIB:.1f} MiB to write, {free / MIB:.0f} MiB free "
+               f"under {directory}")
+        if needed > free:
+            raise OSError(f"kd.teacher_cache: {directory} needs {needed / MIB:.1f} MiB more, its filesystem has "
+                          f"{free / MIB:.1f} MiB free")
+        return {"plan": plan_key, "key": key, "identity": identity, "done": done}
+
+    def _compute(self, todo: list[Shard], setup, faults: FaultWatch, datasets: dict, plan_key: str, hashes: dict,
+                 vocab_size: int, tokens: dict, checked) -> None:
+        """Load and lay out the teacher, then compute this replica's shards round by round."""
+        config = self.config
+        with faults.on_every_rank("while loading and laying out the teacher"):
+            model, checkpoint = load_teacher(config)
+            rows = model.get_output_embeddings().weight.shape[0]
+            if rows != checked.teacher_vocab_rows:
+                raise ValueError(f"teacher_model: its output embedding has {rows} rows, its config "
+                                 f"{checked.teacher_vocab_rows}")
+            runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
+        replicas = model_replicas(setup)
+        mine = next(index for index, replica in enumerate(replicas) if dist.get_rank() in replica.ranks)
+        output = dist.get_rank() == replicas[mine].output_rank
+        forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output)
+        progress = None
+        if is_logging_rank() and config.logging.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=sum(len(shard.rows) for shard in todo), unit="row", desc="cache-teacher",
+                            dynamic_ncols=True)
+        started, computed = time.perf_counter(), 0
+        for first in range(0, len(todo), len(replicas)):
+            shards = todo[first : first + len(replicas)]
+            with faults.watch("computing the teacher cache", "teacher"), \
+                    faults.on_every_rank(f"while computing shards {', '.join(shard.name for shard in shards)}"):
+                if mine < len(shards):
+                    self._write(shards[mine], forward, output, datasets, plan_key, hashes)
+            computed += sum(tokens[shard.split][row] for shard in shards for row in shard.rows)
+            if progress is not None:
+                progress.update(sum(len(shard.rows) for shard in shards))
+                progress.set_postfix(tok_s=f"{computed / (time.perf_counter() - started):.0f}")
+        if progress is not None:
+            progress.close()
+
+    def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
+               hashes: dict) -> None:
+        """Compute one shard on this replica, micro-batch by micro-batch; its output rank writes it."""
+        mode = self.config.kd.logits_transport if shard.split == "train" else LABEL_LOG_PROBS
+        size = self.config.step_scheduler.local_batch_size
+        answers = []
+        for start in range(0, len(shard.rows), size):
+            batch = datasets[shard.split][torch.tensor(shard.rows[start : start + size])]
+            answer = forward(TeacherRequest({key: value.to(self.device) for key, value in batch.items()}, mode))
+            if answer is not None:
+                answers.append(answer)
+        if output:
+            tensors = {key: torch.cat([answer[key].cpu() for answer in answers])
+                       for key, value in answers[0].items() if isinstance(value, torch.Tensor)}
+            fields = {key: value for key, value in answers[0].items() if not isinstance(value, torch.Tensor)}
+            with about("kd.teacher_cache"):
+                cache.write_shard(self.directory / shard.name, tensors, fields, _shard_record(shard, plan_key, hashes))
+
+    def _finish(self, plan: list[Shard], rows: dict, hashes: dict, tokens: dict, state: dict, checked, *,
+                computed_tokens: int, seconds: float) -> dict:
+        """On rank 0: gather the sidecars into the manifest, written last; the summary."""
+        records = []
+        for shard in plan:
+            record = _complete(self.directory, shard, _shard_record(shard, state["plan"], hashes))
+            if record is None:
+                raise OSError(f"kd.teacher_cache: shard {self.directory / shard.name} is missing or incomplete after "
+                              "it was written (is the directory one shared by every rank?)")
+            records.append(record)
+        steps = self.config.step_scheduler
+        splits = {split: {"answer": self.config.kd.logits_transport if split == "train" else LABEL_LOG_PROBS,
+                          "num_rows": len(hashes[split]), "rows_digest": cache.rows_digest(hashes[split]),
+                          "rows": rows[split]} for split in cache.SPLITS}
+        splits["train"].update(max_steps=steps.max_steps, global_batch_size=steps.global_batch_size)
+        num_bytes = sum(record["bytes"] for record in records)
+        train_bytes = sum(record["bytes"] for record in records if record["split"] == "train")
+        summary = {
+            "directory": str(self.directory), "rows": {split: len(rows[split]) for split in cache.SPLITS},
+            "tokens": sum(tokens[split][row] for split in cache.SPLITS for row in rows[split]), "bytes": num_bytes,
+            "train_bytes_per_position": train_bytes / max(1, len(rows["train"]) * steps.sequence_length),
+            "computed_tokens": computed_tokens, "seconds": seconds,
+            "tokens_per_s": computed_tokens / seconds if seconds > 0 else None,
+        }
+        manifest = {"format": cache.FORMAT, "version": cache.VERSION, "key": state["key"],
+                    "teacher": state["identity"], "teacher_vocab_rows": checked.teacher_vocab_rows,
+                    "seed": self.config.seed, "splits": splits, "shards": records, "summary": summary}
+        cache.write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
+        rate = f", {summary['tokens_per_s']:.0f} tokens/s" if computed_tokens else ""
+        print0(f"meshkd cache-teacher: {self.directory} complete: {summary['rows']['train']} training and "
+               f"{summary['rows']['validation']} validation rows, {num_bytes / MIB:.1f} MiB "
+               f"({summary['train_bytes_per_position']:.0f} bytes per training position); computed "
+               f"{computed_tokens} tokens in {seconds:.1f} s{rate}")
+        return summary
+
+
+def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> dict:
+    """`meshkd cache-teacher` on this rank: in the current world, or a new one from the environment."""
+    device, owns_group = init_world(config)
+    try:
+        return CacheWriter(config, device, shard_rows=shard_rows).run()
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,346 @@
+"""The offline teacher: the teacher's answers for the rows of a run, computed once, read by many runs.
+
+`meshkd cache-teacher CONFIG` (`meshkd.recipe.cache_writer`) runs only the teacher and writes them to the
+directory `kd.teacher_cache` names; `meshkd train` with that key reads them instead of running a teacher.
+
+A cache directory holds:
+- `manifest.json`, written last and atomically: what the answers were computed from (the key: the data
+  files with their sizes and sha256, the data and packing settings, the sequence length, the tokenizer,
+  the vocabulary and the encoding, each under the config key that sets it), the teacher's identity, the
+  rows held, and every shard with its size and sha256. A directory without it is an unfinished cache.
+- shards `{split}-{index:05d}.safetensors`: the answers for a run of rows, each tensor [rows, sequence,
+  ...] exactly as the live teacher sends them (`meshkd.recipe.teacher_worker.TeacherForward`): the
+  `kd.logits_transport` encoding for training rows, each label's log-probability for validation rows.
+  Each has a sidecar `.json` (its rows and checksum), renamed into place after the shard: a shard that
+  looks complete is complete.
+
+Rows are the packed rows of the run's own data (`meshkd.recipe.data`). A student rank rebuilds its
+datasets and finds a row's answer by a hash of its tokens, positions and documents, whatever batch
+carries it; the digest of all row hashes refuses a dataset that packs differently. Top-k tail samples are
+seeded by each row's tokens, so the answers equal the live teacher's. Cached are the training rows that
+`step_scheduler.max_steps` steps visit (all once the steps span an epoch), in order of first visit (so a
+longer run adds shards and keeps the earlier ones), and the validation rows evaluation reads.
+
+Reading (`CachedTeacher`, a teacher source of `meshkd.core.teacher_protocol`): shards are memory-mapped
+through safetensors, checked against their sha256 when first opened, and read one micro-batch ahead on a
+background thread. `check_cache` is the preflight: every key field against the run, naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshkd.core.logits_codec import LABEL_LOG_PROBS
+from meshkd.core.teacher_protocol import Batch, Encoded, TeacherRequest
+from meshkd.recipe import documents, models
+from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+
+MANIFEST = "manifest.json"
+FORMAT, VERSION = "meshkd-teacher-cache", 1
+SPLITS = ("train", "validation")
+TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "seed", "attn_implementation")
+
+
+# ------------------------------------------------------------------------------------------- identity
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while block := source.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of everything that decides how text becomes ids (the fast tokenizer's whole definition)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    text += json.dumps([tokenizer.eos_token_id, tokenizer.pad_token_id])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int) -> dict[str, Any]:
+    """What the answers depend on, by the config key that sets each (a cache serves a run with the same key)."""
+    dataset, kd = config.dataset, config.kd
+    files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
+    key = {
+        "dataset.paths": [[os.path.abspath(path), os.path.getsize(path), file_sha256(path)] for path in files],
+        **{f"dataset.{name}": getattr(dataset, name) for name in
+           ("format", "text_key", "val_fraction", "seed", "max_documents", "max_document_chars", "packing")},
+        "step_scheduler.sequence_length": config.step_scheduler.sequence_length,
+        "model.tokenizer": tokenizer_fingerprint(tokenizer),
+        "vocabulary": vocab_size,
+        "kd.ignore_index": kd.ignore_index,
+        "kd.logits_transport": kd.logits_transport,
+    }
+    if kd.logits_transport == "topk":  # full encodings do not depend on the temperature: the loss applies it
+        key.update({"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature})
+    return key
+
+
+def teacher_identity(config: KDRecipeConfig) -> dict[str, Any]:
+    """The teacher section as given, with the sha256 of its config.json (or GGUF file); weights are not hashed."""
+    section = config.teacher_model
+    identity = {f"teacher_model.{name}": getattr(section, name) for name in TEACHER_KEYS}
+    source = None
+    if section.path is not None:
+        try:
+            directory, gguf_file = models.resolve_source(section.path, section.gguf_file)
+            source = file_sha256(directory / (gguf_file or "config.json"))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"teacher_model: {error}") from None
+    identity["teacher_model (config.json or GGUF file sha256)"] = source
+    return identity
+
+
+def _row_hash(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in (input_ids, position_ids, attention_mask):
+        digest.update(tensor.to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def row_hashes(batch: Batch) -> list[str]:
+    """One hash per row of a batch (or a dataset's rows): what identifies the row in a cache."""
+    return [_row_hash(*(batch[key][i] for key in ("input_ids", "position_ids", "attention_mask")))
+            for i in range(batch["input_ids"].shape[0])]
+
+
+def rows_digest(hashes: Iterable[str]) -> str:
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+# -------------------------------------------------------------------------------------------- files
+
+
+def fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` at `path` or nothing: written to PATH.partial, fsynced, renamed; an OSError names `path`."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with open(partial, "wb") as sink:
+            sink.write(data)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(partial, path)
+        fsync_directory(path.parent)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise OSError(error.errno, f"{path}: could not be written ({error.strerror or error})") from None
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.safetensors"
+
+
+def write_shard(path: Path, answers: dict[str, torch.Tensor], fields: dict[str, Any], record: dict) -> dict:
+    """Write one shard (tensors [rows, ...], the answer's other fields as metadata) and then its sidecar.
+
+    Returns the sidecar record: `record` with the shard's file name, size and sha256.
+    """
+    from safetensors.torch import save
+
+    data = save({key: value.contiguous() for key, value in answers.items()}, metadata={"answer": json.dumps(fields)})
+    write_atomically(path, data)
+    record = {**record, "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_atomically(path.with_suffix(".json"), json.dumps(record).encode())
+    return record
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of a complete cache; ValueError naming the file when there is none or it is unreadable."""
+    path = Path(directory, MANIFEST)
+    if not path.is_file():
+        raise ValueError(f"{directory} is not a complete teacher cache ({MANIFEST} not found): write it with "
+                         "`meshkd cache-teacher CONFIG` (a killed run continues where it stopped)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable cache manifest ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: not a meshkd teacher cache manifest of version {VERSION}")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------ preflight
+
+
+def _differs(field: str, cached: Any, current: Any) -> str:
+    if field == "dataset.paths":
+        cached_files = {entry[0]: entry for entry in cached}
+        current_files = {entry[0]: entry for entry in current}
+        for path in sorted(cached_files.keys() | current_files.keys()):
+            old, new = cached_files.get(path), current_files.get(path)
+            if old is None or new is None:
+                what = "is not among the cache's files" if old is None else "was in the cache's data but is gone"
+                return f"dataset.paths: {path} {what}"
+            if old != new:
+                return f"dataset.paths: {path} changed since the cache was written (size or content)"
+    return f"{field}: the cache was written with {cached!r}, this run has {current!r}"
+
+
+def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int) -> dict:
+    """The preflight of training from `kd.teacher_cache`: the cache is complete and was written for this run.
+
+    Compares every key field (data files and their content, data settings, sequence length, tokenizer,
+    vocabulary, encoding) and, when the run names a teacher (`teacher_model`), the teacher's identity;
+    checks that every shard is present with its size. Returns the manifest.
+
+    Raises:
+        ConfigError: naming the field that differs or the file that is missing, and the cache directory.
+    """
+    directory = config.kd.teacher_cache
+    try:
+        manifest = read_manifest(directory)
+    except ValueError as error:
+        raise ConfigError(f"kd.teacher_cache: {error}") from None
+    vocab_size = min(student_vocab_rows, manifest["teacher_vocab_rows"])
+    current = cache_key(config, tokenizer, vocab_size=vocab_size)
+    if config.teacher_model.path is not None or config.teacher_model.random_init is not None:
+        current.update(teacher_identity(config))
+    for field, value in current.items():
+        cached = manifest["key"].get(field, manifest["teacher"].get(field))
+        if json.loads(json.dumps(value)) != cached:  # as JSON holds it: tuples are lists
+            raise ConfigError(f"kd.teacher_cache: {directory} does not fit this run: "
+                              f"{_differs(field, cached, value)}; rerun `meshkd cache-teacher` with this "
+                              "config or point kd.teacher_cache elsewhere")
+    for shard in manifest["shards"]:
+        path = Path(directory, shard["file"])
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["bytes"]:
+            what = "is missing" if size is None else f"has {size} bytes, the manifest says {shard['bytes']}"
+            raise ConfigError(f"kd.teacher_cache: shard {path} {what}; rerun `meshkd cache-teacher` to rewrite it")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class CachedTeacher:
+    """A teacher source that answers from a cache (see the module docstring).
+
+    Args:
+        directory: the cache (`kd.teacher_cache`); `manifest` its manifest, as `check_cache` returned it.
+        datasets: {"train": ..., "validation": ...} this run's packed datasets (`meshkd.recipe.data`).
+        training_rows: the training rows this run visits; evaluation_rows: how many validation rows it reads.
+        device: where answers go.
+
+    Raises:
+        ValueError: the datasets pack differently from the cache's, or the run visits rows it does not hold.
+    """
+
+    def __init__(self, directory: str | os.PathLike, manifest: dict, datasets: dict, *, training_rows: list[int],
+                 evaluation_rows: int, device: torch.device) -> None:
+        self.directory = Path(directory)
+        self.device = device
+        self._shards = manifest["shards"]
+        self._open: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._answer_modes = {split: manifest["splits"][split]["answer"] for split in SPLITS}
+        self._where: dict[str, tuple[str, int, int]] = {}  # row hash -> (split, shard, row in shard)
+        for split, dataset in datasets.items():
+            cached = manifest["splits"][split]
+            hashes = row_hashes(dataset[:])
+            if rows_digest(hashes) != cached["rows_digest"]:
+                raise ValueError(
+                    f"kd.teacher_cache: the packed {split} rows ({len(dataset)}) differ from the cache's "
+                    f"({cached['num_rows']}): the data, tokenizer or packing changed; rerun `meshkd cache-teacher`"
+                )
+            for number, shard in enumerate(self._shards):
+                if shard["split"] == split:
+                    for offset, row in enumerate(cached["rows"][shard["first"] : shard["first"] + shard["count"]]):
+                        self._where[hashes[row]] = (split, number, offset)
+        held = set(manifest["splits"]["train"]["rows"])
+        missing = [row for row in training_rows if row not in held]
+        if missing:
+            cached = manifest["splits"]["train"]
+            raise ValueError(
+                f"kd.teacher_cache: this run visits {len(missing)} training rows the cache does not hold (it holds "
+                f"the rows of {cached['max_steps']} steps of global_batch_size {cached['global_batch_size']}); "
+                "rerun `meshkd cache-teacher` with this run's step_scheduler.max_steps and global_batch_size"
+            )
+        held_val = len(manifest["splits"]["validation"]["rows"])
+        if evaluation_rows > held_val:
+            raise ValueError(
+                f"kd.teacher_cache: evaluation reads {evaluation_rows} validation rows, the cache holds {held_val}; "
+                "lower step_scheduler.val_batches or rerun `meshkd cache-teacher` with this run's settings"
+            )
+
+    def _shard(self, number: int):
+        """The open shard, its sha256 checked on first use (ValueError naming the file if it does not match)."""
+        with self._lock:
+            if number not in self._open:
+                from safetensors import safe_open
+
+                shard = self._shards[number]
+                path = self.directory / shard["file"]
+                if file_sha256(path) != shard["sha256"]:
+                    raise ValueError(f"kd.teacher_cache: shard {path} is corrupted (its sha256 differs from the "
+                                     "manifest's); rerun `meshkd cache-teacher` to rewrite it")
+                handle = safe_open(str(path), framework="pt")
+                self._open[number] = (handle, json.loads(handle.metadata()["answer"]), list(handle.keys()))
+            return self._open[number]
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded:
+        """The cached answers for every row of `batch`, as the live teacher would send them."""
+        rows: list[dict[str, torch.Tensor]] = []
+        fields: dict[str, Any] = {"mode": logits_transport}
+        for index, key in enumerate(row_hashes(batch)):
+            if key not in self._where:
+                if logits_transport == LABEL_LOG_PROBS and not bool(batch["attention_mask"][index].any()):
+                    # A padding row of the last evaluation batch: no token, no target.
+                    rows.append({"log_probs": torch.zeros(1, batch["input_ids"].shape[1])})
+                    continue
+                raise ValueError(f"kd.teacher_cache: row {index} of this batch is not in the cache")
+            split, number, offset = self._where[key]
+            if self._answer_modes[split] != logits_transport:
+                raise ValueError(f"kd.teacher_cache holds {self._answer_modes[split]!r} answers for {split} rows, "
+                                 f"the run asks for {logits_transport!r}")
+            handle, fields, names = self._shard(number)
+            rows.append({name: handle.get_slice(name)[offset : offset + 1] for name in names})
+        answer = {name: torch.cat([row[name] for row in rows]).to(self.device) for name in rows[0]}
+        return {**fields, **answer}
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> Iterator[tuple[Any, Encoded]]:
+        """(item, cached answer) in order; with `depth` > 0 the next answers are read on a background thread."""
+        if depth == 0:
+            yield from ((item, self.request(request.batch, request.logits_transport))
+                        for item in items for request in (batch_fn(item),))
+            return
+        pending: deque = deque()
+        items, end = iter(items), object()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshkd-cache-read") as reader:
+            while True:
+                while len(pending) <= depth:
+                    item = next(items, end)
+                    if item is end:
+                        break
+                    request = batch_fn(item)
+                    pending.append((item, reader.submit(self.request, request.batch, request.logits_transport)))
+                if not pending:
+                    return
+                item, answer = pending.popleft()
+                yield item, answer.result()
+
+    def close(self, timeout=None) -> None:
+        """Nothing to release but the memory maps."""
+        self._open.clear()
