@@ -8,7 +8,8 @@ and checks the space the others need against the free disk. The shards left go r
 teacher's data-parallel replicas: in round r replica t computes the (r * dp + t)-th, micro-batch by
 micro-batch (`step_scheduler.local_batch_size` rows, as training asks), and its output rank writes it.
 After every round the world agrees on failures, so a full disk on one output rank stops every rank with
-that rank's message. Once every shard is written, rank 0 writes the manifest: the cache is complete.
+that rank's message, and on stop requests (SIGINT, SIGTERM, `meshkd`'s stop file: a rerun continues).
+Once every shard is written, rank 0 writes the manifest: the cache is complete.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.recipe import data
 from meshkd.recipe import teacher_cache as cache
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.faults import FaultWatch
+from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.run import init_world
@@ -114,6 +115,7 @@ class CacheWriter:
         self.device = device
         self.directory = Path(config.kd.teacher_cache)
         self.shard_rows = shard_rows
+        self.stop = StopRequest()
 
     def run(self) -> dict:
         """Write the cache (every rank of the world calls); returns its summary on every rank."""
@@ -137,8 +139,9 @@ class CacheWriter:
         todo = [shard for shard in plan if shard.name not in state["done"]]
         tokens = {split: (datasets[split].attention_mask != 0).sum(dim=1).tolist() for split in cache.SPLITS}
         started = time.perf_counter()
-        if todo:
-            self._compute(todo, setups.student, faults, datasets, state["plan"], hashes, vocab_size, tokens, checked)
+        if todo and not self._compute(todo, setups.student, faults, datasets, state["plan"], hashes, vocab_size,
+                                      tokens, checked):
+            return {"stopped": True}
         seconds = time.perf_counter() - started
         computed = sum(tokens[shard.split][row] for shard in todo for row in shard.rows)
         with faults.on_every_rank("while writing the manifest"):
@@ -178,8 +181,8 @@ class CacheWriter:
         return {"plan": plan_key, "key": key, "identity": identity, "done": done}
 
     def _compute(self, todo: list[Shard], setup, faults: FaultWatch, datasets: dict, plan_key: str, hashes: dict,
-                 vocab_size: int, tokens: dict, checked) -> None:
-        """Load and lay out the teacher, then compute this replica's shards round by round."""
+                 vocab_size: int, tokens: dict, checked) -> bool:
+        """Load and lay out the teacher, then compute this replica's shards round by round; False if stopped."""
         config = self.config
         with faults.on_every_rank("while loading and laying out the teacher"):
             model, checkpoint = load_teacher(config)
@@ -200,6 +203,10 @@ class CacheWriter:
                             dynamic_ncols=True)
         started, computed = time.perf_counter(), 0
         for first in range(0, len(todo), len(replicas)):
+            if self._stop_agreed():
+                print0(f"meshkd cache-teacher: stopped on {self.stop.reason()} with {first} of {len(todo)} shards "
+                       "written; run it again to continue")
+                return False
             shards = todo[first : first + len(replicas)]
             with faults.watch("computing the teacher cache", "teacher"), \
                     faults.on_every_rank(f"while computing shards {', '.join(shard.name for shard in shards)}"):
@@ -211,6 +218,13 @@ class CacheWriter:
                 progress.set_postfix(tok_s=f"{computed / (time.perf_counter() - started):.0f}")
         if progress is not None:
             progress.close()
+        return True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (one all-reduce, so all stop after the same round)."""
+        flag = torch.tensor([int(self.stop.requested())], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
                hashes: dict) -> None:
@@ -269,8 +283,11 @@ class CacheWriter:
 def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> dict:
     """`meshkd cache-teacher` on this rank: in the current world, or a new one from the environment."""
     device, owns_group = init_world(config)
+    writer = CacheWriter(config, device, shard_rows=shard_rows)
+    writer.stop.install()
     try:
-        return CacheWriter(config, device, shard_rows=shard_rows).run()
+        return writer.run()
     finally:
+        writer.stop.restore()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -187,12 +187,14 @@ def _differs(field: str, cached: Any, current: Any) -> str:
     if field == "dataset.paths":
         cached_files = {entry[0]: entry for entry in cached}
         current_files = {entry[0]: entry for entry in current}
-        for path in sorted(cached_files.keys() | current_files.keys()):
-            old, new = cached_files.get(path), current_files.get(path)
-            if old is None or new is None:
-                what = "is not among the cache's files" if old is None else "was in the cache's data but is gone"
-                return f"dataset.paths: {path} {what}"
-            if old != new:
+        added = sorted(current_files.keys() - cached_files.keys())
+        if added:
+            return f"dataset.paths: {added[0]} is not among the cache's files ({len(added)} such)"
+        gone = sorted(cached_files.keys() - current_files.keys())
+        if gone:
+            return f"dataset.paths: {gone[0]} was in the cache's data, this run does not read it ({len(gone)} such)"
+        for path in sorted(current_files):
+            if cached_files[path] != current_files[path]:
                 return f"dataset.paths: {path} changed since the cache was written (size or content)"
     return f"{field}: the cache was written with {cached!r}, this run has {current!r}"
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from meshkd.core.logits_codec import (
+    LABEL_LOG_PROBS,
     check_encoded_logits,
     decode_teacher_logits,
     encode_teacher_logits,
     encoded_nbytes,
+    label_log_probs,
 )
 
 
@@ -85,6 +87,20 @@ def test_tail_samples_of_a_row_without_tail_carry_no_weight():
     encoded = encode_teacher_logits(logits, "topk", k=2, tail_samples=2)
     assert encoded["tail_log_prob"].item() == -math.inf  # so the samples' weight P_rest / m is 0
     assert ((encoded["tail_indices"] >= 0) & (encoded["tail_indices"] < 4)).all()
+
+
+def test_label_log_probs_are_minus_the_per_token_cross_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11) * 3
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, 1] = labels[1, 4] = -100
+    answer = label_log_probs(logits, labels, ignore_index=-100, chunk_size=3)
+    assert answer["mode"] == LABEL_LOG_PROBS and answer["log_probs"].dtype == torch.float32
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(answer["log_probs"].reshape(-1), -ce, atol=1e-6, rtol=0)
+    assert answer["log_probs"][0, 1] == 0 and answer["log_probs"][1, 4] == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        label_log_probs(logits, labels[:, :4])
 
 
 def test_encode_rejects_bad_arguments():

@@ -25,6 +25,7 @@ from meshkd.recipe.data import (
     iterate_batches,
     split_micro_batches,
     steps_per_epoch,
+    training_rows,
 )
 
 ALPHABET = string.ascii_letters + string.digits + ' .,:;!?-_(){}"\n'
@@ -333,6 +334,19 @@ def test_global_batch_is_split_contiguously_and_independent_of_dp_size(rows):
                 assert set(batch) == set(BATCH_KEYS)
                 assert all(t.shape == (4 // dp_size, 8) and t.dtype == torch.int64 for t in batch.values())
                 assert_same(batch, rows[torch.tensor(expected[r * 4 // dp_size : (r + 1) * 4 // dp_size])])
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 5, 9, 200])
+def test_training_rows_are_the_rows_the_steps_visit_in_order_of_first_visit(rows, num_steps):
+    # Row r of this dataset is the one whose first token is character r, so row ids are dataset indices.
+    visited = [row for batch in take(iterate_batches(rows, global_batch_size=4, dp_rank=0, dp_size=1, seed=7),
+                                     num_steps) for row in row_ids(batch)]
+    expected = list(dict.fromkeys(visited))
+    assert training_rows(rows, global_batch_size=4, seed=7, num_steps=num_steps) == expected
+    if num_steps == 200:  # epochs leave out other rows each time: in the end every row is visited
+        assert sorted(expected) == list(range(23))
+    with pytest.raises(ValueError, match="global_batch_size"):
+        training_rows(rows, global_batch_size=24, seed=7, num_steps=1)
 
 
 def test_epochs_permute_all_rows_with_seed_plus_epoch(rows):
