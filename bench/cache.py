@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = run(args.repeats, args.steps)
     print(f"cache: {results['bytes_per_position']:.1f} bytes per training position (top-64 + 32 tail samples; "
-          f"target <= 1024), {results['cache_bytes'] / 2**20:.1f} MiB for {results['cached_rows']} rows")
+          f"target <= 1024), {results['cache_bytes'] / 2**20:.1f} MiB for {results['cached_rows']['train']} training + "
+          f"{results['cached_rows']['validation']} validation rows")
     print(f"write: {results['write_tokens_per_s']:.0f} tokens/s of teacher forward and encoding "
           f"(the whole command {results['write_command_s']:.1f} s)")
     print(f"train step: live teacher {results['step_time_live_s']:.3f} s, from the cache "

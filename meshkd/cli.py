@@ -199,9 +199,10 @@ def _demo_cache(config_path: str, overrides: list[str]) -> int:
     """Write the demo's teacher cache unless the one there already fits the run (then the teacher never runs)."""
     from meshkd.recipe.preflight import preflight
 
+    config = load_config(config_path, overrides)
     try:
-        preflight(load_config(config_path, overrides))
-        print(f"meshkd demo: the teacher's answers come from the cache {overrides[-1].split('=', 1)[1]}")
+        preflight(config)
+        print(f"meshkd demo: the teacher's answers come from the cache {config.kd.teacher_cache}")
         return 0
     except ConfigError as error:
         if not str(error).startswith("kd.teacher_cache:"):
@@ -212,18 +213,19 @@ def _demo_cache(config_path: str, overrides: list[str]) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
-    cache = [f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
+    # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
+    cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
     if cache:
-        code = _demo_cache(config_path, demo_overrides(args.run_dir, args.set + cache))
+        code = _demo_cache(config_path, demo_overrides(args.run_dir, cache + args.set))
         if code != 0:
             return code
     summaries = {}
     for name, run_dir, extra in runs:
         print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
-        code = _train(config_path, demo_overrides(run_dir, extra + args.set + cache), None, False)
+        code = _train(config_path, demo_overrides(run_dir, extra + cache + args.set), None, False)
         if code != 0:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())

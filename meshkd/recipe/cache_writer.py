@@ -65,18 +65,6 @@ def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
     return per_token * sequence
 
 
-def cached_rows(config: KDRecipeConfig, datasets: dict) -> dict[str, list[int]]:
-    """The rows a run of `config` asks the teacher about: the training rows its steps visit, the validation
-    rows an evaluation at any data-parallel size reads (`val_batches` steps of at most a global batch each)."""
-    steps = config.step_scheduler
-    train = data.training_rows(datasets["train"], global_batch_size=steps.global_batch_size, seed=config.dataset.seed,
-                               num_steps=steps.max_steps)
-    num_val = len(datasets["validation"])
-    if steps.val_batches is not None:
-        num_val = min(num_val, steps.val_batches * steps.global_batch_size)
-    return {"train": train, "validation": list(range(num_val))}
-
-
 def plan_shards(rows: dict[str, list[int]], shard_rows: dict[str, int]) -> list[Shard]:
     return [Shard(split, index, first, tuple(rows[split][first : first + shard_rows[split]]))
             for split in cache.SPLITS
@@ -129,7 +117,7 @@ class CacheWriter:
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
                 checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)))
-            rows = cached_rows(config, datasets)
+            rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
             row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}
             plan = plan_shards(rows, {split: self.shard_rows or max(1, SHARD_BYTES // row_bytes[split])
@@ -172,9 +160,10 @@ class CacheWriter:
                 path.unlink()
         needed = sum(len(shard.rows) * row_bytes[shard.split] for shard in plan if shard.name not in done)
         free = shutil.disk_usage(directory).free
+        per_position = row_bytes["train"] // self.config.step_scheduler.sequence_length
         print0(f"meshkd cache-teacher: {sum(len(shard.rows) for shard in plan)} rows in {len(plan)} shards "
-               f"({len(done)} kept from an earlier run), {needed / MIB:.1f} MiB to write, {free / MIB:.0f} MiB free "
-               f"under {directory}")
+               f"({len(done)} kept from an earlier run), {needed / MIB:.1f} MiB to write ({per_position} bytes per "
+               f"training position, {self.config.kd.logits_transport}), {free / MIB:.0f} MiB free under {directory}")
         if needed > free:
             raise OSError(f"kd.teacher_cache: {directory} needs {needed / MIB:.1f} MiB more, its filesystem has "
                           f"{free / MIB:.1f} MiB free")

@@ -1,10 +1,11 @@
 """The student's role in a run: load, lay out, train against a teacher source, evaluate, save, export.
 
 One step: `data.iterate_batches` gives this data-parallel rank's share of the global batch, cut into
-micro-batches (`_step_items`); the teacher source (`meshkd.core.teacher_protocol`) pairs each with its
-teacher logits, fetched one micro-batch ahead on separate meshes (`kd.overlap_teacher`) so the teacher's
-forward overlaps the student's step; `train_step` (or `pipelined_train_step`, whose schedule runs a whole
-step at once) computes each micro-batch's loss (`micro_batch_loss`), backpropagates, clips and steps.
+micro-batches (`_step_items`); the teacher source (`meshkd.core.teacher_protocol`; from `kd.teacher_cache`
+a `meshkd.recipe.teacher_cache.CachedTeacher`) pairs each with its teacher logits, fetched one micro-batch
+ahead (`kd.overlap_teacher`) so the teacher's forward, or the cache's read, overlaps the student's step;
+`train_step` (or `pipelined_train_step`, whose schedule runs a whole step at once) computes each
+micro-batch's loss (`micro_batch_loss`), backpropagates, clips and steps.
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
@@ -53,7 +54,7 @@ from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
-from meshkd.recipe.teacher_cache import CachedTeacher
+from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
 # After a rank-local failure in training: how long to try to hand off cleanly before simply exiting.
@@ -116,7 +117,9 @@ class StudentTrainer:
         self.vocab_size = vocab_size
         self.bridge = bridge
         if self._cache_manifest is not None:
-            self.teacher = self._cached_teacher()
+            datasets = {"train": self.train_set, "validation": self.val_set}
+            self.teacher = CachedTeacher(config.kd.teacher_cache, self._cache_manifest, datasets, device=self.device,
+                                         asked=rows_asked(config, datasets, dp_size=self.dp_size))
         elif bridge is None:
             runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
             self.teacher = LocalTeacher(TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed))
@@ -145,18 +148,6 @@ class StudentTrainer:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, config.lr_scheduler.factor(config.step_scheduler.max_steps))
-
-    def _cached_teacher(self) -> CachedTeacher:
-        """The teacher's answers from `kd.teacher_cache`, for the rows this run visits and evaluates."""
-        steps = self.config.step_scheduler
-        visited = data.training_rows(self.train_set, global_batch_size=steps.global_batch_size,
-                                     seed=self.config.dataset.seed, num_steps=steps.max_steps)
-        evaluated = len(self.val_set)
-        if steps.val_batches is not None:
-            evaluated = min(evaluated, steps.val_batches * steps.local_batch_size * self.dp_size)
-        return CachedTeacher(self.config.kd.teacher_cache, self._cache_manifest,
-                             {"train": self.train_set, "validation": self.val_set}, training_rows=visited,
-                             evaluation_rows=evaluated, device=self.device)
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the latest complete checkpoint; open the metrics and the run directory."""

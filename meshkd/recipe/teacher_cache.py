@@ -42,7 +42,7 @@ import torch
 
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherRequest
-from meshkd.recipe import documents, models
+from meshkd.recipe import data, documents, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 
 MANIFEST = "manifest.json"
@@ -119,6 +119,20 @@ def row_hashes(batch: Batch) -> list[str]:
 
 def rows_digest(hashes: Iterable[str]) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def rows_asked(config: KDRecipeConfig, datasets: dict, *, dp_size: int | None = None) -> dict[str, list[int]]:
+    """The rows a run of `config` asks the teacher about: the training rows its steps visit (in order of
+    first visit), and the validation rows an evaluation at `dp_size` reads (None: at any data-parallel
+    size, at most `val_batches` global batches)."""
+    steps = config.step_scheduler
+    train = data.training_rows(datasets["train"], global_batch_size=steps.global_batch_size, seed=config.dataset.seed,
+                               num_steps=steps.max_steps)
+    num_val = len(datasets["validation"])
+    if steps.val_batches is not None:
+        per_batch = steps.global_batch_size if dp_size is None else steps.local_batch_size * dp_size
+        num_val = min(num_val, steps.val_batches * per_batch)
+    return {"train": train, "validation": list(range(num_val))}
 
 
 # -------------------------------------------------------------------------------------------- files
@@ -242,15 +256,15 @@ class CachedTeacher:
     Args:
         directory: the cache (`kd.teacher_cache`); `manifest` its manifest, as `check_cache` returned it.
         datasets: {"train": ..., "validation": ...} this run's packed datasets (`meshkd.recipe.data`).
-        training_rows: the training rows this run visits; evaluation_rows: how many validation rows it reads.
+        asked: the rows this run asks about (`rows_asked`).
         device: where answers go.
 
     Raises:
         ValueError: the datasets pack differently from the cache's, or the run visits rows it does not hold.
     """
 
-    def __init__(self, directory: str | os.PathLike, manifest: dict, datasets: dict, *, training_rows: list[int],
-                 evaluation_rows: int, device: torch.device) -> None:
+    def __init__(self, directory: str | os.PathLike, manifest: dict, datasets: dict, *, asked: dict[str, list[int]],
+                 device: torch.device) -> None:
         self.directory = Path(directory)
         self.device = device
         self._shards = manifest["shards"]
@@ -271,7 +285,7 @@ class CachedTeacher:
                     for offset, row in enumerate(cached["rows"][shard["first"] : shard["first"] + shard["count"]]):
                         self._where[hashes[row]] = (split, number, offset)
         held = set(manifest["splits"]["train"]["rows"])
-        missing = [row for row in training_rows if row not in held]
+        missing = [row for row in asked["train"] if row not in held]
         if missing:
             cached = manifest["splits"]["train"]
             raise ValueError(
@@ -280,9 +294,10 @@ class CachedTeacher:
                 "rerun `meshkd cache-teacher` with this run's step_scheduler.max_steps and global_batch_size"
             )
         held_val = len(manifest["splits"]["validation"]["rows"])
-        if evaluation_rows > held_val:
+        if len(asked["validation"]) > held_val:
             raise ValueError(
-                f"kd.teacher_cache: evaluation reads {evaluation_rows} validation rows, the cache holds {held_val}; "
+                f"kd.teacher_cache: evaluation reads {len(asked['validation'])} validation rows, the cache holds "
+                f"{held_val}; "
                 "lower step_scheduler.val_batches or rerun `meshkd cache-teacher` with this run's settings"
             )
 

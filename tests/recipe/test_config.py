@@ -72,3 +72,17 @@ def test_example_configs_load(name):
 
     config = load_config(Path(__file__).parents[2] / "examples" / f"{name}.yaml")
     assert required_world_size(config) >= 2
+
+
+def test_a_run_from_a_teacher_cache_needs_no_teacher_ranks_and_no_teacher():
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parents[2] / "examples" / "tiny_cached.yaml")
+    assert required_world_size(config) == 1  # the student only; cache-teacher runs the teacher's layout
+    assert config.teacher_layout.tp_size == 2
+    data = {"model": {"random_init": {"model_type": "llama"}}, "dataset": {"paths": ["x.txt"]},
+            "kd": {"teacher_cache": "cache"}}
+    assert config_from_dict(data).teacher_model.path is None  # the cache's teacher stands
+    data["kd"] = {}
+    with pytest.raises(ConfigError, match="teacher_model: set exactly one of"):
+        config_from_dict(data)

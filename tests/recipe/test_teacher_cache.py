@@ -26,7 +26,7 @@ from meshkd.recipe import data
 from meshkd.recipe.config import ConfigError, config_from_dict
 from meshkd.recipe.metrics import read_metrics
 from meshkd.recipe.preflight import preflight
-from meshkd.recipe.teacher_cache import MANIFEST, CachedTeacher, write_atomically
+from meshkd.recipe.teacher_cache import MANIFEST, CachedTeacher, rows_asked, write_atomically
 from tests.recipe.test_recipe import TrainRun
 from tests.tiny import base_config, tiny_llama, with_layout
 from tests.world import run_world
@@ -69,6 +69,19 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
                 assert record[key] == pytest.approx(value, abs=1e-6, rel=0), (key, record, reference)
 
 
+def run_all(world_size: int, runs: dict[str, dict]) -> dict[str, dict]:
+    """Run every config of `runs` in one world, in order: "write_*" ones write their cache, the others train."""
+    checks = []
+    for name, config in runs.items():
+        check = WriteCache(config, name) if name.startswith("write") else TrainRun(config)
+        check.__name__ = name
+        checks.append(check)
+    results = run_world(world_size, checks, timeout_s=60, deadline_s=300)
+    for name in runs:
+        results.check(name)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     """One rank: caches written by a dp 1 teacher (top-k with tail samples, and full_bf16), live and cached runs."""
@@ -80,14 +93,7 @@ def one_rank(tmp_path_factory) -> dict:
         runs[f"live_{mode}"] = variant(base, tmp, f"live_{mode}", student={"dp_size": 1}, kd=kd)
         runs[f"write_{mode}"] = variant(base, tmp, f"write_{mode}", student={"dp_size": 1}, kd=kd, cache=cache)
         runs[f"cached_{mode}"] = variant(base, tmp, f"cached_{mode}", student={"dp_size": 1}, kd=kd, cache=cache)
-    checks = [WriteCache(config, name) if name.startswith("write") else TrainRun(config)
-              for name, config in runs.items()]
-    for check, name in zip(checks, runs):
-        check.__name__ = name
-    results = run_world(1, checks, timeout_s=60, deadline_s=300)
-    for name in runs:
-        results.check(name)
-    return runs
+    return run_all(1, runs)
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +108,7 @@ def two_ranks(tmp_path_factory) -> dict:
                                         cache=cache)
         runs[f"cached_{name}"] = variant(base, tmp, f"cached_{name}", student={"dp_size": 2}, teacher=teacher,
                                          kd=TOPK, cache=cache)
-    checks = [WriteCache(config, name) if name.startswith("write") else TrainRun(config)
-              for name, config in runs.items()]
-    for check, name in zip(checks, runs):
-        check.__name__ = name
-    results = run_world(2, checks, timeout_s=60, deadline_s=300)
-    for name in runs:
-        results.check(name)
-    return runs
+    return run_all(2, runs)
 
 
 pytestmark = pytest.mark.world
@@ -233,11 +232,9 @@ def cached_teacher(config: dict) -> tuple[CachedTeacher, object]:
     recipe = config_from_dict(config)
     checked = preflight(recipe)
     train, val = data.build_run_datasets(checked.tokenizer, recipe.dataset, sequence_length=32)
-    steps = recipe.step_scheduler
-    visited = data.training_rows(train, global_batch_size=steps.global_batch_size, seed=recipe.dataset.seed,
-                                 num_steps=steps.max_steps)
-    teacher = CachedTeacher(recipe.kd.teacher_cache, checked.cache_manifest, {"train": train, "validation": val},
-                            training_rows=visited, evaluation_rows=2, device=torch.device("cpu"))
+    datasets = {"train": train, "validation": val}
+    teacher = CachedTeacher(recipe.kd.teacher_cache, checked.cache_manifest, datasets,
+                            asked=rows_asked(recipe, datasets, dp_size=1), device=torch.device("cpu"))
     return teacher, train
 
 
