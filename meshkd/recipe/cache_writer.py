@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -32,13 +33,14 @@ from meshkd.recipe import data
 from meshkd.recipe import teacher_cache as cache
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, StopRequest
+from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.run import init_world
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
-# Default shard size: large enough that a shard's sha256 and open cost little per row, small enough that a
-# killed run loses little.
+# Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
+# run loses little.
 SHARD_BYTES = 256 << 20
 MIB = 1 << 20
 
@@ -65,6 +67,12 @@ def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
     return per_token * sequence
 
 
+def default_shard_rows(num_rows: int, row_bytes: int, num_replicas: int) -> int:
+    """About `SHARD_BYTES` a shard, but at least 4 shards a replica: a small cache still spreads over the
+    replicas, shows progress and resumes finely."""
+    return max(1, min(SHARD_BYTES // row_bytes, math.ceil(num_rows / (4 * num_replicas))))
+
+
 def plan_shards(rows: dict[str, list[int]], shard_rows: dict[str, int]) -> list[Shard]:
     return [Shard(split, index, first, tuple(rows[split][first : first + shard_rows[split]]))
             for split in cache.SPLITS
@@ -86,7 +94,7 @@ def _complete(directory: Path, shard: Shard, expected: dict) -> dict | None:
     if any(record.get(key) != value for key, value in expected.items()):
         return None
     path = directory / record["file"]
-    if not path.is_file() or path.stat().st_size != record["bytes"] or cache.file_sha256(path) != record["sha256"]:
+    if not path.is_file() or path.stat().st_size != record["bytes"] or file_sha256(path) != record["sha256"]:
         return None
     return record
 
@@ -120,8 +128,8 @@ class CacheWriter:
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
             row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}
-            plan = plan_shards(rows, {split: self.shard_rows or max(1, SHARD_BYTES // row_bytes[split])
-                                      for split in cache.SPLITS})
+            plan = plan_shards(rows, {split: self.shard_rows or default_shard_rows(
+                len(rows[split]), row_bytes[split], setups.student.dp_size) for split in cache.SPLITS})
             state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
         state = gather_values(state, device=self.device)[0]  # rank 0's: the plan key and the shards kept
         todo = [shard for shard in plan if shard.name not in state["done"]]
@@ -260,7 +268,7 @@ class CacheWriter:
         manifest = {"format": cache.FORMAT, "version": cache.VERSION, "key": state["key"],
                     "teacher": state["identity"], "teacher_vocab_rows": checked.teacher_vocab_rows,
                     "seed": self.config.seed, "splits": splits, "shards": records, "summary": summary}
-        cache.write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
+        write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if computed_tokens else ""
         print0(f"meshkd cache-teacher: {self.directory} complete: {summary['rows']['train']} training and "
                f"{summary['rows']['validation']} validation rows, {num_bytes / MIB:.1f} MiB "

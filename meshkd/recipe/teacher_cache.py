@@ -44,6 +44,7 @@ from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherRequest
 from meshkd.recipe import data, documents, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.files import file_sha256, write_atomically
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
@@ -52,14 +53,6 @@ TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "see
 
 
 # ------------------------------------------------------------------------------------------- identity
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while block := source.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -136,29 +129,6 @@ def rows_asked(config: KDRecipeConfig, datasets: dict, *, dp_size: int | None = 
 
 
 # -------------------------------------------------------------------------------------------- files
-
-
-def fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path` or nothing: written to PATH.partial, fsynced, renamed; an OSError names `path`."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        with open(partial, "wb") as sink:
-            sink.write(data)
-            sink.flush()
-            os.fsync(sink.fileno())
-        os.replace(partial, path)
-        fsync_directory(path.parent)
-    except OSError as error:
-        partial.unlink(missing_ok=True)
-        raise OSError(error.errno, f"{path}: could not be written ({error.strerror or error})") from None
 
 
 def shard_name(split: str, index: int) -> str:

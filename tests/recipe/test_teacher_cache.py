@@ -24,9 +24,10 @@ import yaml
 
 from meshkd.recipe import data
 from meshkd.recipe.config import ConfigError, config_from_dict
+from meshkd.recipe.files import write_atomically
 from meshkd.recipe.metrics import read_metrics
 from meshkd.recipe.preflight import preflight
-from meshkd.recipe.teacher_cache import MANIFEST, CachedTeacher, rows_asked, write_atomically
+from meshkd.recipe.teacher_cache import MANIFEST, CachedTeacher, rows_asked
 from tests.recipe.test_recipe import TrainRun
 from tests.tiny import base_config, tiny_llama, with_layout
 from tests.world import run_world
