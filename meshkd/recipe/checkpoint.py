@@ -2,12 +2,15 @@
 
 A checkpoint is a directory `step_00000042` holding the DCP shards of model + optimizer (keyed by
 parameter name, so pipeline stages merge), one small file per rank with what is rank-local (RNG states),
-and `meta.json` (step, scheduler state) written last. It is first written under `step_00000042.partial`
-and renamed by the first student rank after every rank finished, so a process killed mid-save leaves the
-previous checkpoint as the latest and the partial one ignored (`latest_checkpoint` counts only `step_N`
-directories holding meta.json). The next save of that step removes the leftover partial directory first.
-The data position is the step itself: batches are a pure function of (seed, step). `export_hf` writes the
-final student as an HF directory.
+`manifest.json` (every file's size and sha256) and `meta.json` (step, scheduler state) written last. It
+is first written under `step_00000042.partial`: every rank hashes and fsyncs a share of the files, the
+first student rank writes the manifest and meta.json, fsyncs the directory and renames it. A process
+killed mid-save leaves the previous checkpoint as the latest and the partial one ignored
+(`latest_checkpoint` counts only `step_N` directories holding meta.json); partial directories left over
+are removed at the next start (`remove_partials`). `resume_latest` checks the newest checkpoint against
+its manifest (every rank a share of the files) and falls back to the newest intact one, saying so. The
+data position is the step itself: batches are a pure function of (seed, step). `export_hf` writes the
+final student as an HF directory, refusing tensors that are not finite.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from meshkd.core.agreement import first_failure, gather_values, group_device
 from meshkd.recipe.faults import brief
+from meshkd.recipe.files import file_sha256, fsync
 
 _PARTIAL = ".partial"
 # Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline
 # stages hold different parameters, and their positional param_groups would collide in one checkpoint.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _COMPLETE = re.compile(r"step_(\d+)")
+_MANIFEST = "manifest.json"
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -44,15 +50,78 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     Complete: named `step_N` (renamed from `step_N.partial` after every rank wrote its part) and holding
     meta.json. Partial directories, directories without meta.json and other names are ignored.
     """
+    complete = complete_checkpoints(root)
+    return complete[0] if complete else None
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Every complete checkpoint under `root` (see `latest_checkpoint`), newest first."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
     complete = []
     for path in root.iterdir():
         match = _COMPLETE.fullmatch(path.name)
         if match and (path / "meta.json").is_file():
             complete.append((int(match.group(1)), path))
-    return max(complete)[1] if complete else None
+    return [path for _, path in sorted(complete, reverse=True)]
+
+
+def remove_partials(root: str | Path) -> list[Path]:
+    """Remove the `.partial` directories saves killed half-way left under `root`; returns them."""
+    root = Path(root)
+    stale = sorted(path for path in root.iterdir() if path.name.endswith(_PARTIAL)) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _group_share(paths: list[Path], group: dist.ProcessGroup | None) -> list[Path]:
+    """This rank's share of `paths` (every rank of `group` lists the same paths)."""
+    return paths[dist.get_rank(group) :: dist.get_world_size(group)]
+
+
+def _manifest(directory: Path, group: dist.ProcessGroup | None) -> dict[str, dict]:
+    """{file: {bytes, sha256}} of every file under `directory`, each rank hashing (and fsyncing) a share."""
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    mine = {}
+    for path in _group_share(files, group):
+        fsync(path)
+        mine[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    merged = {}
+    for share in gather_values(mine, group, device=group_device(group)):
+        merged.update(share)
+    return merged
+
+
+def check_checkpoint(path: Path, group: dist.ProcessGroup | None) -> str | None:
+    """What is wrong with checkpoint `path` against its manifest (a file missing, cut or changed), or None.
+
+    Every rank of `group` checks a share of the files and all learn the first problem. A checkpoint
+    written before manifests existed has nothing to check against: None.
+    """
+    problem, manifest = None, {}
+    try:
+        manifest = json.loads((path / _MANIFEST).read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or any(not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"}
+                                             for entry in manifest.values()):
+        manifest, problem = {}, f"{path / _MANIFEST}: not a readable checkpoint manifest"
+    for name in _group_share(sorted(manifest), group):
+        file, entry = path / name, manifest[name]
+        if not file.is_file():
+            problem = f"{file} is missing"
+        elif file.stat().st_size != entry["bytes"]:
+            problem = f"{file} has {file.stat().st_size} bytes, {entry['bytes']} were written"
+        elif file_sha256(file) != entry["sha256"]:
+            problem = f"{file} is corrupted (its sha256 differs from the one written with it)"
+        if problem is not None:
+            break
+    problems = gather_values(problem, group, device=group_device(group))
+    return next((found for found in problems if found is not None), None)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -91,11 +160,16 @@ def save_checkpoint(
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), process_group=group)
     torch.save(_rng_state(), partial / f"rng_rank{rank}.pt")
     dist.barrier(group=group)
+    manifest = _manifest(partial, group)
     if group_rank == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict(), **(extra or {})}
-        (partial / "meta.json").write_text(json.dumps(meta))
+        for name, document in ((_MANIFEST, manifest), ("meta.json", meta)):  # meta.json last: it marks complete
+            (partial / name).write_text(json.dumps(document))
+            fsync(partial / name)
+        fsync(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
+        fsync(final.parent)
     dist.barrier(group=group)
     return final
 
@@ -110,7 +184,12 @@ def load_checkpoint(
 ) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG from `path`; returns its meta.json."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or not {"step", "scheduler"} <= set(meta):
+        raise ValueError(f"{path / 'meta.json'}: not a readable checkpoint meta file (step and scheduler state)")
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
@@ -126,23 +205,43 @@ def load_checkpoint(
 
 def resume_latest(root: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                   group: dist.ProcessGroup | None) -> tuple[Path | None, int]:
-    """Restore the latest complete checkpoint under `root`; returns it and its step ((None, 0) when none).
+    """Restore the newest intact checkpoint under `root`; returns it and its step ((None, 0) when none).
 
-    Only complete checkpoints count: a save killed half-way left a `.partial` directory. A checkpoint that
-    does not fit this run raises ValueError naming it.
+    Only complete checkpoints count: a save killed half-way left a `.partial` directory. A damaged one (a
+    file missing, cut or changed since it was written) is passed over for the previous one, saying so; when
+    every checkpoint is damaged, ValueError names the newest's problem. A checkpoint that does not fit this
+    run raises ValueError naming it.
     """
-    latest = latest_checkpoint(root)
-    if latest is None:
+    from meshkd.recipe.metrics import print0
+
+    complete, newest_problem = complete_checkpoints(root), None
+    for path in complete:
+        problem = check_checkpoint(path, group)
+        if problem is None:
+            break
+        newest_problem = newest_problem or problem
+        print0(f"meshkd: checkpoint {path} is damaged ({problem}); trying the one before it")
+    else:
+        if complete:
+            raise ValueError(f"every checkpoint under {root} is damaged; the newest: {newest_problem}")
         return None, 0
     try:
-        meta = load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler, group=group)
-    except (KeyboardInterrupt, SystemExit):
+        meta = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, group=group)
+    except (KeyboardInterrupt, SystemExit, ValueError):  # a ValueError names the file already
         raise
     except BaseException as error:  # DCP raises CheckpointException, a BaseException
         raise ValueError(
-            f"checkpoint {latest} cannot be loaded into this run (a different model or layout?): {brief(error)}"
+            f"checkpoint {path} cannot be loaded into this run (a different model or layout?): {brief(error)}"
         ) from error
-    return latest, meta["step"]
+    return path, meta["step"]
+
+
+def nonfinite_tensor(state_dict: dict[str, torch.Tensor]) -> str | None:
+    """'tensor NAME holds NaN or inf' for the first such floating-point tensor, else None."""
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"tensor {name} holds NaN or inf"
+    return None
 
 
 def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, group: dist.ProcessGroup | None) -> Path:
@@ -163,6 +262,10 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
         state_dict = pipeline.full_state_dict()
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(model.config)
+    problem = nonfinite_tensor(state_dict) if is_logging_rank() else None
+    failure = first_failure(problem, group, device=group_device(group)) if dist.get_world_size(group) > 1 else None
+    if problem is not None or failure is not None:
+        raise ValueError(f"HF export to {out_dir}: {problem or failure[1]}; nothing written")
     if is_logging_rank():
         save_hf_model(shell, tokenizer, out_dir, state_dict=state_dict)
     if group is not None or dist.get_world_size() > 1:

@@ -150,7 +150,13 @@ class StudentTrainer:
             self.optimizer, config.lr_scheduler.factor(config.step_scheduler.max_steps))
 
     def resume(self, resume: bool) -> None:
-        """With `resume`, continue from the latest complete checkpoint; open the metrics and the run directory."""
+        """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
+
+        Partial checkpoint directories, left by saves that did not finish, are removed first.
+        """
+        if is_logging_rank():
+            for stale in ckpt.remove_partials(self.checkpoint_root):
+                print0(f"meshkd: removed {stale}, left by a checkpoint save that did not finish")
         if resume:
             latest, self.start_step = ckpt.resume_latest(self.checkpoint_root, model=self.model,
                                                          optimizer=self.optimizer, scheduler=self.scheduler,
