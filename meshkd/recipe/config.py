@@ -80,6 +80,7 @@ class DatasetConfig:
     max_documents: int | None = None
     max_document_chars: int | None = None
     packing: bool = True  # NEAT-pack several documents per row; false: one document per row
+    on_bad_file: str = "error"  # a binary or non-UTF-8 file: error (refused, named) | skip (left out, named)
 
 
 @dataclass
@@ -332,6 +333,8 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
+    if config.dataset.on_bad_file not in ("error", "skip"):
+        raise ConfigError(f"dataset.on_bad_file must be error or skip, got {config.dataset.on_bad_file!r}")
     if not config.dataset.paths:
         raise ConfigError("dataset.paths is empty: give text or JSONL files (globs allowed)")
     steps = config.step_scheduler

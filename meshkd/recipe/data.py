@@ -120,6 +120,7 @@ def build_datasets(
     max_documents: int | None = None,
     max_document_chars: int | None = None,
     encoding_errors: str = "replace",
+    on_bad_file: str = "read",
     pack: bool = True,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack a corpus; returns `(train, val)`.
@@ -141,6 +142,8 @@ def build_datasets(
         encoding_errors: how bytes that are not UTF-8 are decoded (a `bytes.decode` handler). The default
             "replace" keeps going with U+FFFD in their place, because real corpora hold a few files in legacy
             encodings (Python's standard library has several); "strict" raises ValueError naming the file.
+        on_bad_file: a file that is not text (binary, or not valid UTF-8): "read" decodes it anyway (with
+            `encoding_errors`), "error" raises ValueError naming it, "skip" leaves it out with a warning.
         pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
             padded batch, whose mask holds 1 for tokens and 0 for padding.
 
@@ -164,6 +167,7 @@ def build_datasets(
         max_documents=max_documents,
         max_document_chars=max_document_chars,
         encoding_errors=encoding_errors,
+        on_bad_file=on_bad_file,
     )
     if not documents:
         raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {describe_patterns(patterns)}")
@@ -200,6 +204,7 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *,
         tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=sequence_length,
         val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=dataset.text_key, format=dataset.format,
         max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars, pack=dataset.packing,
+        on_bad_file=dataset.on_bad_file,
     )
 
 

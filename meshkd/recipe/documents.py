@@ -2,7 +2,10 @@
 
 Plain text files are one document each; JSONL files one document per line, under `text_key` (a file ending
 in `.jsonl`, or every file with `format: jsonl`). Files are read as bytes and decoded here, so an invalid
-byte is reported with its file (and line), not deep inside the tokenizer.
+byte is reported with its file (and line), not deep inside the tokenizer. A file that is not text (a NUL
+byte: binary; or not valid UTF-8) is, by `on_bad_file`, read anyway ("read": decoded with
+`encoding_errors`), refused naming it ("error"), or left out with a warning naming it ("skip"; printed by
+the process of global rank 0 only, once per file, since every rank reads the same files).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +35,36 @@ def match_files(patterns: list) -> list[str]:
     return sorted(files)
 
 
+BAD_FILE_POLICIES = ("read", "error", "skip")
+_warned: set[str] = set()
+
+
+def not_text(data: bytes) -> str | None:
+    """Why `data` is not a text file ("binary (...)", "not valid UTF-8 (...)"), or None when it is."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return f"binary (a NUL byte at offset {nul})"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start})"
+    return None
+
+
+def check_text(path: str, data: bytes, on_bad_file: str) -> bool:
+    """Whether to read `path`: False to skip it (warned); ValueError when it is not text and that is an error."""
+    reason = None if on_bad_file == "read" else not_text(data)
+    if reason is None:
+        return True
+    if on_bad_file == "error":
+        raise ValueError(f"data file {path!r} is {reason}: not a text file (on_bad_file 'skip' leaves such "
+                         "files out)")
+    if os.environ.get("RANK", "0") == "0" and path not in _warned:
+        _warned.add(path)
+        print(f"meshkd: warning: skipping data file {path!r}: {reason}", file=sys.stderr, flush=True)
+    return False
+
+
 def read_documents(
     files: list[str],
     *,
@@ -39,14 +73,20 @@ def read_documents(
     max_documents: int | None,
     max_document_chars: int | None,
     encoding_errors: str,
+    on_bad_file: str = "read",
 ) -> list[str]:
+    if on_bad_file not in BAD_FILE_POLICIES:
+        raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
     documents: list[str] = []
     for path in files:
+        data = _read_bytes(path)
+        if not check_text(path, data, on_bad_file):
+            continue
         is_jsonl = format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl")
         if is_jsonl:
-            texts = _jsonl_documents(path, text_key, encoding_errors)
+            texts = _jsonl_documents(path, data, text_key, encoding_errors)
         else:
-            texts = _text_document(path, encoding_errors)
+            texts = _text_document(path, data, encoding_errors)
         for text in texts:
             if not text.strip():
                 continue
@@ -64,17 +104,17 @@ def _read_bytes(path: str) -> bytes:
         raise ValueError(f"cannot read data file {path!r}: {error}") from error
 
 
-def _text_document(path: str, encoding_errors: str) -> Iterator[str]:
+def _text_document(path: str, data: bytes, encoding_errors: str) -> Iterator[str]:
     try:
-        yield _read_bytes(path).decode("utf-8", errors=encoding_errors)
+        yield data.decode("utf-8", errors=encoding_errors)
     except UnicodeDecodeError as error:
         raise ValueError(
             f"data file {path!r} is not valid UTF-8 ({error}); pass encoding_errors='replace' to read it anyway"
         ) from None
 
 
-def _jsonl_documents(path: str, text_key: str, encoding_errors: str) -> Iterator[str]:
-    for number, raw in enumerate(_read_bytes(path).splitlines(), start=1):
+def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str) -> Iterator[str]:
+    for number, raw in enumerate(data.splitlines(), start=1):
         where = f"{path}:{number}"
         try:
             line = raw.decode("utf-8", errors=encoding_errors)

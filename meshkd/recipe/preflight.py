@@ -19,7 +19,7 @@ from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 
-# The corpus is read for a first document only when it is at most this large.
+# The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
 _PREFLIGHT_READ_BYTES = 64 << 20
 
 
@@ -110,14 +110,15 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
-    corpus only up to its first non-empty document. Checks: unsupported student layouts; data files
-    exist and hold a document; both tokenizers load and agree, and fit both embedding tables;
-    `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
-    attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel
-    plan (styles, attention and key/value head counts); both roles' pp_size against their decoder layers;
-    a TP student's vocabulary against the common one. Training from `kd.teacher_cache` checks the cache
-    against the run instead of the teacher (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's
-    identity when `teacher_model` is given; `writing_cache` (`meshkd cache-teacher`) checks the teacher.
+    corpus only when it is at most 64 MiB. Checks: unsupported student layouts; data files exist, are text
+    (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; both tokenizers load and
+    agree, and fit both embedding tables; `step_scheduler.sequence_length` against each model's
+    max_position_embeddings; each model's layer attention kinds against the masks meshkd prepares; tp sizes
+    against the model's own tensor-parallel plan (styles, attention and key/value head counts); both roles'
+    pp_size against their decoder layers; a TP student's vocabulary against the common one. Training from
+    `kd.teacher_cache` checks the cache against the run instead of the teacher
+    (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
+    `writing_cache` (`meshkd cache-teacher`) checks the teacher.
 
     Raises:
         ConfigError (a ValueError) or ValueError: naming the config key.
@@ -165,12 +166,13 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
                               dataset.max_document_chars, "replace")
     with about("dataset.paths"):
         files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
-        # Reading stops at the first document, but a JSONL file is read whole: on a large corpus this is
-        # left to the students' setup, whose errors reach every rank too.
+        # Every file is read (and checked for being text, by `dataset.on_bad_file`); on a large corpus this
+        # is left to the students' setup, whose errors reach every rank too.
         if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
-            first = documents.read_documents(files, text_key=dataset.text_key, format=dataset.format, max_documents=1,
-                                         max_document_chars=None, encoding_errors="replace")
-            if not first:
+            found = documents.read_documents(files, text_key=dataset.text_key, format=dataset.format,
+                                             max_documents=None, max_document_chars=None, encoding_errors="replace",
+                                             on_bad_file=dataset.on_bad_file)
+            if not found:
                 raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
 
     with about("model.tokenizer"):

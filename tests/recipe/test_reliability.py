@@ -551,6 +551,33 @@ def test_bad_input_fails_preflight_naming_the_key_or_file(case, tmp_path):
         preflight(config)
 
 
+def test_binary_and_non_utf8_data_files_are_refused_or_skipped_by_name(tmp_path, capsys):
+    from meshkd.recipe import data
+    from meshkd.recipe.preflight import preflight
+
+    config = tiny(tmp_path)
+    corpus = Path(config["dataset"]["paths"][0]).parent
+    binary, latin = corpus / "zz_binary.txt", corpus / "zz_latin.txt"
+    binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:4096])  # an ELF executable's start
+    latin.write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(ValueError, match=rf"dataset.paths: data file '{binary}' is binary \(a NUL byte at offset"):
+        preflight(config_from_dict(config))
+    binary.unlink()
+    with pytest.raises(ValueError, match=rf"data file '{latin}' is not valid UTF-8 \(byte 0xe9 at offset 3\)"):
+        preflight(config_from_dict(config))
+    binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:4096])
+    config["dataset"]["on_bad_file"] = "skip"
+    checked = preflight(config_from_dict(config))
+    warned = capsys.readouterr().err
+    assert f"meshkd: warning: skipping data file '{binary}': binary" in warned
+    assert f"meshkd: warning: skipping data file '{latin}': not valid UTF-8" in warned
+    train, val = data.build_run_datasets(checked.tokenizer, config_from_dict(config).dataset, sequence_length=32)
+    assert train.num_documents + val.num_documents == 24  # the corpus without the two
+    config["dataset"]["on_bad_file"] = "ignore"
+    with pytest.raises(ConfigError, match="dataset.on_bad_file must be error or skip, got 'ignore'"):
+        config_from_dict(config)
+
+
 def test_the_tiny_config_passes_preflight(tmp_path):
     from meshkd.recipe.preflight import preflight
 
