@@ -12,8 +12,9 @@ config or input found before any process started; 1 when a worker failed (each f
 `meshkd: error: rank R: ...` line);
 128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a stop request that every process obeyed.
 The first SIGINT or SIGTERM asks the workers to stop at the next step boundary (they save a checkpoint of
-that step); a second one hands the stop to torchrun, which signals the workers and kills them after its
-shutdown timeout (30 s by default).
+that step); a second one hands the stop to torchrun, which signals the workers and kills them after
+`SHUTDOWN_GRACE_S` (5 s; torchrun's own is 30 s). The same grace ends the workers left when one failed:
+a peer frozen mid-collective is gone within the collective timeout and that grace.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 from meshkd.recipe.config import ConfigError, load_config, required_world_size
 
 _DEMO_CONFIG = "demo.yaml"
+# Seconds the launcher waits for workers to exit after SIGTERM before it kills them (torchrun's own: 30 s).
+SHUTDOWN_GRACE_S = 5
 
 
 def _report(line: str) -> None:
@@ -53,10 +56,15 @@ _LAUNCHER = "import sys; from meshkd.cli import _torchrun; sys.exit(_torchrun(sy
 
 def _torchrun(argv: list[str]) -> int:
     """Run torch.distributed.run with `argv`; a worker failure or a signal gives an exit status, not a traceback."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    # When a worker fails, torchrun signals the others and waits 30 s before it kills them; that wait is
+    # fixed where it first sees the failure (`--shutdown-timeout` only covers its final shutdown). A worker
+    # frozen mid-collective never answers the signal, so every close of the workers gets our grace.
+    close = PContext.close
+    PContext.close = lambda self, death_sig=None, timeout=30: close(self, death_sig, min(timeout, SHUTDOWN_GRACE_S))
     try:
         main(argv)
     except ChildFailedError as error:

@@ -312,6 +312,35 @@ def test_resume_after_the_stop_finishes_with_every_step_logged_once(chain):
     assert_world_gone(outcome)
 
 
+@pytest.mark.world
+def test_a_frozen_teacher_rank_ends_every_process_within_twice_the_timeout(tmp_path):
+    """SIGSTOP on a teacher rank: its peers time out, and torchrun kills the frozen one after meshkd's grace."""
+    timeout = 15
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1, "tp_size": 2})
+    config["step_scheduler"]["max_steps"] = 100000  # far more than it will run
+    config["collective_timeout_s"] = timeout
+    path = tmp_path / "frozen.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = Run(path, tmp_path, "frozen")
+    pids = {}
+    try:
+        run.wait_for_step(2)
+        pids = run.worker_pids()
+        os.kill(pids[2], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        code = run.wait(4 * timeout)
+        elapsed = time.monotonic() - frozen_at
+    finally:
+        for pid in pids.values():
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 1, run.stderr[-3000:]
+    assert elapsed < 2 * timeout, f"{elapsed:.1f} s after the freeze"
+    assert all(process_gone(pid) for pid in pids.values()) and processes_mentioning(str(path)) == []
+    assert "lost the teacher" in run.errors()[0], run.stderr[-3000:]
+    assert run.worker_endings()[2] == "signal SIGKILL", run.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Atomic checkpoints, without processes
 
