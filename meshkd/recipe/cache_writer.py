@@ -119,9 +119,9 @@ class CacheWriter:
         checked = preflight(config, writing_cache=True)
         setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
                                               dist.get_world_size())
-        faults = FaultWatch(setups, self.directory, self.device)
+        faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
         vocab_size = min(checked.student_vocab_rows, checked.teacher_vocab_rows)
-        with faults.on_every_rank("while reading the data and planning the cache"):
+        with faults.on_every_rank("while reading the data and planning the cache", patient=True):
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
                 checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)))
@@ -181,7 +181,7 @@ class CacheWriter:
                  vocab_size: int, tokens: dict, checked) -> bool:
         """Load and lay out the teacher, then compute this replica's shards round by round; False if stopped."""
         config = self.config
-        with faults.on_every_rank("while loading and laying out the teacher"):
+        with faults.on_every_rank("while loading and laying out the teacher", patient=True):
             model, checkpoint = load_teacher(config)
             rows = model.get_output_embeddings().weight.shape[0]
             if rows != checked.teacher_vocab_rows:

@@ -158,6 +158,7 @@ class KDRecipeConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     collective_timeout_s: float = 600.0
+    setup_timeout_s: float = 3600.0  # how long ranks wait for each other to load models and data
 
     def get(self, key: str, default: Any = None) -> Any:
         """Topology view (`meshkd.core.topology._ConfigLike`): the typed sections, read as they are.
@@ -357,6 +358,8 @@ def validate(config: KDRecipeConfig) -> None:
     if not (config.collective_timeout_s > 0 and math.isfinite(config.collective_timeout_s)):
         raise ConfigError(f"collective_timeout_s must be a finite number of seconds > 0, got "
                           f"{config.collective_timeout_s}")
+    if not (config.setup_timeout_s > 0 and math.isfinite(config.setup_timeout_s)):
+        raise ConfigError(f"setup_timeout_s must be a finite number of seconds > 0, got {config.setup_timeout_s}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
     world_size = required_world_size(config)

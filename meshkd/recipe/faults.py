@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import signal
@@ -151,10 +152,15 @@ class FaultWatch:
         device: where the agreement collectives put their tensors.
     """
 
-    def __init__(self, setups: KDDistributedSetups, run_dir: Path, device: torch.device) -> None:
+    def __init__(self, setups: KDDistributedSetups, run_dir: Path, device: torch.device, *,
+                 setup_timeout_s: float | None = None) -> None:
         self.setups = setups
         self.run_dir = Path(run_dir)
         self.device = device
+        # Agreement after loading waits as long as loading may take, not the peer timeout (collective over
+        # the world, like the FaultWatch every rank builds at the same point of setup).
+        self._patient = None if setup_timeout_s is None else dist.new_group(
+            timeout=datetime.timedelta(seconds=setup_timeout_s))
 
     def write_pid_file(self) -> None:
         """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""
@@ -164,26 +170,27 @@ class FaultWatch:
         _lost_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
 
     @contextlib.contextmanager
-    def on_every_rank(self, stage: str):
+    def on_every_rank(self, stage: str, *, patient: bool = False):
         """Run a rank-local part of setup, then agree over the world: if it failed anywhere, raise everywhere.
 
         The failing rank raises its own error; the others raise SetupError with the lowest failing rank's
-        message. Costs one all-reduce when nothing failed.
+        message. Costs one all-reduce when nothing failed. `patient`: the ranks done first wait for the
+        others up to `setup_timeout_s` instead of the collective timeout (loading data and models).
         """
         try:
             yield
         except Exception as error:
-            self.agree(error, stage)
+            self.agree(error, stage, patient=patient)
             raise
-        self.agree(None, stage)
+        self.agree(None, stage, patient=patient)
 
-    def agree(self, error: BaseException | None, stage: str) -> None:
+    def agree(self, error: BaseException | None, stage: str, *, patient: bool = False) -> None:
         """Raise SetupError on every rank but the failing ones when `error` is set on any (see `on_every_rank`)."""
         text = None
         if error is not None:
             text = str(error) if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: {error}"
             text = text or type(error).__name__
-        failure = first_failure(text, device=self.device)
+        failure = first_failure(text, self._patient if patient else None, device=self.device)
         if failure is not None and error is None:
             origin, message = failure
             raise SetupError(f"rank {origin} ({self.role_of(origin)}) failed {stage}: {message}", origin_rank=origin)

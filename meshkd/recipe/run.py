@@ -76,7 +76,7 @@ class KDRecipe:
         checked = preflight(config)
         self.device, self._owns_process_group = init_world(config)
         self.setups = setups = create_kd_distributed_setups(config, dist.get_world_size())
-        self.faults = faults = FaultWatch(setups, self.run_dir, self.device)
+        self.faults = faults = FaultWatch(setups, self.run_dir, self.device, setup_timeout_s=config.setup_timeout_s)
         flatten_student_cp_axes(setups.student)  # collective over the world: teacher ranks take part
         is_student = dist.get_rank() in setups.student_ranks
         if is_student:
@@ -85,7 +85,7 @@ class KDRecipe:
             self.role = TeacherWorker(config, setups.teacher, faults, self.device)
         role = self.role
         with faults.watch("setup", "teacher" if is_student else "student"):
-            with faults.on_every_rank("while loading models and data"):
+            with faults.on_every_rank("while loading models and data", patient=True):
                 faults.write_pid_file()
                 torch.manual_seed(config.seed)
                 role.load(checked)

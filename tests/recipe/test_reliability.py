@@ -341,6 +341,22 @@ def test_a_frozen_teacher_rank_ends_every_process_within_twice_the_timeout(tmp_p
     assert run.worker_endings()[2] == "signal SIGKILL", run.stderr[-3000:]
 
 
+@pytest.mark.world
+def test_data_slower_to_prepare_than_the_peer_timeout_is_not_a_lost_peer(tmp_path):
+    """The students tokenize a 4 MiB document for several seconds while the teacher, loaded at once, waits:
+    with a 3 s collective timeout the run still trains (the wait after loading is bounded by
+    setup_timeout_s instead)."""
+    from tests.recipe.test_recipe import TrainRun
+
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+    corpus = Path(config["dataset"]["paths"][0]).parent
+    (corpus / "zz_long.txt").write_text("def f(x):\n    return x  # " + "spam " * (4 << 18) + "\n")
+    config["step_scheduler"]["max_steps"] = 2
+    config["collective_timeout_s"] = 3
+    run_world(2, [TrainRun(config)], timeout_s=3, deadline_s=300).check("train")
+    assert [r["step"] for r in read_metrics(config["logging"]["run_dir"]) if r["kind"] == "train"] == [1, 2]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Atomic checkpoints, without processes
 
@@ -404,6 +420,8 @@ CONFIG_CASES = {
     "zero_total_steps": ({"lr_scheduler__total_steps": 0}, r"lr_scheduler\.total_steps must be >= 1 or null"),
     "zero_collective_timeout": ({"collective_timeout_s": 0}, r"collective_timeout_s must be a finite number"),
     "negative_collective_timeout": ({"collective_timeout_s": -5}, r"collective_timeout_s must be a finite number"),
+    "infinite_setup_timeout": ({"setup_timeout_s": float("inf")}, r"setup_timeout_s must be a finite number"),
+    "bad_file_policy": ({"dataset__on_bad_file": "ignore"}, r"dataset\.on_bad_file must be error or skip"),
     "no_data_paths": ({"dataset__paths": []}, r"dataset\.paths is empty"),
     "zero_steps": ({"step_scheduler__max_steps": 0}, r"step_scheduler\.max_steps must be >= 1"),
     "batch_not_divisible": ({"step_scheduler__global_batch_size": 5, "step_scheduler__local_batch_size": 2},
