@@ -96,12 +96,14 @@ def _launch(nproc: int, args: list[str]) -> int:
     status, or 128 + the first signal's number when every process exited cleanly after it.
     """
     from meshkd.recipe.faults import STOP_FILE_ENV
+    from meshkd.recipe.metrics import WARNED_ENV, warned
 
     with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
         stop_file = Path(scratch, "stop")
         command = [sys.executable, "-c", _LAUNCHER, "--standalone", f"--nproc-per-node={nproc}", "-m", "meshkd", *args]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[STOP_FILE_ENV] = str(stop_file)
+        env[WARNED_ENV] = json.dumps(warned)  # the preflight's warnings, said once here
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         received: list[int] = []
 

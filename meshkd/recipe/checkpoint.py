@@ -124,6 +124,16 @@ def check_checkpoint(path: Path, group: dist.ProcessGroup | None) -> str | None:
     return next((found for found in problems if found is not None), None)
 
 
+def _cause(error: BaseException) -> str:
+    """One line for a DCP failure: the first failing rank's own error, not `CheckpointException ranks: ...`."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = min(failures.items(), key=lambda item: item[0])
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its traceback)
+        return f"rank {rank}: {type(cause).__name__}: {brief(cause)}"
+    return brief(error)
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -157,7 +167,12 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     dist.barrier(group=group)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), process_group=group)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial), process_group=group)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # DCP raises CheckpointException, a BaseException, on every rank
+        raise OSError(f"checkpoint {partial} could not be written: {_cause(error)}") from error
     torch.save(_rng_state(), partial / f"rng_rank{rank}.pt")
     dist.barrier(group=group)
     manifest = _manifest(partial, group)
@@ -231,7 +246,7 @@ def resume_latest(root: str | Path, *, model: torch.nn.Module, optimizer: torch.
         raise
     except BaseException as error:  # DCP raises CheckpointException, a BaseException
         raise ValueError(
-            f"checkpoint {path} cannot be loaded into this run (a different model or layout?): {brief(error)}"
+            f"checkpoint {path} cannot be loaded into this run (a different model or layout?): {_cause(error)}"
         ) from error
     return path, meta["step"]
 

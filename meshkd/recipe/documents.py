@@ -13,9 +13,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from meshkd.recipe.metrics import warn0
 
 
 def describe_patterns(patterns: list) -> str:
@@ -36,7 +37,6 @@ def match_files(patterns: list) -> list[str]:
 
 
 BAD_FILE_POLICIES = ("read", "error", "skip")
-_warned: set[str] = set()
 
 
 def not_text(data: bytes) -> str | None:
@@ -59,9 +59,7 @@ def check_text(path: str, data: bytes, on_bad_file: str) -> bool:
     if on_bad_file == "error":
         raise ValueError(f"data file {path!r} is {reason}: not a text file (on_bad_file 'skip' leaves such "
                          "files out)")
-    if os.environ.get("RANK", "0") == "0" and path not in _warned:
-        _warned.add(path)
-        print(f"meshkd: warning: skipping data file {path!r}: {reason}", file=sys.stderr, flush=True)
+    warn0(f"skipping data file {path!r}: {reason}")
     return False
 
 

@@ -2,13 +2,15 @@
 
 `metrics.jsonl` in the run directory gets one JSON object per training step (`"kind": "train"`) and per
 evaluation (`"kind": "eval"`); TensorBoard scalars are optional. `print0` keeps `if rank == 0` out of the
-recipe.
+recipe; `warn0` says a warning once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,20 @@ def print0(*args: Any) -> None:
     """print on global rank 0 only."""
     if is_logging_rank():
         print(*args, flush=True)
+
+
+WARNED_ENV = "MESHKD_WARNED"
+"""Environment variable with the warnings `meshkd train` already printed (JSON list): its workers skip them."""
+warned: list[str] = []  # what this process warned, in order
+
+
+def warn0(message: str) -> None:
+    """`meshkd: warning: MESSAGE` on stderr, once, from global rank 0 (before there is a world: the process
+    torchrun calls rank 0, or the launcher): every rank checks the same things."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0 and message not in warned and message not in json.loads(os.environ.get(WARNED_ENV, "[]")):
+        warned.append(message)
+        print(f"meshkd: warning: {message}", file=sys.stderr, flush=True)
 
 
 class MetricsSink:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.metrics import warn0
 
 # The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
 _PREFLIGHT_READ_BYTES = 64 << 20
@@ -179,6 +181,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
         tokenizer = load_section_tokenizer(config.model)
     with about("model"):
         student = _skeleton(config.model)
+    _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = None
     if from_cache:  # the cache stands for the teacher: it was written with the student's tokenizer
         teacher_tokenizer = tokenizer
@@ -238,6 +241,29 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
     return checked
 
 
+def _existing_ancestor(path: str) -> str:
+    existing = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
+def _warn_if_checkpoints_may_not_fit(config: KDRecipeConfig, student: torch.nn.Module) -> None:
+    """A warning when the run's checkpoints (weights and optimizer moments, each save kept) exceed the free disk."""
+    steps = config.step_scheduler
+    if not config.checkpoint.enabled or not steps.ckpt_every_steps:
+        return
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in student.parameters())
+    per_checkpoint = weights * (3 if config.optimizer.name == "adamw" else 1)  # AdamW: two moments
+    saves = steps.max_steps // steps.ckpt_every_steps
+    root = config.checkpoint.dir or os.path.join(config.logging.run_dir, "checkpoints")
+    existing = _existing_ancestor(root)
+    free = shutil.disk_usage(existing).free
+    if per_checkpoint * saves > free:
+        warn0(f"checkpoint.dir: the run's {saves} checkpoints take about {per_checkpoint * saves / 2**20:.1f} MiB "
+              f"({per_checkpoint / 2**20:.1f} MiB each), {free / 2**20:.1f} MiB are free under {existing}")
+
+
 def _check_writable_directory(key: str, path: str | None) -> None:
     """`path` is a directory this process can write, or can be created as one."""
     if path is None:
@@ -245,9 +271,7 @@ def _check_writable_directory(key: str, path: str | None) -> None:
     target = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ConfigError(f"{key}: {path} exists and is not a directory")
-    existing = target
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = _existing_ancestor(target)
     if not os.path.isdir(existing):
         raise ConfigError(f"{key}: {path} cannot be created: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
