@@ -1,6 +1,24 @@
 """Two tiers. Tests that start processes (a gloo world, or the meshkd command) are marked `world` and run
 after the single-process ones, which alone take seconds: `python -m pytest -m "not world"`."""
 
+import os
+import subprocess
+
+import pytest
+
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("world") is not None)  # stable: file order kept
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs mounted under `tmp_path`: a real disk that fills up (needs root, else skipped)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

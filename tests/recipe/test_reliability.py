@@ -358,22 +358,15 @@ def test_data_slower_to_prepare_than_the_peer_timeout_is_not_a_lost_peer(tmp_pat
 
 
 @pytest.mark.world
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-def test_a_disk_too_small_for_checkpoints_is_warned_of_and_a_failed_save_is_one_line(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
-        config["checkpoint"] = {"enabled": True, "save_hf": False, "dir": str(mount / "ckpt")}
-        config["step_scheduler"].update(max_steps=2, ckpt_every_steps=1)
-        path = tmp_path / "full.yaml"
-        path.write_text(yaml.safe_dump(config))
-        result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(path)], capture_output=True,
-                                text=True, timeout=180)
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+def test_a_disk_too_small_for_checkpoints_is_warned_of_and_a_failed_save_is_one_line(tmp_path, small_disk):
+    mount = small_disk
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
+    config["checkpoint"] = {"enabled": True, "save_hf": False, "dir": str(mount / "ckpt")}
+    config["step_scheduler"].update(max_steps=2, ckpt_every_steps=1)
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(path)], capture_output=True, text=True,
+                            timeout=180)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.count("meshkd: warning: checkpoint.dir: the run's 2 checkpoints take about") == 1
     errors = re.findall(r"meshkd: error: rank 0: (.+)", result.stderr)
