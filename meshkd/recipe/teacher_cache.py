@@ -267,8 +267,7 @@ class CachedTeacher:
         if len(asked["validation"]) > held_val:
             raise ValueError(
                 f"kd.teacher_cache: evaluation reads {len(asked['validation'])} validation rows, the cache holds "
-                f"{held_val}; "
-                "lower step_scheduler.val_batches or rerun `meshkd cache-teacher` with this run's settings"
+                f"{held_val}; lower step_scheduler.val_batches or rerun `meshkd cache-teacher` with this run's settings"
             )
 
     def _shard(self, number: int):
