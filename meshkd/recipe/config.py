@@ -21,6 +21,9 @@ import yaml
 
 from meshkd.core.topology import validate_kd_config
 
+MAX_WORLD_SIZE = 1 << 20
+"""Ranks a layout may need at most: a typo of a size key should not build a mesh of a trillion ranks."""
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key."""
@@ -363,6 +366,9 @@ def validate(config: KDRecipeConfig) -> None:
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
     world_size = required_world_size(config)
+    if world_size is not None and world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
+                          "the *_size keys of distributed and teacher_distributed")
     if world_size is not None:
         try:
             validate_kd_config(config, world_size)

@@ -88,8 +88,11 @@ def _skeleton(section) -> torch.nn.Module:
         try:
             with torch.device("meta"):
                 return load_section_model(section)
-        except (RuntimeError, TypeError) as error:  # e.g. a negative size reaching a tensor's shape
-            raise ValueError(f"random_init: {error}") from None
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the modeling code's verdict on the user's kwargs: a
+            # negative size reaching a tensor's shape, a value of the wrong type for the config class
+            raise ValueError(f"random_init: {' '.join(str(error).split())}") from None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory, gguf_file = models.resolve_source(section.path, section.gguf_file)

@@ -439,6 +439,7 @@ CONFIG_CASES = {
     "zero_total_steps": ({"lr_scheduler__total_steps": 0}, r"lr_scheduler\.total_steps must be >= 1 or null"),
     "zero_collective_timeout": ({"collective_timeout_s": 0}, r"collective_timeout_s must be a finite number"),
     "negative_collective_timeout": ({"collective_timeout_s": -5}, r"collective_timeout_s must be a finite number"),
+    "huge_dp_size": ({"teacher_distributed__dp_size": 2**40}, r"the layout needs 1099511627777 ranks, more than"),
     "infinite_setup_timeout": ({"setup_timeout_s": float("inf")}, r"setup_timeout_s must be a finite number"),
     "bad_file_policy": ({"dataset__on_bad_file": "ignore"}, r"dataset\.on_bad_file must be error or skip"),
     "no_data_paths": ({"dataset__paths": []}, r"dataset\.paths is empty"),
