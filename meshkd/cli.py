@@ -1,4 +1,4 @@
-"""The `meshkd` command: train, cache-teacher, demo, plot.
+"""The `meshkd` command: train, cache-teacher, prune, demo, plot.
 
 `meshkd train CONFIG` validates the config and runs the recipe's preflight checks in the calling process
 (a typo or a missing file fails in seconds, before any process starts), then starts `--nproc` local
@@ -160,7 +160,22 @@ def _set_args(overrides: list[str]) -> list[str]:
     return [item for override in overrides for item in ("--set", override)]
 
 
+def _with_layer_selection(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
+    """`overrides`, plus `model.keep_layers=[...]` when the config asks for `{auto: N}` (measured, or read
+    from the run directory's record; see `meshkd.recipe.layer_selection`)."""
+    config = load_config(config_path, overrides)
+    if not isinstance(config.model.keep_layers, dict):
+        return overrides
+    from meshkd.recipe import layer_selection
+    from meshkd.recipe.preflight import load_section_tokenizer
+
+    keep = layer_selection.resolve(config, load_section_tokenizer(config.model), resume=resume,
+                                   measure_here=not _inside_torchrun())
+    return [*overrides, f"model.keep_layers={keep}"]
+
+
 def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
+    overrides = _with_layer_selection(config_path, overrides, resume=resume)
     config = load_config(config_path, overrides)
     if _inside_torchrun():
         from meshkd.recipe.run import KDRecipe
@@ -174,6 +189,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
 
 def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None) -> int:
+    overrides = _with_layer_selection(config_path, overrides)
     config = load_config(config_path, overrides)
     if config.kd.teacher_cache is None:
         raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
@@ -251,6 +267,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prune(config_path: str, overrides: list[str]) -> int:
+    config = load_config(config_path, overrides)
+    if not isinstance(config.model.keep_layers, dict):
+        raise ConfigError("model.keep_layers: set it to {auto: N} to have the N most important layers chosen "
+                          "(e.g. --set 'model.keep_layers={auto: 8}')")
+    _with_layer_selection(config_path, overrides)
+    return 0
+
+
 def _plot(run_dir: str, out: str | None) -> int:
     from meshkd.recipe.plot import plot_run
 
@@ -287,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 
+    prune = commands.add_parser("prune", help="choose the student's layers by measured importance "
+                                              "(model.keep_layers: {auto: N}) and record them in the run directory")
+    prune.add_argument("config", help="YAML config file: the same as for train")
+    prune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set 'model.keep_layers={auto: 8}' (repeatable)")
+
     plot = commands.add_parser("plot", help="draw a run's loss curves to a PNG")
     plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
@@ -302,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cache_teacher(args.config, args.set, args.nproc, args.shard_rows)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "prune":
+            return _prune(args.config, args.set)
         return _plot(args.run_dir, args.out)
     except (ConfigError, ValueError, OSError) as error:
         print(f"meshkd: error: {error}", file=sys.stderr)

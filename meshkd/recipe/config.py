@@ -36,7 +36,9 @@ class ModelConfig:
     path: str | None = None
     gguf_file: str | None = None
     random_init: dict | None = None  # HF config kwargs with `model_type`: tiny models for tests
-    keep_layers: list[int] | None = None  # layer pruning: the decoder layers to keep, in order
+    # Layer pruning: the decoder layers to keep, in order, or {auto: N} to keep the N that measure most
+    # important (meshkd.recipe.layer_selection; optional by: block | layer, calibration_rows).
+    keep_layers: list[int] | dict | None = None
     tokenizer: str | None = None  # None: the model's own; "byte": meshkd's offline byte tokenizer
     dtype: str = "float32"
     seed: int = 0
@@ -320,6 +322,8 @@ def validate(config: KDRecipeConfig) -> None:
             continue  # no teacher given: the cache's stands
         if (model.path is None) == (model.random_init is None):
             raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
+        if isinstance(model.keep_layers, dict):
+            _check_layer_selection(label, model.keep_layers)
         if model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{label}.dtype must be float32, bfloat16 or float16, got {model.dtype!r}")
         # The recipe hands attention prepared 4D masks, which flash and flex attention do not take.
@@ -380,6 +384,22 @@ def validate(config: KDRecipeConfig) -> None:
                 f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
                 f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
             )
+
+
+def _check_layer_selection(label: str, selection: dict) -> None:
+    key = f"{label}.keep_layers"
+    if label != "model":
+        raise ConfigError(f"{key}: {{auto: N}} chooses a student's layers; give the teacher's as a list")
+    unknown = sorted(set(selection) - {"auto", "by", "calibration_rows"})
+    if unknown or "auto" not in selection:
+        raise ConfigError(f"{key} must be a list of layers or {{auto: N}} (optional by, calibration_rows), got "
+                          f"{selection}")
+    for name in ("auto", "calibration_rows"):
+        value = selection.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}.{name} must be an integer >= 1, got {value!r}")
+    if selection.get("by", "block") not in ("block", "layer"):
+        raise ConfigError(f"{key}.by must be block or layer, got {selection['by']!r}")
 
 
 def _check_optimizer(optimizer: OptimizerConfig) -> None:

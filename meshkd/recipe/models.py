@@ -425,6 +425,11 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
     return tied
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a *ForCausalLM, in order."""
+    return _decoder_layers_owner(model).layers
+
+
 def _decoder_layers_owner(model: nn.Module) -> nn.Module:
     """The module holding the decoder layers as `.layers`: the base model of a *ForCausalLM."""
     num_layers = getattr(model.config, "num_hidden_layers", None)

@@ -82,19 +82,23 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int) -> dict[str
     return key
 
 
-def teacher_identity(config: KDRecipeConfig) -> dict[str, Any]:
-    """The teacher section as given, with the sha256 of its config.json (or GGUF file); weights are not hashed."""
-    section = config.teacher_model
-    identity = {f"teacher_model.{name}": getattr(section, name) for name in TEACHER_KEYS}
+def model_identity(section, label: str, keys: tuple[str, ...] = TEACHER_KEYS) -> dict[str, Any]:
+    """A model section's `keys` as given, with the sha256 of its config.json (or GGUF file); weights are not hashed."""
+    identity = {f"{label}.{name}": getattr(section, name) for name in keys}
     source = None
     if section.path is not None:
         try:
             directory, gguf_file = models.resolve_source(section.path, section.gguf_file)
             source = file_sha256(directory / (gguf_file or "config.json"))
         except (OSError, ValueError) as error:
-            raise ConfigError(f"teacher_model: {error}") from None
-    identity["teacher_model (config.json or GGUF file sha256)"] = source
+            raise ConfigError(f"{label}: {error}") from None
+    identity[f"{label} (config.json or GGUF file sha256)"] = source
     return identity
+
+
+def teacher_identity(config: KDRecipeConfig) -> dict[str, Any]:
+    """The teacher section's identity (`model_identity`)."""
+    return model_identity(config.teacher_model, "teacher_model")
 
 
 def _row_hash(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
