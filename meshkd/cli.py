@@ -1,4 +1,4 @@
-"""The `meshkd` command: train, cache-teacher, prune, demo, plot.
+"""The `meshkd` command: train, cache-teacher, prune, demo, bench, plot.
 
 `meshkd train CONFIG` validates the config and runs the recipe's preflight checks in the calling process
 (a typo or a missing file fails in seconds, before any process starts), then starts `--nproc` local
@@ -36,6 +36,7 @@ from pathlib import Path
 from meshkd.recipe.config import ConfigError, load_config, required_world_size
 
 _DEMO_CONFIG = "demo.yaml"
+_DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n'
 # Seconds the launcher waits for workers to exit after SIGTERM before it kills them (torchrun's own: 30 s).
 SHUTDOWN_GRACE_S = 5
 
@@ -160,22 +161,22 @@ def _set_args(overrides: list[str]) -> list[str]:
     return [item for override in overrides for item in ("--set", override)]
 
 
-def _with_layer_selection(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
-    """`overrides`, plus `model.keep_layers=[...]` when the config asks for `{auto: N}` (measured, or read
-    from the run directory's record; see `meshkd.recipe.layer_selection`)."""
+def _layer_selection(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
+    """`["model.keep_layers=[...]"]` when the config asks for `{auto: N}` (measured, or read from the run
+    directory's record; see `meshkd.recipe.layer_selection`), else `[]`."""
     config = load_config(config_path, overrides)
     if not isinstance(config.model.keep_layers, dict):
-        return overrides
+        return []
     from meshkd.recipe import layer_selection
     from meshkd.recipe.preflight import load_section_tokenizer
 
     keep = layer_selection.resolve(config, load_section_tokenizer(config.model), resume=resume,
                                    measure_here=not _inside_torchrun())
-    return [*overrides, f"model.keep_layers={keep}"]
+    return [f"model.keep_layers={keep}"]
 
 
 def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
-    overrides = _with_layer_selection(config_path, overrides, resume=resume)
+    overrides = [*overrides, *_layer_selection(config_path, overrides, resume=resume)]
     config = load_config(config_path, overrides)
     if _inside_torchrun():
         from meshkd.recipe.run import KDRecipe
@@ -189,7 +190,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
 
 def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None) -> int:
-    overrides = _with_layer_selection(config_path, overrides)
+    overrides = [*overrides, *_layer_selection(config_path, overrides)]
     config = load_config(config_path, overrides)
     if config.kd.teacher_cache is None:
         raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
@@ -241,30 +242,53 @@ def _demo(args: argparse.Namespace) -> int:
     config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
+    # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
+    layers = _layer_selection(config_path, demo_overrides(args.run_dir, cache + args.set))
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
     if cache:
-        code = _demo_cache(config_path, demo_overrides(args.run_dir, cache + args.set))
+        code = _demo_cache(config_path, demo_overrides(args.run_dir, cache + args.set + layers))
         if code != 0:
             return code
     summaries = {}
     for name, run_dir, extra in runs:
         print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
-        code = _train(config_path, demo_overrides(run_dir, extra + cache + args.set), None, False)
+        code = _train(config_path, demo_overrides(run_dir, extra + cache + args.set + layers), None, False)
         if code != 0:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
-    kd = summaries["kd"]
-    print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
-    print(f"  teacher (SmolLM2-135M-Instruct, 30 layers) {kd['teacher_val_loss']:.4f}")
-    print(f"  pruned student before healing              {kd['val_loss_before']:.4f}")
-    print(f"  pruned student after KD healing            {kd['val_loss_after']:.4f}")
-    if "ce" in summaries:
-        print(f"  pruned student after CE-only healing       {summaries['ce']['val_loss_after']:.4f}")
-    if "hf_dir" in kd:
-        print(f"HF-format student written to {kd['hf_dir']}")
+    _demo_report(load_config(config_path, demo_overrides(args.run_dir, cache + args.set + layers)), summaries)
     return 0
+
+
+def _demo_report(config, summaries: dict[str, dict]) -> None:
+    """Losses, the share of the pruned student's gap to the teacher that healing closed, completions, curves."""
+    kd = summaries["kd"]
+    teacher, before = kd["teacher_val_loss"], kd["val_loss_before"]
+
+    def closed(after: float) -> str:
+        return f"{(before - after) / (before - teacher):.0%} of the gap to the teacher closed"
+
+    print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
+    print(f"  teacher (SmolLM2-135M-Instruct, 30 layers)  {teacher:.4f}")
+    print(f"  pruned student ({len(config.model.keep_layers)} layers) before healing  {before:.4f}")
+    print(f"  after KD healing                            {kd['val_loss_after']:.4f}  ({closed(kd['val_loss_after'])})")
+    if "ce" in summaries:
+        ce = summaries["ce"]["val_loss_after"]
+        print(f"  after CE-only healing                       {ce:.4f}  ({closed(ce)}; KD "
+              f"{(ce - kd['val_loss_after']) / ce:.1%} lower)")
+    if "hf_dir" in kd:
+        from meshkd.recipe.completions import compare_completions
+
+        print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
+        texts = compare_completions(config.teacher_model, config.model.keep_layers, kd["hf_dir"], _DEMO_PROMPT)
+        for name, text in texts.items():
+            print(f"--- {name}\n{_DEMO_PROMPT}{text}")
+    with contextlib.suppress(RuntimeError):  # matplotlib missing: the figures above stand
+        from meshkd.recipe.plot import plot_run
+
+        print(f"\ncurves: {plot_run(config.logging.run_dir)}")
 
 
 def _prune(config_path: str, overrides: list[str]) -> int:
@@ -272,7 +296,7 @@ def _prune(config_path: str, overrides: list[str]) -> int:
     if not isinstance(config.model.keep_layers, dict):
         raise ConfigError("model.keep_layers: set it to {auto: N} to have the N most important layers chosen "
                           "(e.g. --set 'model.keep_layers={auto: 8}')")
-    _with_layer_selection(config_path, overrides)
+    _layer_selection(config_path, overrides)
     return 0
 
 
@@ -318,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set 'model.keep_layers={auto: 8}' (repeatable)")
 
+    bench = commands.add_parser("bench", help="meshkd's benchmarks (transport, cache, loading): ratios measured "
+                                              "side by side", add_help=False)
+    bench.add_argument("bench_args", nargs="*", help="see meshkd bench --help")
+
     plot = commands.add_parser("plot", help="draw a run's loss curves to a PNG")
     plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
@@ -325,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own options, parsed by meshkd.bench
+        from meshkd.bench import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sysconfig
 import types
 import typing
@@ -23,6 +24,21 @@ from meshkd.core.topology import validate_kd_config
 
 MAX_WORLD_SIZE = 1 << 20
 """Ranks a layout may need at most: a typo of a size key should not build a mesh of a trillion ranks."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, except that 1e-3 is a number, as in YAML 1.2 (PyYAML reads a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
 
 
 class ConfigError(ValueError):
@@ -265,7 +281,7 @@ def apply_override(data: dict, assignment: str) -> None:
             raise ConfigError(f"override {dotted}: {part} is not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = _parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or "not valid YAML"
         raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({problem})") from None
@@ -287,7 +303,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> KDRecipeConfig:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _parse_yaml(path.read_text())
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
     if data is not None and not isinstance(data, dict):

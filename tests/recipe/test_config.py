@@ -23,6 +23,15 @@ def test_yaml_and_overrides_build_the_typed_config(tmp_path):
     assert config.get("distributed").dp_size == 2  # the topology reads the typed section as it is
 
 
+def test_numbers_in_exponent_form_are_numbers_in_files_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    rest = {key: value for key, value in base_config(tmp_path).items() if key != "optimizer"}
+    path.write_text("optimizer: {lr: 1e-3, eps: 1E-8}\n" + yaml.safe_dump(rest))
+    config = load_config(path)
+    assert (config.optimizer.lr, config.optimizer.eps) == (1e-3, 1e-8)
+    assert load_config(path, ["optimizer.lr=5e-4"]).optimizer.lr == 5e-4
+
+
 def test_override_syntax_errors_name_the_override():
     with pytest.raises(ConfigError, match="key.path=value"):
         apply_override({}, "no_equals_sign")

@@ -161,7 +161,7 @@ def test_topk_logits_transport_trains_close_to_the_full_curve(reference, tmp_pat
     # The tiny random teacher is nearly uniform over 262 tokens, the hardest case for top-k: its KD (about
     # 0.01 here) is estimated from 32 kept and 16 sampled tokens, and its noisier gradient moves the
     # student a little differently (measured: 2.8% off the full curve after 5 steps). Accuracy on real
-    # teacher logits is measured by bench/run.py.
+    # teacher logits is measured by meshkd bench.
     config = with_layout(base_config(tmp_path), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
     config["kd"].update(logits_transport="topk", topk=32, topk_tail_samples=16)
     records = [r for r in train_in_world(3, config) if r["kind"] == "train"]

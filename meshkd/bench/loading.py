@@ -1,6 +1,6 @@
 """Per-rank peak memory while loading a teacher of about 2 GB, laid out tp 2, pp 2 or ep 2, relative to tp 1.
 
-    python bench/loading.py [--json OUT] [--hidden 2048] [--layers 8]
+    meshkd bench --only loading [--quick] [--json OUT]
 
 A random Llama (hidden 2048, 8 layers, vocabulary 32000, untied: about 2.0 GB in float32) and a random
 Qwen3-MoE (hidden 1024, 8 layers, 16 experts of width 768 per layer: about 1.6 GB) are written as
@@ -17,9 +17,7 @@ loading path. Linux only.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -93,13 +91,9 @@ def _measure(directory: Path, layout: dict, world: int, sharded: bool) -> list[f
     return [record["peak_mib"] for record in records]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+def run_section(quick: bool) -> dict:
+    """{"loading": results}, printed as they are measured; `quick`: teachers of hidden 1024 (about a quarter)."""
+    hidden, layers = (1024, 8) if quick else (2048, 8)
     results: dict = {"layouts": []}
     tp2, pp2 = {"tp_size": 2, "dp_size": 1}, {"pp_size": 2, "dp_size": 1}
     ep2 = {"tp_size": 2, "ep_size": 2, "dp_size": 1}
@@ -108,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     for kind in ("llama", "qwen3_moe"):
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp)
-            _write_model(directory, kind, args.hidden, args.layers)
+            _write_model(directory, kind, hidden, layers)
             size = (directory / "model.safetensors").stat().st_size / 2**20
             print(f"{kind} teacher checkpoint: {size:.0f} MiB")
             for _, sharded, layouts in (run for run in runs if run[0] == kind):
@@ -121,10 +115,4 @@ def main(argv: list[str] | None = None) -> dict:
                                                "tp1_peak_mib": baseline, "peak_mib": peaks, "ratio": ratios})
                     print(f"{kind} {path:>20} {name}: per-rank peak {', '.join(f'{p:.0f}' for p in peaks)} MiB, "
                           f"/ tp 1 ({baseline:.0f} MiB) = {', '.join(f'{r:.2f}' for r in ratios)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return results
-
-
-if __name__ == "__main__":
-    main()
+    return {"loading": results}

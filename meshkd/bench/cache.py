@@ -1,20 +1,19 @@
 """The offline teacher cache: its bytes per token, its write throughput, and training from it vs a live teacher.
 
-    python bench/cache.py [--json OUT] [--repeats 2] [--steps 12]
+    meshkd bench --only cache [--quick] [--json OUT]
 
 One config, random-init Llamas with a vocabulary of 49152 (the demo's) and the byte tokenizer, on the
 Python standard library's json and email sources at sequence 256: a student (hidden 128, 2 layers) on one
 rank, a teacher (hidden 512, 8 layers) on one rank of its own, `kd.logits_transport: topk` with k = 64 and
 32 tail samples. `meshkd cache-teacher` writes the cache once (bytes per training position from its
 manifest, tokens/s as the writer measured them). Then `meshkd train` runs alternately with the live
-teacher and from the cache, `--repeats` times each; the figure is the median step time over the steps
-after the second (the first ones warm up), and the ratio cache / live of those medians, both sides
-measured in this one run.
+teacher and from the cache, twice each, 12 steps a run (once, 6 steps, with --quick); the figure is the
+median step time over the steps after the second (the first ones warm up), and the ratio cache / live of
+those medians, both sides measured in this one run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -86,13 +85,9 @@ def run(repeats: int, steps: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--repeats", type=int, default=2, help="live and cached runs of each side")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
-    args = parser.parse_args(argv)
-    results = run(args.repeats, args.steps)
+def run_section(quick: bool) -> dict:
+    """{"cache": results}, printed as they are measured; `quick`: one run of each side, 6 steps."""
+    results = run(1, 6) if quick else run(2, 12)
     print(f"cache: {results['bytes_per_position']:.1f} bytes per training position (top-64 + 32 tail samples; "
           f"target <= 1024), {results['cache_bytes'] / 2**20:.1f} MiB for {results['cached_rows']['train']} training + "
           f"{results['cached_rows']['validation']} validation rows")
@@ -100,10 +95,4 @@ def main(argv: list[str] | None = None) -> dict:
           f"(the whole command {results['write_command_s']:.1f} s)")
     print(f"train step: live teacher {results['step_time_live_s']:.3f} s, from the cache "
           f"{results['step_time_cache_s']:.3f} s, ratio cache / live {results['step_time_ratio_cache_over_live']:.3f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    return results
-
-
-if __name__ == "__main__":
-    main()
+    return {"cache": results}

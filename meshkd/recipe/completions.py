@@ -1,0 +1,33 @@
+"""Greedy completions of one prompt by the teacher, the pruned student and the trained student: what the
+loss figures mean, shown (`meshkd demo` prints them). One process, the models' own `generate`."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from meshkd.recipe import models
+from meshkd.recipe.preflight import load_section_model, load_section_tokenizer
+
+
+def greedy_completion(model, tokenizer, prompt: str, *, max_new_tokens: int) -> str:
+    """The text `model` appends to `prompt`, choosing the likeliest token each time (with the KV cache)."""
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def compare_completions(teacher_section, keep_layers: list[int], trained_dir: str | Path, prompt: str, *,
+                        max_new_tokens: int = 32) -> dict[str, str]:
+    """{"teacher", "pruned student", "trained student": completion}: the pruned student is the teacher with
+    only `keep_layers`; the trained one is read from the HF directory the run wrote."""
+    tokenizer = load_section_tokenizer(teacher_section)
+    teacher = load_section_model(teacher_section)
+    pruned = models.prune_layers(copy.deepcopy(teacher), keep_layers)
+    trained = models.load_causal_lm(path=trained_dir)
+    return {name: greedy_completion(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+            for name, model in (("teacher", teacher), ("pruned student", pruned), ("trained student", trained))}
