@@ -87,6 +87,8 @@ class KDConfig:
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (the run fails) | skip_step (no update)
+    max_skipped_steps: int = 10  # with skip_step: the run fails at the next non-finite step after this many
 
 
 @dataclass
@@ -355,6 +357,10 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
     if kd.topk < 1 or kd.topk_tail_samples < 0:
         raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
+    if kd.on_nonfinite not in ("stop", "skip_step"):
+        raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
+    if kd.max_skipped_steps < 0:
+        raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
     if config.dataset.on_bad_file not in ("error", "skip"):

@@ -17,7 +17,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     except ImportError as error:
         raise RuntimeError("meshkd plot needs matplotlib: pip install 'meshkd[plotting]'") from error
     records = read_metrics(run_dir)
-    train = [r for r in records if r["kind"] == "train"]
+    train = [r for r in records if r["kind"] == "train" and not r.get("skipped")]  # a skipped step has NaN
     evals = [r for r in records if r["kind"] == "eval"]
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for key, label in (("loss", "train loss"), ("ce_loss", "train CE"), ("kd_loss", "train KD")):

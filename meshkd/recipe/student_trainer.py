@@ -52,7 +52,7 @@ from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
-from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics
+from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
@@ -79,6 +79,7 @@ class StudentTrainer:
         self.num_micro_batches = steps.global_batch_size // (steps.local_batch_size * self.dp_size)
         self.summary: dict = {}
         self.start_step = 0
+        self.skipped_steps = 0  # non-finite steps skipped since this process started (kd.on_nonfinite)
         self.metrics: MetricsSink | None = None
 
     # ---- setup, phase by phase ----
@@ -241,6 +242,8 @@ class StudentTrainer:
             after = self.evaluate()
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
+        if self.skipped_steps:
+            self.summary["skipped_steps"] = self.skipped_steps
         if config.checkpoint.enabled and config.checkpoint.save_hf:
             with self.faults.watch("the HF export", "student"):
                 self.summary["hf_dir"] = str(self.export_hf().resolve())
@@ -435,19 +438,35 @@ class StudentTrainer:
                                    stages_group=stages, uncounted=copies)
         totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
         summed = self._sum_over_dp(totals, and_cp=True)
-        if not all(math.isfinite(value) for value in (*summed, grad_norm)):
-            # The same sums on every student rank: all stop here, before the weights take the update.
-            raise ValueError(
-                f"step {self.scheduler.last_epoch + 1}: the loss or its gradient is not finite (loss {summed[0]}, "
-                f"ce_loss {summed[1]}, kd_loss {summed[2]}, grad_norm {grad_norm}); training stopped before this "
-                "update. Lower optimizer.lr, check the data, or resume from the last checkpoint"
-            )
-        self.optimizer.step()
+        finite = all(math.isfinite(value) for value in (*summed, grad_norm))
+        if not finite:
+            # The same sums on every student rank: all skip, or all stop, before the weights take the update.
+            self._nonfinite_step(summed, grad_norm)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return {"loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
-                "num_tokens": num_valid, "teacher_wait_s": wait}
+                "num_tokens": num_valid, "teacher_wait_s": wait, "skipped": not finite}
+
+    def _nonfinite_step(self, summed: list[float], grad_norm: float) -> None:
+        """Skip this step's update (`kd.on_nonfinite: skip_step`, at most `kd.max_skipped_steps` times), else
+        raise ValueError naming the step and the values."""
+        kd = self.config.kd
+        step = self.scheduler.last_epoch + 1
+        values = f"loss {summed[0]}, ce_loss {summed[1]}, kd_loss {summed[2]}, grad_norm {grad_norm}"
+        if kd.on_nonfinite == "skip_step" and self.skipped_steps < kd.max_skipped_steps:
+            self.skipped_steps += 1
+            warn0(f"step {step}: the loss or its gradient is not finite ({values}); step skipped, no update "
+                  f"({self.skipped_steps} of at most kd.max_skipped_steps={kd.max_skipped_steps})")
+            return
+        skipped = f" after {self.skipped_steps} skipped step(s), the most kd.max_skipped_steps allows" if (
+            kd.on_nonfinite == "skip_step") else ""
+        raise ValueError(
+            f"step {step}: the loss or its gradient is not finite ({values}); training stopped before this "
+            f"update{skipped}. Lower optimizer.lr, check the data, or resume from the last checkpoint"
+        )
 
     def _sum_over_dp(self, values: list[float], *, and_cp: bool = False) -> list[float]:
         """Sum over data-parallel ranks; `and_cp` also over context-parallel ranks (per-rank token shares)."""

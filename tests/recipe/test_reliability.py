@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import signal
@@ -747,6 +748,51 @@ class ExpectNonFiniteStop:
         assert _train_records(self.config) == 0, "a step was logged as trained"
 
 
+class SkipNonFiniteSteps:
+    """A check: with kd.on_nonfinite: skip_step, a NaN loss at step 2 skips that update on every student rank
+    and training goes on; a second one, past kd.max_skipped_steps=1, stops the run naming the limit."""
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.__name__, self.config = name, config
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        from meshkd.recipe.run import KDRecipe
+        from meshkd.recipe.student_trainer import StudentTrainer
+
+        micro_batch_loss, calls = StudentTrainer.micro_batch_loss, []
+        nan_steps = {2}
+
+        def poisoned(trainer, *args):
+            calls.append(args)
+            loss, values = micro_batch_loss(trainer, *args)
+            step = (len(calls) - 1) // trainer.num_micro_batches + 1
+            return (loss * float("nan"), values) if step in nan_steps else (loss, values)
+
+        StudentTrainer.micro_batch_loss = poisoned
+        try:
+            again = copy.deepcopy(self.config)
+            again["logging"]["run_dir"] += "_again"
+            if dist.get_rank() == 2:  # the teacher serves both runs and ends normally
+                assert KDRecipe(config_from_dict(self.config)).run() == {}
+                assert KDRecipe(config_from_dict(again)).run() == {}
+                return
+            summary = KDRecipe(config_from_dict(self.config)).run()
+            assert summary["skipped_steps"] == 1
+            records = [r for r in read_metrics(self.config["logging"]["run_dir"]) if r["kind"] == "train"]
+            assert [(r["step"], r["skipped"]) for r in records] == [(1, False), (2, True), (3, False)]
+            assert all(math.isfinite(r["loss"]) for r in records if not r["skipped"])
+            calls.clear()
+            nan_steps.update({1, 3})
+            recipe = KDRecipe(config_from_dict(again))
+            with pytest.raises(ValueError, match=r"step 2: .* not finite .*after 1 skipped step\(s\), the most "
+                                                 r"kd.max_skipped_steps allows"):
+                recipe.run()
+        finally:
+            StudentTrainer.micro_batch_loss = micro_batch_loss
+
+
 class SignalOneStudentRank:
     """A check: SIGINT reaches student rank 1 only, after step 2; every rank stops at the same step."""
 
@@ -825,6 +871,7 @@ SETUP_CHECKS = ["student_data_leaves_no_training_document", "teacher_weights_mis
                 "train_one_step_with_a_checkpoint", "resume_from_a_checkpoint_of_another_model",
                 "sigint_to_one_student_rank_stops_every_rank_at_the_same_step",
                 "a_non_finite_loss_stops_every_rank_before_the_update",
+                "on_nonfinite_skip_step_skips_the_update_up_to_the_limit",
                 "a_rank_local_failure_in_training_ends_every_rank_within_seconds"]
 
 
@@ -850,6 +897,9 @@ def three_rank_world(tmp_path_factory):
     other_model["model"]["random_init"].update(hidden_size=48, intermediate_size=96)
     overflowing = variant("overflowing")  # logits / 1e-40 overflow float32: the KD loss is not finite
     overflowing["kd"]["temperature"] = 1e-40
+    skipping = variant("skipping")
+    skipping["step_scheduler"].update(max_steps=3)
+    skipping["kd"].update(on_nonfinite="skip_step", max_skipped_steps=1)
     stopped = variant("stopped")
     stopped["step_scheduler"].update(max_steps=200)
     stopped["checkpoint"] = {"enabled": True, "save_hf": False}
@@ -863,8 +913,9 @@ def three_rank_world(tmp_path_factory):
                            match=r"checkpoint .*step_00000001 cannot be loaded into this run"),
         SignalOneStudentRank(SETUP_CHECKS[4], stopped),
         ExpectNonFiniteStop(SETUP_CHECKS[5], overflowing),
+        SkipNonFiniteSteps(SETUP_CHECKS[6], skipping),
         # Last: rank 1's process exits, which ends this world.
-        FailOnStudentRankOne(SETUP_CHECKS[6], variant("rank_local_failure")),
+        FailOnStudentRankOne(SETUP_CHECKS[7], variant("rank_local_failure")),
     ]
     return run_world(3, checks, timeout_s=WORLD_TIMEOUT_S, deadline_s=300)
 
