@@ -1,5 +1,6 @@
 """The meshkd command: end to end through torch's launcher, and early failure on a bad config."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,32 @@ def test_cli_trains_end_to_end_and_plots(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     assert Path(config["logging"]["run_dir"], "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_measures_the_students_layers_once_and_a_resumed_run_keeps_them(tmp_path):
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+    config["model"]["keep_layers"] = {"auto": 1}
+    config["checkpoint"] = {"enabled": True, "save_hf": False}
+    config["step_scheduler"].update(max_steps=2, ckpt_every_steps=1)
+    config_path = tmp_path / "auto.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    run_dir = Path(config["logging"]["run_dir"])
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path), *extra],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    first = train()
+    chosen = json.loads((run_dir / "layer_selection.json").read_text())["keep_layers"]
+    assert "least important first" in first.stdout and f"keeping 1 of 2 layers: {chosen}" in first.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["keep_layers"] == chosen
+    # Another request would be measured again; a resumed run keeps the layers its checkpoint was trained with.
+    resumed = train("--resume", "--set", "step_scheduler.max_steps=3", "--set", "model.keep_layers.calibration_rows=2")
+    assert f"model.keep_layers: {chosen}, as {run_dir / 'layer_selection.json'} records" in resumed.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["keep_layers"] == chosen
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]
 
 
 def test_cli_rejects_a_typo_before_starting_processes(tmp_path):
