@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import logging
 import math
 import os
 import signal
@@ -65,6 +66,9 @@ def _torchrun(argv: list[str]) -> int:
     # fixed where it first sees the failure (`--shutdown-timeout` only covers its final shutdown). A worker
     # frozen mid-collective never answers the signal, so every close of the workers gets our grace.
     close = PContext.close
+    # torchrun's own warnings and errors about its workers (SIGTERM sent, exit codes) would repeat, in its log
+    # format, what the workers and this function say in one line each.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     PContext.close = lambda self, death_sig=None, timeout=30: close(self, death_sig, min(timeout, SHUTDOWN_GRACE_S))
     try:
         main(argv)

@@ -18,8 +18,10 @@ RUN_DIR/layer_selection.json: a later run of the same request, model and calibra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import json
 import math
 from pathlib import Path
@@ -121,7 +123,8 @@ def measure(config: KDRecipeConfig, tokenizer) -> dict[str, Any]:
     rows = train[: asked["calibration_rows"]]
     from meshkd.recipe.preflight import load_section_model  # preflight imports this module
 
-    model = load_section_model(section)
+    with contextlib.redirect_stderr(io.StringIO()):  # the libraries' loading bars: the workers show them
+        model = load_section_model(section)
     num_layers = len(models.decoder_layers(model))
     if asked["auto"] > num_layers:
         raise ConfigError(f"model.keep_layers.auto: {asked['auto']} is more than the model's {num_layers} layers")

@@ -249,6 +249,8 @@ def test_killing_a_teacher_rank_ends_the_student_with_an_error_naming_the_teache
                     r"broadcast_command|the teacher request): ", errors[0]), errors[0]
     assert errors[1].startswith("lost the "), errors[1]
     assert "Traceback" not in run.stderr
+    others = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("meshkd: ")]
+    assert not others, others  # no torchrun log lines: one line per worker, meshkd's
     assert_world_gone(outcome)
 
 
