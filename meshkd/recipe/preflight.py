@@ -8,6 +8,7 @@ any worker starts. Errors name the config key they concern (`about`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,9 +27,15 @@ _PREFLIGHT_READ_BYTES = 64 << 20
 
 
 def load_section_tokenizer(section) -> object:
-    if section.tokenizer == "byte":
+    """The tokenizer of a model section; one object per source in a process (a GGUF file's takes seconds)."""
+    return _tokenizer(section.tokenizer, section.path, section.gguf_file)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(name: str | None, path: str | None, gguf_file: str | None) -> object:
+    if name == "byte":
         return models.byte_tokenizer()
-    return models.load_tokenizer(path=section.tokenizer or section.path, gguf_file=section.gguf_file)
+    return models.load_tokenizer(path=name or path, gguf_file=gguf_file)
 
 
 def load_section_model(section) -> torch.nn.Module:

@@ -83,6 +83,14 @@ def test_example_configs_load(name):
     assert required_world_size(config) >= 2
 
 
+def test_the_embedded_demo_config_loads_once_its_teacher_is_filled_in(tmp_path):
+    from importlib import resources
+
+    path = resources.files("meshkd") / "configs" / "demo.yaml"
+    config = load_config(path, [f"model.path={tmp_path}", f"teacher_model.path={tmp_path}"])
+    assert config.model.keep_layers["auto"] == 20 and required_world_size(config) == 4
+
+
 def test_a_run_from_a_teacher_cache_needs_no_teacher_ranks_and_no_teacher():
     from pathlib import Path
 

@@ -20,6 +20,7 @@ from meshkd.recipe.models import (
     byte_alphabet,
     byte_tokenizer,
     common_vocab_size,
+    converted_gguf,
     demo_teacher_source,
     load_causal_lm,
     load_tokenizer,
@@ -424,6 +425,18 @@ def test_gguf_model_saves_as_hf(tiny_gguf, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "direct")
     assert not hasattr(again.config, "quantization_config")
     torch.testing.assert_close(logits(again, tokens()), logits(loaded, tokens()), rtol=0, atol=0)
+
+
+def test_a_gguf_model_is_converted_once_to_an_hf_directory_that_loads_the_same(tiny_gguf, tmp_path):
+    model, path = tiny_gguf
+    converted = converted_gguf(path, cache_dir=tmp_path / "cache")
+    assert converted.parent == tmp_path / "cache" and converted.name.startswith("tiny-")
+    torch.testing.assert_close(logits(load_causal_lm(path=converted), tokens()), logits(model, tokens()),
+                               rtol=1e-5, atol=1e-5)
+    assert load_tokenizer(path=converted).get_vocab() == byte_tokenizer().get_vocab()
+    written = (converted / "model.safetensors").stat().st_mtime_ns
+    assert converted_gguf(path.parent, path.name, cache_dir=tmp_path / "cache") == converted
+    assert (converted / "model.safetensors").stat().st_mtime_ns == written, "converted again"
 
 
 def test_demo_teacher_source():
