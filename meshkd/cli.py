@@ -37,7 +37,8 @@ from pathlib import Path
 from meshkd.recipe.config import ConfigError, load_config, required_world_size
 
 _DEMO_CONFIG = "demo.yaml"
-_DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n'
+# Ends inside the code, so that the instruct teacher continues the function rather than explaining it.
+_DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n    return'
 # Seconds the launcher waits for workers to exit after SIGTERM before it kills them (torchrun's own: 30 s).
 SHUTDOWN_GRACE_S = 5
 
@@ -285,7 +286,8 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
         from meshkd.recipe.completions import compare_completions
 
         print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
-        texts = compare_completions(config.teacher_model, config.model.keep_layers, kd["hf_dir"], _DEMO_PROMPT)
+        texts = compare_completions(config.teacher_model, config.model.keep_layers, kd["hf_dir"], _DEMO_PROMPT,
+                                    max_new_tokens=16)
         for name, text in texts.items():
             print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     with contextlib.suppress(RuntimeError):  # matplotlib missing: the figures above stand
