@@ -26,8 +26,9 @@ def compare_completions(teacher_section, keep_layers: list[int], trained_dir: st
     """{"teacher", "pruned student", "trained student": completion}: the pruned student is the teacher with
     only `keep_layers`; the trained one is read from the HF directory the run wrote."""
     tokenizer = load_section_tokenizer(teacher_section)
-    teacher = load_section_model(teacher_section)
+    with models.loading_quietly():
+        teacher = load_section_model(teacher_section)
+        trained = models.load_causal_lm(path=trained_dir)
     pruned = models.prune_layers(copy.deepcopy(teacher), keep_layers)
-    trained = models.load_causal_lm(path=trained_dir)
     return {name: greedy_completion(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
             for name, model in (("teacher", teacher), ("pruned student", pruned), ("trained student", trained))}

@@ -18,10 +18,8 @@ RUN_DIR/layer_selection.json: a later run of the same request, model and calibra
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import io
 import json
 import math
 from pathlib import Path
@@ -123,7 +121,7 @@ def measure(config: KDRecipeConfig, tokenizer) -> dict[str, Any]:
     rows = train[: asked["calibration_rows"]]
     from meshkd.recipe.preflight import load_section_model  # preflight imports this module
 
-    with contextlib.redirect_stderr(io.StringIO()):  # the libraries' loading bars: the workers show them
+    with models.loading_quietly():
         model = load_section_model(section)
     num_layers = len(models.decoder_layers(model))
     if asked["auto"] > num_layers:

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import io
 import operator
 import os
 import re
@@ -54,6 +55,14 @@ _LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling")
 _CONFIG_READ_PATTERN = re.compile(
     r"""\bconfig\.([A-Za-z]\w*)|\bgetattr\(\s*(?:self\.)?config\s*,\s*["']([A-Za-z]\w*)["']"""
 )
+
+
+@contextlib.contextmanager
+def loading_quietly():
+    """Keep the libraries' progress bars and notices of a load off the terminal (stderr): for loads in
+    `meshkd`'s own process, whose run's rank 0 shows its own. An exception still propagates."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def load_causal_lm(
@@ -309,8 +318,10 @@ def converted_gguf(path: str | os.PathLike[str], gguf_file: str | None = None, *
     if (target / "config.json").is_file():
         return target
     partial = target.with_name(target.name + ".partial")
-    save_hf_model(load_causal_lm(path=directory, gguf_file=name), load_tokenizer(path=directory, gguf_file=name),
-                  partial)
+    print(f"meshkd: converting {source} to an HF directory, once: {target}", flush=True)
+    with loading_quietly():
+        save_hf_model(load_causal_lm(path=directory, gguf_file=name),
+                      load_tokenizer(path=directory, gguf_file=name), partial)
     if target.exists():  # another process converted it meanwhile
         shutil.rmtree(partial, ignore_errors=True)
     else:
