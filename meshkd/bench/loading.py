@@ -21,14 +21,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from meshkd.bench.transport import status_kib
 from meshkd.core.local_world import spawn_world
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _write_model(directory: Path, kind: str, hidden: int, layers: int) -> None:
@@ -66,7 +60,7 @@ def _rank_main(rank: int, world: int, directory: str, layout: dict, sharded: boo
     setup = create_kd_distributed_setups({"distributed": layout}, world).student
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")
-    floor = _status_kib("VmRSS")
+    floor = status_kib("VmRSS")
     if sharded:
         model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32,
                                             attn_implementation=None)
@@ -77,7 +71,7 @@ def _rank_main(rank: int, world: int, directory: str, layout: dict, sharded: boo
     # One forward, so that every weight the rank serves with is resident (a memory-mapped one counts too;
     # random token ids, so that an MoE routes them to many experts).
     runner.logits({"input_ids": torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))})
-    peak = _status_kib("VmHWM") - floor
+    peak = status_kib("VmHWM") - floor
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_mib": peak / 1024}))
     dist.barrier()
 

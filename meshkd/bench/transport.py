@@ -409,18 +409,19 @@ def _memory_probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict
         base = torch.cuda.memory_allocated()
     else:
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS (inputs touched already)
-        base = _status_kib("VmRSS") * 1024
+        base = status_kib("VmRSS") * 1024
     loss = kd_loss(student, teacher, labels, chunk_size=None if kind == "naive" else chunk_size)
     loss.backward()
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = _status_kib("VmHWM") * 1024
+        peak = status_kib("VmHWM") * 1024
     return {"peak_bytes": peak - base, "value": float(loss.detach())}
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
+    """A /proc/self/status field in KiB (VmHWM: the peak resident memory)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])

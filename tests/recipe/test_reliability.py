@@ -337,6 +337,7 @@ def test_a_frozen_teacher_rank_ends_every_process_within_twice_the_timeout(tmp_p
         for pid in pids.values():
             if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
+    print(f"frozen teacher rank: meshkd train exited {elapsed:.1f} s after the freeze (collective timeout {timeout} s)")
     assert code == 1, run.stderr[-3000:]
     assert elapsed < 2 * timeout, f"{elapsed:.1f} s after the freeze"
     assert all(process_gone(pid) for pid in pids.values()) and processes_mentioning(str(path)) == []
