@@ -274,14 +274,15 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
     def closed(after: float) -> str:
         return f"{(before - after) / (before - teacher):.0%} of the gap to the teacher closed"
 
-    print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
-    print(f"  teacher (SmolLM2-135M-Instruct, 30 layers)  {teacher:.4f}")
-    print(f"  pruned student ({len(config.model.keep_layers)} layers) before healing  {before:.4f}")
-    print(f"  after KD healing                            {kd['val_loss_after']:.4f}  ({closed(kd['val_loss_after'])})")
+    rows = [("teacher (SmolLM2-135M-Instruct, 30 layers)", teacher, ""),
+            (f"pruned student ({len(config.model.keep_layers)} layers) before healing", before, ""),
+            ("after KD healing", kd["val_loss_after"], closed(kd["val_loss_after"]))]
     if "ce" in summaries:
         ce = summaries["ce"]["val_loss_after"]
-        print(f"  after CE-only healing                       {ce:.4f}  ({closed(ce)}; KD "
-              f"{(ce - kd['val_loss_after']) / ce:.1%} lower)")
+        rows.append(("after CE-only healing", ce, f"{closed(ce)}; KD {(ce - kd['val_loss_after']) / ce:.1%} lower"))
+    print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
+    for label, loss, note in rows:
+        print(f"  {label:<44} {loss:.4f}" + (f"  ({note})" if note else ""))
     if "hf_dir" in kd:
         from meshkd.recipe.completions import compare_completions
 

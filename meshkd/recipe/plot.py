@@ -21,7 +21,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     evals = [r for r in records if r["kind"] == "eval"]
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for key, label in (("loss", "train loss"), ("ce_loss", "train CE"), ("kd_loss", "train KD")):
-        axis.plot([r["step"] for r in train], [r[key] for r in train], label=label)
+        if any(r[key] != 0 for r in train):  # a term of weight 0 (kd_ratio 0 or 1) is logged as 0
+            axis.plot([r["step"] for r in train], [r[key] for r in train], label=label)
     if evals:
         axis.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation CE")
         teacher = [r["teacher_val_loss"] for r in evals if "teacher_val_loss" in r]
