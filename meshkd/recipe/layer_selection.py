@@ -31,6 +31,8 @@ from meshkd.core.packing import attention_windows, indexed_to_additive_mask, mas
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.files import write_atomically
+from meshkd.recipe.preflight import load_section_model
+from meshkd.recipe.teacher_cache import model_identity, row_hashes, rows_digest
 
 SELECTION_FILE = "layer_selection.json"
 METHODS = ("block", "layer")
@@ -78,7 +80,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
                 model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                       attention_mask=masks, use_cache=False)
                 valid = documents != 0
-                states = [state[valid].double() for state in recorded]
+                states = [state[valid] for state in recorded]
                 for i in range(len(layers)):
                     per_layer[i] += _angles(states[i], states[i + 1]).sum().cpu()
                 for i in range(len(per_block)):
@@ -97,7 +99,7 @@ def _mask(documents: torch.Tensor, dtype: torch.dtype, window: int | None) -> to
 
 
 def _angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
     return torch.arccos(cosine.clamp(-1.0, 1.0)) / math.pi
 
 
@@ -119,8 +121,6 @@ def measure(config: KDRecipeConfig, tokenizer) -> dict[str, Any]:
     section = dataclasses.replace(config.model, keep_layers=None)
     train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
     rows = train[: asked["calibration_rows"]]
-    from meshkd.recipe.preflight import load_section_model  # preflight imports this module
-
     with models.loading_quietly():
         model = load_section_model(section)
     num_layers = len(models.decoder_layers(model))
@@ -143,8 +143,6 @@ def measure(config: KDRecipeConfig, tokenizer) -> dict[str, Any]:
 
 
 def _measured_on(config: KDRecipeConfig, rows) -> dict[str, Any]:
-    from meshkd.recipe.teacher_cache import model_identity, row_hashes, rows_digest
-
     return {**model_identity(config.model, "model", _SOURCE_KEYS),
             "calibration rows (sha256)": rows_digest(row_hashes(rows))}
 
