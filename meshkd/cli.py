@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -216,13 +217,19 @@ def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, sh
     return _launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 
 
-def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
-    """Fill the embedded demo config with the installed teacher, converted once from GGUF to an HF directory
-    (every process of every run then loads it in a fraction of the time, and sharded)."""
+@functools.lru_cache(maxsize=1)
+def _demo_teacher_directory() -> Path:
+    """The demo teacher as an HF directory; found (the GGUF file hashed) once per process."""
     from meshkd.recipe.models import converted_gguf, demo_teacher_source
 
     source = demo_teacher_source()
-    directory = converted_gguf(source["path"], source["gguf_file"])
+    return converted_gguf(source["path"], source["gguf_file"])
+
+
+def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
+    """Fill the embedded demo config with the installed teacher, converted once from GGUF to an HF directory
+    (every process of every run then loads it in a fraction of the time, and sharded)."""
+    directory = _demo_teacher_directory()
     return [f"model.path={directory}", f"teacher_model.path={directory}", f"logging.run_dir={run_dir}", *extra]
 
 

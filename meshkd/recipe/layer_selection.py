@@ -115,12 +115,16 @@ def choose(per_layer: list[float], per_block: list[float], *, keep: int, by: str
     return sorted(ranked[:keep])
 
 
-def measure(config: KDRecipeConfig, tokenizer) -> dict[str, Any]:
-    """Measure the `model` section's layers on the calibration rows and return the selection record."""
+def calibration_rows(config: KDRecipeConfig, tokenizer) -> dict[str, torch.Tensor]:
+    """The first `calibration_rows` rows of the run's training split."""
+    train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
+    return train[: request(config)["calibration_rows"]]
+
+
+def measure(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Measure the `model` section's layers on the calibration `rows` and return the selection record."""
     asked = request(config)
     section = dataclasses.replace(config.model, keep_layers=None)
-    train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
-    rows = train[: asked["calibration_rows"]]
     with models.loading_quietly():
         model = load_section_model(section)
     num_layers = len(models.decoder_layers(model))
@@ -175,25 +179,26 @@ def resolve(config: KDRecipeConfig, tokenizer, *, resume: bool = False, measure_
     """
     path = selection_path(config)
     record = _read(path)
-    if record is not None and (resume or _fits(record, config, tokenizer)):
-        if measure_here:
-            print(f"meshkd: model.keep_layers: {record['keep_layers']}, as {path} records", flush=True)
-        return record["keep_layers"]
+    if record is not None and resume:
+        return _reused(record, path, measure_here)
+    rows = calibration_rows(config, tokenizer)  # tokenized once: to check the record, or to measure on
+    if record is not None and record["request"] == request(config) and (
+            record["measured_on"] == _measured_on(config, rows)):
+        return _reused(record, path, measure_here)
     if not measure_here:
         raise ConfigError(f"model.keep_layers: {config.model.keep_layers} is chosen by measuring the model in one "
                           f"process; {path} holds no choice for this run: run `meshkd prune CONFIG` first")
-    record = measure(config, tokenizer)
+    record = measure(config, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(record, indent=1).encode())
     print(f"meshkd: {describe(record)}\nmeshkd: layer selection written to {path}", flush=True)
     return record["keep_layers"]
 
 
-def _fits(record: dict[str, Any], config: KDRecipeConfig, tokenizer) -> bool:
-    if record["request"] != request(config):
-        return False
-    train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
-    return record["measured_on"] == _measured_on(config, train[: request(config)["calibration_rows"]])
+def _reused(record: dict[str, Any], path: Path, say: bool) -> list[int]:
+    if say:
+        print(f"meshkd: model.keep_layers: {record['keep_layers']}, as {path} records", flush=True)
+    return record["keep_layers"]
 
 
 def _read(path: Path) -> dict[str, Any] | None:
