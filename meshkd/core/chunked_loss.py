@@ -129,6 +129,40 @@ def kd_chunk(
     return kl_sum, grad
 
 
+def student_weighted_chunk(
+    student: Tensor, teacher: Tensor, valid: Tensor, temperature: float, group: dist.ProcessGroup | None,
+    divergence: str, beta: float,
+) -> tuple[Tensor, Tensor]:
+    """Reverse KL(q || p) or the generalized JSD_beta for one chunk [c, v]: local loss share and T^2 * grad.
+
+    With q the student's and p the teacher's distribution at temperature T, both have a gradient of one
+    form: d / d s_v = q_v * (g_v - E_q[g]) (s = logits / T), where g = log q - log p for reverse KL, and
+    g = (1 - beta) * (log q - log m) with m = beta * p + (1 - beta) * q for JSD_beta (its derivative with
+    respect to q). E_q[g] needs the whole vocabulary: one SUM all-reduce per chunk on a vocab shard. Reverse
+    KL is infinite where the teacher gives a token probability 0 that the student does not.
+    """
+    compute_dtype = result_dtype(student, teacher)
+    log_q = student.to(compute_dtype, copy=True).div_(temperature)
+    log_p = teacher.to(compute_dtype, copy=True).div_(temperature)
+    _log_softmax_([log_q, log_p], group)
+    q = log_q.exp()
+    if divergence == "reverse_kl":
+        g = log_q - log_p
+        terms = torch.where(q > 0, q * g, 0.0)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        g = (1 - beta) * (log_q - log_m)
+        p = log_p.exp()
+        terms = (beta * torch.where(p > 0, p * (log_p - log_m), 0.0)
+                 + (1 - beta) * torch.where(q > 0, q * (log_q - log_m), 0.0))
+    g = torch.where(q > 0, g, 0.0)  # a token the student never picks adds nothing (and no inf * 0)
+    expected = (q * g).sum(-1)
+    if group is not None:
+        dist.all_reduce(expected, group=group)
+    grad = (q * (g - expected[:, None]) * temperature).masked_fill_(~valid[:, None], 0.0)
+    return torch.where(valid[:, None], terms, 0.0).sum(), grad
+
+
 def kd_topk_chunk(
     student: Tensor,
     teacher: tuple[Tensor, ...],

@@ -2,8 +2,10 @@
 
 API:
 - `kd_loss(student_logits, teacher_logits, labels, *, temperature=1.0, ignore_index=-100,
-  num_valid_tokens=None, chunk_size=None)`: forward KL(p_teacher || p_student) at temperature T,
-  times T^2.
+  num_valid_tokens=None, chunk_size=None, divergence="forward_kl", jsd_beta=0.5)`: a divergence between
+  teacher and student at temperature T, times T^2: forward KL(p_teacher || p_student) (the default),
+  reverse KL(p_student || p_teacher), or the generalized Jensen-Shannon divergence of GKD (Agarwal et al.
+  2024), JSD_beta = beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s.
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
 - `kd_loss_encoded(student_logits, teacher, labels, ...)`: `kd_loss` against teacher logits in a
@@ -54,11 +56,13 @@ from meshkd.core.chunked_loss import (
     kd_topk_chunk,
     kl_terms,
     result_dtype,
+    student_weighted_chunk,
     token_normalizer,
 )
 from meshkd.core.logits_codec import check_encoded_logits
 
 _TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 def kd_loss(
@@ -70,12 +74,16 @@ def kd_loss(
     ignore_index: int = -100,
     num_valid_tokens: int | Tensor | None = None,
     chunk_size: int | None = None,
+    divergence: str = "forward_kl",
+    jsd_beta: float = 0.5,
 ) -> Tensor:
-    """Distillation loss: T^2 * sum over valid tokens of KL(p_teacher,T || p_student,T) / num_valid_tokens.
+    """Distillation loss: T^2 * sum over valid tokens of D(p_teacher,T, p_student,T) / num_valid_tokens.
 
-    Per token, KL = sum_v p_t[v] * (log p_t[v] - log p_s[v]) with p = softmax(logits / T); vocab entries
-    where p_t is zero (teacher logit -inf) contribute nothing. The T^2 factor keeps gradient magnitudes
-    comparable across temperatures.
+    Per token, forward KL = sum_v p_t[v] * (log p_t[v] - log p_s[v]) with p = softmax(logits / T); vocab
+    entries where p_t is zero (teacher logit -inf) contribute nothing. Reverse KL swaps the roles (entries
+    where p_s is zero contribute nothing; one where p_t is zero and p_s is not makes it infinite). JSD_beta
+    (see the module docstring) is finite everywhere and needs beta strictly inside (0, 1). The T^2 factor
+    keeps gradient magnitudes comparable across temperatures.
 
     Args:
         student_logits: [batch, sequence, vocab] or [tokens, vocab]; a DTensor sharded on the vocab dim
@@ -87,37 +95,60 @@ def kd_loss(
         ignore_index: label of tokens that do not count.
         num_valid_tokens: normaliser (global valid-token count); defaults to the local count.
         chunk_size: tokens per chunk; None computes all tokens at once.
+        divergence: "forward_kl", "reverse_kl" or "jsd".
+        jsd_beta: beta of "jsd", in (0, 1).
     """
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    check_divergence(divergence, jsd_beta)
     _check_chunk_size(chunk_size)
     _check_shapes(student_logits, labels, teacher_logits)
     labels = _full(labels)
 
+    def chunk_fn(group):
+        if divergence == "forward_kl":
+            return lambda s, t, _, valid: kd_chunk(s, t, valid, temperature, group)
+        return lambda s, t, _, valid: student_weighted_chunk(s, t, valid, temperature, group, divergence, jsd_beta)
+
     if isinstance(student_logits, DTensor):
         student, group, offset = _vocab_shard(student_logits)
         teacher = _matching_teacher_shard(teacher_logits, student_logits, student, offset)
-        return chunked(
-            student, teacher, labels, ignore_index, num_valid_tokens, chunk_size, group,
-            lambda s, t, _, valid: kd_chunk(s, t, valid, temperature, group),
-            scale=temperature**2,
-        )  # fmt: skip
+        return chunked(student, teacher, labels, ignore_index, num_valid_tokens, chunk_size, group,
+                       chunk_fn(group), scale=temperature**2)
 
     # A plain student holds the full vocab already, so a sharded teacher costs nothing more gathered.
     teacher = _full(teacher_logits)
     if chunk_size is not None:
-        return chunked(
-            student_logits, teacher, labels, ignore_index, num_valid_tokens, chunk_size, None,
-            lambda s, t, _, valid: kd_chunk(s, t, valid, temperature, None),
-            scale=temperature**2,
-        )  # fmt: skip
+        return chunked(student_logits, teacher, labels, ignore_index, num_valid_tokens, chunk_size, None,
+                       chunk_fn(None), scale=temperature**2)
 
+    # The plain path: the formulas with autograd, the reference for the other two.
     compute_dtype = result_dtype(student_logits, teacher)
     valid = (labels != ignore_index).reshape(-1)
     log_p_s = F.log_softmax(student_logits.flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
     log_p_t = F.log_softmax(teacher.detach().flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
-    kl = kl_terms(log_p_s, log_p_t, valid).sum()
-    return kl * temperature**2 / token_normalizer(num_valid_tokens, valid, compute_dtype)
+    if divergence == "forward_kl":
+        terms = kl_terms(log_p_s, log_p_t, valid)
+    elif divergence == "reverse_kl":
+        terms = kl_terms(log_p_t, log_p_s, valid)
+    else:
+        log_m = torch.logaddexp(log_p_t + math.log(jsd_beta), log_p_s + math.log1p(-jsd_beta))
+        terms = jsd_beta * kl_terms(log_m, log_p_t, valid) + (1 - jsd_beta) * kl_terms(log_m, log_p_s, valid)
+    return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, compute_dtype)
+
+
+def check_divergence(divergence: str, jsd_beta: float, logits_transport: str = "full") -> None:
+    """ValueError for an unknown divergence, a JSD beta outside (0, 1), or a divergence the transport cannot
+    carry: reverse KL and JSD weigh every vocab entry by the student's probability, so they need the
+    teacher's whole distribution, which top-k with a tail does not keep."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
+        raise ValueError(f"jsd_beta must lie strictly between 0 and 1, got {jsd_beta} (JSD_0 and JSD_1 are 0; "
+                         "use forward_kl or reverse_kl)")
+    if divergence != "forward_kl" and logits_transport == "topk":
+        raise ValueError(f"divergence {divergence} needs the teacher's whole distribution: use logits transport "
+                         "full or full_bf16 (topk keeps k tokens and a tail and combines with forward_kl only)")
 
 
 def kd_loss_encoded(
@@ -129,6 +160,8 @@ def kd_loss_encoded(
     ignore_index: int = -100,
     num_valid_tokens: int | Tensor | None = None,
     chunk_size: int | None = None,
+    divergence: str = "forward_kl",
+    jsd_beta: float = 0.5,
 ) -> Tensor:
     """`kd_loss` against teacher logits in a transport encoding (`meshkd.core.logits_codec`).
 
@@ -144,14 +177,16 @@ def kd_loss_encoded(
         teacher: the encoding, as `send_logits` delivers it; validated against the student's global shape.
         labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
         temperature: T > 0; a "topk" encoding must have been made at the same temperature.
+        divergence, jsd_beta: as for `kd_loss`; "topk" combines with "forward_kl" only (`check_divergence`).
     """
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     mode = check_encoded_logits(teacher, student_logits.shape)
+    check_divergence(divergence, jsd_beta, mode)
     if mode != "topk":
         return kd_loss(
             student_logits, teacher["logits"], labels, temperature=temperature, ignore_index=ignore_index,
-            num_valid_tokens=num_valid_tokens, chunk_size=chunk_size,
+            num_valid_tokens=num_valid_tokens, chunk_size=chunk_size, divergence=divergence, jsd_beta=jsd_beta,
         )  # fmt: skip
     if not math.isclose(teacher["temperature"], temperature, rel_tol=1e-9):
         raise ValueError(

@@ -374,6 +374,70 @@ def test_encoded_loss_argument_errors():
         kd_loss_encoded(student, encoded, labels, temperature=2.0, chunk_size=0)
 
 
+# ------------------------------------------------------------------------------------- divergences
+
+
+def _reference_divergence(student, teacher, labels, temperature, divergence, beta=0.5):
+    """Each divergence written out token by token in float64, through autograd for the gradient."""
+    student64 = student.detach().double().requires_grad_()
+    vocab = student.shape[-1]
+    terms = []
+    for s, t, y in zip(student64.reshape(-1, vocab), teacher.double().reshape(-1, vocab), labels.reshape(-1)):
+        if y == -100:
+            continue
+        p, q = torch.softmax(t / temperature, -1), torch.softmax(s / temperature, -1)
+        if divergence == "forward_kl":
+            terms.append((p * (p.log() - q.log())).sum())
+        elif divergence == "reverse_kl":
+            terms.append((q * (q.log() - p.log())).sum())
+        else:
+            m = beta * p + (1 - beta) * q
+            terms.append(beta * (p * (p.log() - m.log())).sum() + (1 - beta) * (q * (q.log() - m.log())).sum())
+    loss = temperature**2 * torch.stack(terms).sum() / max(len(terms), 1)
+    (grad,) = torch.autograd.grad(loss, student64)
+    return loss.detach(), grad
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.1),
+                                             ("jsd", 0.9)])
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_divergences_match_the_written_out_formula_and_its_gradient(divergence, beta, chunk_size, temperature):
+    student, teacher, labels = _inputs()
+    want, want_grad = _reference_divergence(student, teacher, labels, temperature, divergence, beta)
+    got, got_grad = _value_and_grad(kd_loss, student, teacher, labels, temperature=temperature,
+                                    chunk_size=chunk_size, divergence=divergence, jsd_beta=beta)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-9, atol=1e-13)
+
+
+def test_divergences_are_zero_at_the_teacher_and_order_as_expected():
+    student, teacher, labels = _inputs()
+    for divergence in ("reverse_kl", "jsd"):
+        same = kd_loss(teacher.clone().requires_grad_(), teacher, labels, divergence=divergence, chunk_size=4)
+        assert abs(same.item()) < 1e-12
+    # JSD is bounded by log 2 per token (beta 0.5); reverse and forward KL are not symmetric.
+    jsd = kd_loss(student, teacher, labels, divergence="jsd")
+    assert 0 < jsd.item() <= math.log(2)
+    assert kd_loss(student, teacher, labels, divergence="reverse_kl").item() != pytest.approx(
+        kd_loss(student, teacher, labels).item())
+
+
+def test_divergence_errors_and_full_encodings():
+    student, teacher, labels = _inputs()
+    with pytest.raises(ValueError, match="divergence must be one of"):
+        kd_loss(student, teacher, labels, divergence="tvd")
+    with pytest.raises(ValueError, match="jsd_beta must lie strictly between 0 and 1"):
+        kd_loss(student, teacher, labels, divergence="jsd", jsd_beta=1.0)
+    with pytest.raises(ValueError, match="needs the teacher's whole distribution"):
+        kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence="reverse_kl")
+    for mode in ("full", "full_bf16"):
+        encoded = encode_teacher_logits(teacher, mode)
+        got = kd_loss_encoded(student, encoded, labels, divergence="jsd", jsd_beta=0.3)
+        want = kd_loss(student, encoded["logits"], labels, divergence="jsd", jsd_beta=0.3)
+        assert got.item() == want.item()
+
+
 # ------------------------------------------------------------------------------------ vocab-parallel
 # One 4-rank world. Every rank builds the same inputs from a seed, computes the single-process plain
 # reference itself, and compares it with the vocab-parallel loss and the gathered student gradient.
@@ -513,6 +577,20 @@ def check_vocab_parallel_communication():
         assert backward.get_total_counts() == 0, backward.get_comm_counts()
 
 
+def check_divergences_vocab_parallel():
+    # Reverse KL and JSD on uneven shards (vocab 10 on tp 4: 3, 3, 3, 1), one more SUM per chunk than KD.
+    for divergence, beta in (("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2)):
+        for vocab, dtype, rtol in ((10, torch.float64, 1e-10), (5, torch.float32, 1e-5)):
+            student, teacher, labels = _inputs((2, 5, vocab), dtype=dtype, seed=vocab + 1)
+            for chunk_size in (None, 3):
+                _compare(kd_loss, _tp4(), student, labels, teacher=teacher, rtol=rtol, temperature=1.5,
+                         chunk_size=chunk_size, divergence=divergence, jsd_beta=beta)  # fmt: skip
+            want, _ = _reference_divergence(student, teacher, labels, 1.5, divergence, beta)
+            got = kd_loss(_sharded(student, _tp4()), teacher, labels, temperature=1.5, divergence=divergence,
+                          jsd_beta=beta)
+            assert got.item() == pytest.approx(want.item(), rel=rtol)
+
+
 def check_kd_topk_vocab_parallel():
     # vocab 10 on tp 4 (3, 3, 3, 1) and vocab 5 (2, 2, 1, 0: a rank owns nothing), rest bucket and tail samples.
     for vocab, k, samples in ((10, 3, 0), (10, 3, 2), (5, 2, 0), (5, 1, 3), (10, 10, 0)):
@@ -552,5 +630,6 @@ test_vocab_parallel = world_test(
         check_vocab_parallel_errors,
         check_vocab_parallel_communication,
         check_kd_topk_vocab_parallel,
+        check_divergences_vocab_parallel,
     ],
 )
