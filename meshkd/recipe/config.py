@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_kd_config
 
 MAX_WORLD_SIZE = 1 << 20
@@ -77,6 +78,21 @@ class DistributedConfig:
 
 
 @dataclass
+class GenerationSettingsConfig:
+    """How the student completes prompts with kd.mode: on_policy (meshkd.recipe.on_policy)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # 0: the likeliest token each time
+    top_p: float = 1.0
+    stop_tokens: list[int] | None = None  # None: the tokenizer's end-of-text token; []: none
+    prompt_tokens: int = 32  # without dataset.prompt_key: each row's first document, cut to this many tokens
+    seed: int = 0
+    # Also score greedy completions of the validation prompts at the first and last evaluation: the teacher's
+    # loss per generated token (teacher_nll_of_samples). None: on with kd.mode on_policy.
+    evaluate: bool | None = None
+
+
+@dataclass
 class KDConfig:
     kd_ratio: float = 0.5
     temperature: float = 1.0
@@ -89,6 +105,11 @@ class KDConfig:
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (the run fails) | skip_step (no update)
     max_skipped_steps: int = 10  # with skip_step: the run fails at the next non-finite step after this many
+    mode: str = "off_policy"  # off_policy: dataset text | on_policy: also the student's own completions
+    on_policy_fraction: float = 1.0  # with on_policy: the share of micro-batches the student completes
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd (meshkd.core.loss)
+    jsd_beta: float = 0.5  # beta of jsd, in (0, 1)
+    generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
 
 
 @dataclass
@@ -98,6 +119,7 @@ class DatasetConfig:
     paths: list[str] = field(default_factory=list)
     format: str | None = None
     text_key: str = "text"
+    prompt_key: str | None = None  # on-policy prompts: this JSONL field, whole (else each document's start)
     val_fraction: float = 0.05
     seed: int = 0
     max_documents: int | None = None
@@ -361,6 +383,7 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
     if kd.max_skipped_steps < 0:
         raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
+    _check_on_policy(config)
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
     if config.dataset.on_bad_file not in ("error", "skip"):
@@ -406,6 +429,48 @@ def validate(config: KDRecipeConfig) -> None:
                 f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
                 f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
             )
+
+
+def _check_on_policy(config: KDRecipeConfig) -> None:
+    kd, generation = config.kd, config.kd.generation
+    try:
+        check_divergence(kd.divergence, kd.jsd_beta, kd.logits_transport)
+    except ValueError as error:
+        raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.logits_transport: {error}") from None
+    if kd.mode not in ("off_policy", "on_policy"):
+        raise ConfigError(f"kd.mode must be off_policy or on_policy, got {kd.mode!r}")
+    if not 0.0 <= kd.on_policy_fraction <= 1.0:
+        raise ConfigError(f"kd.on_policy_fraction must be in [0, 1], got {kd.on_policy_fraction}")
+    if generation.max_new_tokens < 1 or generation.prompt_tokens < 1:
+        raise ConfigError(f"kd.generation.max_new_tokens and prompt_tokens must be >= 1 (a prompt is never empty), "
+                          f"got {generation.max_new_tokens}, {generation.prompt_tokens}")
+    if not (generation.temperature >= 0 and math.isfinite(generation.temperature)):
+        raise ConfigError(f"kd.generation.temperature must be a finite number >= 0, got {generation.temperature}")
+    if not 0.0 < generation.top_p <= 1.0:
+        raise ConfigError(f"kd.generation.top_p must be in (0, 1], got {generation.top_p}")
+    if any(token < 0 for token in generation.stop_tokens or ()):
+        raise ConfigError(f"kd.generation.stop_tokens must be token ids >= 0, got {generation.stop_tokens}")
+    sequence_length = config.step_scheduler.sequence_length
+    longest = (0 if config.dataset.prompt_key else generation.prompt_tokens) + generation.max_new_tokens
+    if kd.mode == "on_policy" and longest > sequence_length:
+        raise ConfigError(f"kd.generation.prompt_tokens ({generation.prompt_tokens}) + max_new_tokens "
+                          f"({generation.max_new_tokens}) exceed step_scheduler.sequence_length ({sequence_length})"
+                          if not config.dataset.prompt_key else
+                          f"kd.generation.max_new_tokens ({generation.max_new_tokens}) leaves no room for a prompt "
+                          f"in step_scheduler.sequence_length ({sequence_length})")
+    if kd.mode != "on_policy" and not generation.evaluate:
+        return
+    if kd.teacher_cache is not None:
+        raise ConfigError("kd.mode on_policy and kd.generation.evaluate need a live teacher to score the "
+                          "student's completions; kd.teacher_cache holds logits of dataset text only")
+    if kd.kd_ratio == 0 and kd.mode == "on_policy":
+        raise ConfigError("kd.mode on_policy with kd.kd_ratio 0 trains on the student's own samples without "
+                          "a teacher; set kd.kd_ratio > 0 (1 is GKD's pure divergence)")
+    student = config.distributed
+    if student.pp_size > 1 or student.cp_size > 1:
+        raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole model on each rank's own "
+                          f"prompts, which pipeline and context parallel students do not hold; got "
+                          f"distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
 
 
 def _check_layer_selection(label: str, selection: dict) -> None:

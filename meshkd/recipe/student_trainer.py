@@ -5,7 +5,9 @@ micro-batches (`_step_items`); the teacher source (`meshkd.core.teacher_protocol
 a `meshkd.recipe.teacher_cache.CachedTeacher`) pairs each with its teacher logits, fetched one micro-batch
 ahead (`kd.overlap_teacher`) so the teacher's forward, or the cache's read, overlaps the student's step;
 `train_step` (or `pipelined_train_step`, whose schedule runs a whole step at once) computes each
-micro-batch's loss (`micro_batch_loss`), backpropagates, clips and steps.
+micro-batch's loss (`micro_batch_loss`), backpropagates, clips and steps. With `kd.mode: on_policy` a
+step's micro-batches are first completed by the student itself (`meshkd.recipe.on_policy`,
+`_on_policy_step`), then scored by the teacher and trained on in the same way.
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
@@ -24,6 +26,7 @@ import contextlib
 import datetime
 import json
 import math
+import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +56,15 @@ from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
+from meshkd.recipe.on_policy import (
+    ModelGenerate,
+    SamplingSettings,
+    build_prompt_set,
+    completion_batch,
+    is_on_policy,
+    prompts_of,
+    row_seed,
+)
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
@@ -99,6 +111,11 @@ class StudentTrainer:
         with about("dataset"):
             self.train_set, self.val_set = data.build_run_datasets(self.tokenizer, config.dataset,
                                                                    sequence_length=steps.sequence_length)
+            self.train_prompts = self.val_prompts = None
+            if config.dataset.prompt_key and self.generates:
+                self.train_prompts, self.val_prompts = build_prompt_set(
+                    self.tokenizer, config.dataset,
+                    max_prompt_tokens=steps.sequence_length - config.kd.generation.max_new_tokens)
         configure_packing(self._model)
 
     def vocab_rows(self) -> tuple[int, int]:
@@ -171,6 +188,41 @@ class StudentTrainer:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
 
     @property
+    def generates(self) -> bool:
+        """Whether the student completes prompts: to train on them (on-policy), or to evaluate them."""
+        return self.config.kd.mode == "on_policy" or self.evaluates_samples
+
+    @property
+    def evaluates_samples(self) -> bool:
+        evaluate = self.config.kd.generation.evaluate
+        return evaluate if evaluate is not None else self.config.kd.mode == "on_policy"
+
+    def _sampler(self, *, greedy: bool = False) -> ModelGenerate:
+        """The student's own `generate` with the current weights, as `kd.generation` says (greedy: temperature 0)."""
+        generation = self.config.kd.generation
+        eos = self.tokenizer.eos_token_id
+        stops = generation.stop_tokens if generation.stop_tokens is not None else ([] if eos is None else [eos])
+        settings = SamplingSettings(max_new_tokens=generation.max_new_tokens,
+                                    temperature=0.0 if greedy else generation.temperature,
+                                    top_p=generation.top_p, stop_tokens=tuple(stops))
+        module = getattr(self.model, "module", self.model)  # DDP's inner model: generation needs no gradient sync
+        return ModelGenerate(module, settings, pad_token_id=self.train_set.pad_token_id, device=self.device)
+
+    def _complete(self, sampler: ModelGenerate, batch: dict, seeds: list[int]) -> tuple[dict, int, int]:
+        """(the rows prompt + completion of `batch`'s prompts, the tokens generated, the prompts completed).
+
+        A padding row (no prompt) is completed from one pad token, so every rank runs the same forwards, and
+        then left empty."""
+        limit = None if self.config.dataset.prompt_key else self.config.kd.generation.prompt_tokens
+        prompts = prompts_of(batch, limit=limit, eos_token_id=self.tokenizer.eos_token_id)
+        pad = torch.tensor([self.train_set.pad_token_id])
+        completions = sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
+        rows = completion_batch(prompts, completions, sequence_length=self.config.step_scheduler.sequence_length,
+                                pad_token_id=self.train_set.pad_token_id)
+        real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
+        return ({key: value.to(self.device) for key, value in rows.items()}, sum(len(c) for c in real), len(real))
+
+    @property
     def student_group(self) -> dist.ProcessGroup | None:
         """The student ranks' group on separate meshes; None (the world) on shared ones."""
         return self.bridge.student_group if self.bridge is not None else None
@@ -221,7 +273,14 @@ class StudentTrainer:
             self.train_set, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             seed=config.dataset.seed, start_step=self.start_step,
         )
-        feed = self._teacher_feed(self._step_items(batches))
+        if config.kd.mode == "on_policy":
+            prompt_batches = None if self.train_prompts is None else data.iterate_batches(
+                self.train_prompts, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank,
+                dp_size=self.dp_size, seed=config.dataset.seed, start_step=self.start_step)
+            self._on_policy_batches = batches, prompt_batches
+            feed = None  # each step makes its own (`_on_policy_step`)
+        else:
+            feed = self._teacher_feed(self._step_items(batches))
         try:
             step, saved = self._train_steps(feed)
         except PeerLostError:
@@ -240,6 +299,8 @@ class StudentTrainer:
             return
         with self.faults.watch("the last evaluation", "student"):
             after = self.evaluate()
+            if self.evaluates_samples:
+                after.update(self.evaluate_samples())
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
         if self.skipped_steps:
@@ -267,6 +328,8 @@ class StudentTrainer:
         if logged is not None:
             return logged
         before = self.evaluate(with_teacher=True)
+        if self.evaluates_samples:
+            before.update(self.evaluate_samples())
         self.metrics.log("eval", self.start_step, before)
         return before
 
@@ -277,6 +340,8 @@ class StudentTrainer:
         step = saved = self.start_step
         self.model.train()
         train_step = self.train_step if self.pipeline is None else self.pipelined_train_step
+        if feed is None:
+            train_step = self._on_policy_step
         while step < steps.max_steps:
             with self.faults.watch(f"step {step + 1}", "student"):
                 if self._stop_agreed():
@@ -322,16 +387,74 @@ class StudentTrainer:
 
     # ---- one step ----
 
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        size = self.config.step_scheduler.local_batch_size
+        return [{key: value[i : i + size].to(self.device) for key, value in batch.items()}
+                for i in range(0, batch["input_ids"].shape[0], size)]
+
+    def _valid_tokens(self, micro_batches: list[dict]) -> int:
+        return sum(int((micro_batch["labels"] != self.config.kd.ignore_index).sum()) for micro_batch in micro_batches)
+
     def _step_items(self, batches: Iterator[dict]) -> Iterator[dict]:
         """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
-        ignore, size = self.config.kd.ignore_index, self.config.step_scheduler.local_batch_size
         for _ in range(self.start_step, self.config.step_scheduler.max_steps):
-            batch = next(batches)
-            micro_batches = [{key: value[i : i + size].to(self.device) for key, value in batch.items()}
-                             for i in range(0, batch["input_ids"].shape[0], size)]
-            valid = sum(int((micro_batch["labels"] != ignore).sum()) for micro_batch in micro_batches)
+            micro_batches = self._micro_batches(next(batches))
+            valid = self._valid_tokens(micro_batches)
             for micro_batch in micro_batches:
                 yield {"micro_batch": micro_batch, "step_valid": valid}
+
+    def _on_policy_step(self, _feed: None = None) -> dict[str, float]:
+        """One on-policy step: the student completes the prompts of its on-policy micro-batches, the teacher
+        scores each as soon as it is made (while the student completes the next), then `train_step`.
+
+        Completions of the whole step come before any update: all are drawn from the step's weights.
+        """
+        kd, count = self.config.kd, self.num_micro_batches
+        step = self.scheduler.last_epoch  # steps taken so far: this step's index
+        text_batches, prompt_batches = self._on_policy_batches
+        text = self._micro_batches(next(text_batches))
+        prompts = text if prompt_batches is None else self._micro_batches(next(prompt_batches))
+        pending: queue.SimpleQueue = queue.SimpleQueue()
+
+        def made() -> Iterator[dict]:
+            for _ in range(count):
+                item = pending.get()
+                if item is None:  # generation failed: no more requests
+                    return
+                yield item
+
+        feed = self.teacher.prefetch(made(), depth=count, batch_fn=lambda item: TeacherRequest(
+            item["micro_batch"], kd.logits_transport))
+        sampler, items, figures = self._sampler(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
+        started = time.perf_counter()
+        try:
+            for index, micro_batch in enumerate(text):
+                if is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
+                    size = prompts[index]["input_ids"].shape[0]
+                    first = (self.dp_rank * count + index) * size  # the rows' place in the global batch
+                    seeds = [row_seed(kd.generation.seed, step, first + row) for row in range(size)]
+                    micro_batch, tokens, completed = self._complete(sampler, prompts[index], seeds)
+                    figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
+                items.append({"micro_batch": micro_batch, "step_valid": 0})
+                pending.put(items[-1])
+            generation_s = time.perf_counter() - started
+            # The items are the very dicts the teacher's feed hands back: the count reaches them all.
+            valid = self._valid_tokens([item["micro_batch"] for item in items])
+            for item in items:
+                item["step_valid"] = valid
+            metrics = self.train_step(feed)
+        except BaseException:
+            pending.put(None)
+            if isinstance(feed, TeacherPrefetcher):
+                feed.close(timeout=FAILURE_WAIT_S)
+            raise
+        if isinstance(feed, TeacherPrefetcher):
+            feed.close()
+        tokens, completions = self._sum_over_dp(figures[:2])
+        metrics.update(generated_tokens=tokens, mean_completion_length=tokens / max(completions, 1.0),
+                       on_policy_share=figures[2] / count, generation_s=generation_s,
+                       generation_tokens_per_s=tokens / generation_s if figures[2] else 0.0)
+        return metrics
 
     def _teacher_feed(self, items: Iterator[dict]) -> Iterator[tuple[dict, dict | None]]:
         """(item, encoded teacher logits) in order; the logits are None when the loss needs no teacher.
@@ -374,8 +497,8 @@ class StudentTrainer:
         ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                                 chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
         kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
-                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
-                             chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio > 0 else None
+                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm, chunk_size=kd_cfg.chunk_size,
+                             divergence=kd_cfg.divergence, jsd_beta=kd_cfg.jsd_beta) if kd_cfg.kd_ratio > 0 else None
         loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
         values = {"loss": float(loss.detach()), "ce_loss": float(ce.detach()) if ce is not None else 0.0,
                   "kd_loss": float(kd.detach()) if kd is not None else 0.0}
@@ -523,6 +646,27 @@ class StudentTrainer:
         if with_teacher:
             result["teacher_val_loss"] = teacher_sum / count
         return result
+
+    @torch.no_grad()
+    def evaluate_samples(self) -> dict[str, float]:
+        """The teacher's loss per token of the student's greedy completions of the validation prompts.
+
+        How far the student's own text is from what the teacher would write: the quantity on-policy
+        distillation lowers, measured the same way for any mode."""
+        steps = self.config.step_scheduler
+        sampler, sums = self._sampler(greedy=True), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
+        source = self.val_set if self.val_prompts is None else self.val_prompts
+        for index, batch in enumerate(data.eval_batches(source, batch_size=steps.local_batch_size,
+                                                        dp_rank=self.dp_rank, dp_size=self.dp_size)):
+            if steps.val_batches is not None and index >= steps.val_batches:
+                break
+            rows, tokens, completed = self._complete(sampler, batch, [0] * batch["input_ids"].shape[0])
+            with self.faults.watch("the teacher request", "teacher"):
+                answer = self.teacher.request(rows, LABEL_LOG_PROBS)
+            sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed]
+        nll, tokens, completions = self._sum_over_dp(sums)
+        return {"teacher_nll_of_samples": nll / max(tokens, 1.0),
+                "sample_length": tokens / max(completions, 1.0)}
 
     def save(self, step: int) -> None:
         with self.faults.watch(f"saving the checkpoint of step {step}", "student"):

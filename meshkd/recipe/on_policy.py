@@ -1,0 +1,223 @@
+"""On-policy distillation: the student completes prompts itself, the teacher scores the completions.
+
+Design (GKD, Agarwal et al. 2024). With `kd.mode: on_policy`, a share `kd.on_policy_fraction` of each
+step's micro-batches is made of the student's own completions; the rest stays dataset text. Per micro-batch:
+1. Prompts: the first `kd.generation.prompt_tokens` tokens of each row's first document, or with
+   `dataset.prompt_key` the whole prompt of a JSONL line (rows of `build_prompt_set`).
+2. The student, with its current weights, samples a completion of every prompt (`Sampler`; the default
+   `ModelGenerate` runs the model's own `generate`: batched, KV cache, no grad).
+3. `completion_batch` lays prompt + completion out as an ordinary row whose labels are the completion's
+   tokens only: prompt and padding never count in the loss.
+4. The teacher scores the rows through the teacher protocol like any micro-batch (any transport), while the
+   student generates the next micro-batch; the student trains on them once the step's are all generated,
+   so every completion of a step comes from the weights of that step.
+
+Reproducible and layout-free: every row samples with its own generator, seeded by (generation seed, step,
+the row's place in the global batch), so the completions depend neither on the data-parallel layout nor on
+what a row is batched with, and a resumed run draws what the uninterrupted one drew. The decision which
+micro-batches are on-policy depends on (seed, step, index) only, the same on every student rank.
+
+Why every generation runs exactly `max_new_tokens` steps, cut at the first stop token afterwards: the
+ranks of an FSDP2 or tensor-parallel student meet in collectives at every forward, so they must run the
+same number of forwards whatever their samples.
+
+The seam for a faster engine (vLLM on GPUs, its weights refreshed from the student every N steps): any
+object with `Sampler.sample`; the trainer asks it for completions and knows nothing else of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from meshkd.recipe.data import IGNORE_INDEX, PackedDataset, build_datasets
+
+
+def row_seed(seed: int, step: int, row: int) -> int:
+    """The sampling seed of global row `row` of step `step`: independent of layout and batching."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def is_on_policy(seed: int, step: int, index: int, fraction: float) -> bool:
+    """Whether micro-batch `index` of step `step` is the student's own completions (else dataset text)."""
+    if fraction >= 1.0 or fraction <= 0.0:
+        return fraction >= 1.0
+    return row_seed(seed, step, -1 - index) / (1 << 63) < fraction
+
+
+def prompts_of(batch: dict[str, torch.Tensor], *, limit: int | None, eos_token_id: int | None) -> list[torch.Tensor | None]:
+    """Each row's prompt: its first document, the end-of-text token dropped, cut to `limit` tokens; None for a
+    padding row. A prompt keeps at least one token."""
+    prompts = []
+    for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+        tokens = ids[mask == 1]
+        if len(tokens) == 0:
+            prompts.append(None)
+            continue
+        if len(tokens) > 1 and eos_token_id is not None and int(tokens[-1]) == eos_token_id:
+            tokens = tokens[:-1]
+        prompts.append(tokens if limit is None else tokens[:limit])
+    return prompts
+
+
+def completion_batch(prompts: list[torch.Tensor | None], completions: list[torch.Tensor], *, sequence_length: int,
+                     pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Rows prompt + completion, right-padded to `sequence_length`; labels the completion's tokens only.
+
+    The label at position i is the token at i + 1 when that token belongs to the completion (so the logits
+    at the prompt's last token predict the first generated token); -100 everywhere else.
+    """
+    rows = len(prompts)
+    batch = {
+        "input_ids": torch.full((rows, sequence_length), pad_token_id, dtype=torch.int64),
+        "labels": torch.full((rows, sequence_length), IGNORE_INDEX, dtype=torch.int64),
+        "position_ids": torch.zeros((rows, sequence_length), dtype=torch.int64),
+        "attention_mask": torch.zeros((rows, sequence_length), dtype=torch.int64),
+    }
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        if prompt is None:
+            continue
+        tokens = torch.cat([prompt.cpu(), completion.cpu()])
+        if len(tokens) > sequence_length:
+            raise ValueError(f"a prompt of {len(prompt)} tokens and its completion of {len(completion)} exceed the "
+                             f"sequence length {sequence_length}")
+        length = len(tokens)
+        batch["input_ids"][row, :length] = tokens
+        batch["position_ids"][row, :length] = torch.arange(length)
+        batch["attention_mask"][row, :length] = 1
+        batch["labels"][row, len(prompt) - 1 : length - 1] = completion
+    return batch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are drawn (the `kd.generation` section)."""
+
+    max_new_tokens: int
+    temperature: float  # 0: the likeliest token each time
+    top_p: float
+    stop_tokens: tuple[int, ...]
+
+
+class Sampler(Protocol):
+    """What draws the student's completions: the seam for another engine."""
+
+    def sample(self, prompts: list[torch.Tensor], seeds: list[int]) -> list[torch.Tensor]:
+        """One completion per prompt (generated tokens only, ending at and including the first stop token),
+        row i drawn with a generator seeded by `seeds[i]`. Every rank of the student calls it together."""
+
+
+class ModelGenerate:
+    """The default sampler: the student's own `generate`, batched with left padding and the KV cache.
+
+    `model` is the module to call (the DDP wrapper's inner module; FSDP2 and tensor-parallel modules as they
+    are). Sampling happens in a logits processor with one generator per row, so `generate` itself decodes
+    greedily on scores that leave a single token possible; on a tensor-parallel student the processor
+    gathers the vocabulary-sharded scores first.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: SamplingSettings, *, pad_token_id: int,
+                 device: torch.device) -> None:
+        self.model, self.settings, self.pad_token_id, self.device = model, settings, pad_token_id, device
+
+    @torch.no_grad()
+    def sample(self, prompts: list[torch.Tensor], seeds: list[int]) -> list[torch.Tensor]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        settings = self.settings
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = prompt
+            attention_mask[row, width - len(prompt):] = 1
+        # eos_token_id []: never stop early (see the module docstring); stop tokens are applied below.
+        config = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=[],
+                                  pad_token_id=self.pad_token_id)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                generation_config=config, logits_processor=LogitsProcessorList([_RowSampler(settings, seeds)]),
+                # transformers would sync an FSDP model's ranks over the whole world (teacher ranks included)
+                # to stop together; every rank runs all max_new_tokens steps anyway.
+                synced_gpus=False,
+            )
+        finally:
+            self.model.train(was_training)
+        return [_cut_at_stop(row, settings.stop_tokens) for row in output[:, width:].cpu()]
+
+
+class _RowSampler:
+    """Draws each row's next token with its own generator; returns scores where only that token is possible."""
+
+    def __init__(self, settings: SamplingSettings, seeds: list[int]) -> None:
+        self.settings = settings
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if hasattr(scores, "full_tensor"):  # a tensor-parallel student's vocabulary-sharded scores
+            scores = scores.full_tensor()
+        scores = scores.float().cpu()
+        settings = self.settings
+        if settings.temperature == 0:
+            chosen = scores.argmax(-1)
+        else:
+            probs = torch.softmax(scores / settings.temperature, dim=-1)
+            if settings.top_p < 1.0:
+                probs = _nucleus(probs, settings.top_p)
+            chosen = torch.stack([torch.multinomial(row, 1, generator=generator)[0]
+                                  for row, generator in zip(probs, self.generators)])
+        only = torch.full_like(scores, -math.inf)
+        only.scatter_(-1, chosen[:, None], 0.0)
+        return only.to(input_ids.device)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of likeliest tokens whose mass reaches `top_p` (at least one), renormalized."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _cut_at_stop(tokens: torch.Tensor, stop_tokens: tuple[int, ...]) -> torch.Tensor:
+    if stop_tokens:
+        stops = torch.isin(tokens, torch.tensor(stop_tokens, dtype=tokens.dtype)).nonzero()
+        if len(stops):
+            return tokens[: int(stops[0]) + 1]
+    return tokens
+
+
+def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[PackedDataset, PackedDataset]:
+    """(train, validation) prompts under `dataset.prompt_key`, one per row, split as the text documents are.
+
+    Raises ValueError naming the key when a prompt is longer than `max_prompt_tokens` (the sequence length
+    less `max_new_tokens`) or no line has a non-empty prompt.
+    """
+    from meshkd.recipe.config import expand_path
+
+    key = dataset.prompt_key
+    try:
+        splits = build_datasets(
+            tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=max_prompt_tokens + 1,
+            val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=key, format=dataset.format,
+            max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars, pack=False,
+            on_bad_file=dataset.on_bad_file,
+        )
+    except ValueError as error:
+        raise ValueError(f"dataset.prompt_key {key!r}: {error}") from None
+    for split in splits:
+        if len(split) != split.num_documents:  # a prompt was cut into pieces: it did not fit one row
+            raise ValueError(
+                f"dataset.prompt_key {key!r}: {len(split) - split.num_documents} prompt piece(s) beyond the "
+                f"limit of {max_prompt_tokens} tokens (step_scheduler.sequence_length less "
+                f"kd.generation.max_new_tokens): shorten the prompts or raise the sequence length")
+    return splits
