@@ -451,7 +451,7 @@ def _check_on_policy(config: KDRecipeConfig) -> None:
     if any(token < 0 for token in generation.stop_tokens or ()):
         raise ConfigError(f"kd.generation.stop_tokens must be token ids >= 0, got {generation.stop_tokens}")
     sequence_length = config.step_scheduler.sequence_length
-    longest = (0 if config.dataset.prompt_key else generation.prompt_tokens) + generation.max_new_tokens
+    longest = (1 if config.dataset.prompt_key else generation.prompt_tokens) + generation.max_new_tokens
     if kd.mode == "on_policy" and longest > sequence_length:
         raise ConfigError(f"kd.generation.prompt_tokens ({generation.prompt_tokens}) + max_new_tokens "
                           f"({generation.max_new_tokens}) exceed step_scheduler.sequence_length ({sequence_length})"
