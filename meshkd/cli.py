@@ -249,8 +249,21 @@ def _demo_cache(config_path: str, overrides: list[str]) -> int:
     return _cache_teacher(config_path, overrides, None, None)
 
 
+# `meshkd demo --on-policy`: short rows so the student's completions fit a few minutes on 2 CPU cores. The
+# student completes the first 32 tokens of each row with 32 of its own, trained on by reverse KL; the
+# off-policy run it is compared with (--compare) trains on text rows of the same length with half the steps,
+# so both train on about as many tokens (each text row has 63 targets, each completion at most 32).
+_ON_POLICY = ["kd.mode=on_policy", "kd.divergence=reverse_kl", "kd.generation.prompt_tokens=32",
+              "kd.generation.max_new_tokens=32", "step_scheduler.sequence_length=64", "step_scheduler.max_steps=30",
+              "lr_scheduler.warmup_steps=3"]
+_OFF_POLICY_BESIDE = ["kd.generation.evaluate=true", "step_scheduler.max_steps=15", "kd.generation.prompt_tokens=32",
+                      "kd.generation.max_new_tokens=32", "step_scheduler.sequence_length=64"]
+
+
 def _demo(args: argparse.Namespace) -> int:
     config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
+    if args.on_policy:
+        return _demo_on_policy(config_path, args)
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
@@ -270,6 +283,36 @@ def _demo(args: argparse.Namespace) -> int:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
     _demo_report(load_config(config_path, demo_overrides(args.run_dir, cache + args.set + layers)), summaries)
+    return 0
+
+
+def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
+    """On-policy distillation of the pruned student (and with --compare, off-policy at about the same tokens)."""
+    if args.cache:
+        raise ConfigError("meshkd demo --on-policy: the teacher scores the student's own completions, which no "
+                          "cache holds; leave out --cache")
+    from meshkd.recipe import metrics
+
+    run_dir = args.run_dir + "_on_policy"
+    layers = _layer_selection(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
+    runs = [("on-policy (reverse KL)", run_dir, _ON_POLICY)]
+    if args.compare:
+        runs.append(("off-policy (forward KL)", run_dir + "_beside", _OFF_POLICY_BESIDE))
+    for name, directory, extra in runs:
+        print(f"meshkd demo: healing the pruned student {name} -> {directory}")
+        code = _train(config_path, demo_overrides(directory, extra + args.set + layers), None, False)
+        if code != 0:
+            return code
+    print("\n(losses in nats/token)                  trained    held-out  teacher's loss on the student's")
+    print("                                         tokens     text      greedy completions, before -> after")
+    for name, directory, _ in runs:
+        records = metrics.read_metrics(directory)
+        trained = sum(record["num_tokens"] for record in records if record["kind"] == "train")
+        evals = [record for record in records if record["kind"] == "eval"]
+        print(f"  {name:<37} {trained:>7.0f}    {evals[-1]['val_loss']:.4f}    "
+              f"{evals[0]['teacher_nll_of_samples']:.4f} -> {evals[-1]['teacher_nll_of_samples']:.4f}")
+    teacher = evals[0]["teacher_val_loss"]
+    print(f"  teacher on the held-out text: {teacher:.4f}; pruned student before healing: {evals[0]['val_loss']:.4f}")
     return 0
 
 
@@ -346,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", action="store_true", help="also heal with CE only and print both results")
     demo.add_argument("--cache", action="store_true",
                       help="take the teacher's answers from a cache next to the run (written on first use)")
+    demo.add_argument("--on-policy", action="store_true",
+                      help="heal on the student's own completions, scored by the teacher (with --compare: "
+                           "against off-policy at about the same trained tokens)")
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 

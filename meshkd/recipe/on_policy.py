@@ -27,8 +27,10 @@ object with `Sampler.sample`; the trainer asks it for completions and knows noth
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,16 +144,38 @@ class ModelGenerate:
         was_training = self.model.training
         self.model.eval()
         try:
-            output = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                generation_config=config, logits_processor=LogitsProcessorList([_RowSampler(settings, seeds)]),
-                # transformers would sync an FSDP model's ranks over the whole world (teacher ranks included)
-                # to stop together; every rank runs all max_new_tokens steps anyway.
-                synced_gpus=False,
-            )
+            with _gathered_once(self.model):
+                output = self.model.generate(
+                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                    generation_config=config, logits_processor=LogitsProcessorList([_RowSampler(settings, seeds)]),
+                    # transformers would sync an FSDP model's ranks over the whole world (teacher ranks
+                    # included) to stop together; every rank runs all max_new_tokens steps anyway.
+                    synced_gpus=False,
+                )
         finally:
             self.model.train(was_training)
         return [_cut_at_stop(row, settings.stop_tokens) for row in output[:, width:].cpu()]
+
+
+@contextlib.contextmanager
+def _gathered_once(model: torch.nn.Module) -> Iterator[None]:
+    """An FSDP2 student keeps its layers gathered from the first decoding step to the last, then reshards.
+
+    FSDP2 frees a layer's gathered parameters after each forward; decoding runs a forward per token, and
+    gathering the whole model once per token costs far more than the forward itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    inner = [module for module in sharded if module is not model]  # the root is never resharded after forward
+    for module in inner:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in inner:
+            module.set_reshard_after_forward(True, recurse=False)
+        for module in sharded:
+            module.reshard()
 
 
 class _RowSampler:

@@ -110,6 +110,15 @@ def test_the_embedded_demo_config_loads_once_its_teacher_is_filled_in(tmp_path):
     path = resources.files("meshkd") / "configs" / "demo.yaml"
     config = load_config(path, [f"model.path={tmp_path}", f"teacher_model.path={tmp_path}"])
     assert config.model.keep_layers["auto"] == 20 and required_world_size(config) == 4
+    # meshkd demo --on-policy and the off-policy run it is compared with.
+    from meshkd.cli import _OFF_POLICY_BESIDE, _ON_POLICY
+
+    paths = [f"model.path={tmp_path}", f"teacher_model.path={tmp_path}"]
+    on = load_config(path, paths + _ON_POLICY)
+    assert (on.kd.mode, on.kd.divergence, on.step_scheduler.sequence_length) == ("on_policy", "reverse_kl", 64)
+    beside = load_config(path, paths + _OFF_POLICY_BESIDE)
+    assert beside.kd.mode == "off_policy" and beside.kd.generation.evaluate
+    assert beside.step_scheduler.sequence_length == on.step_scheduler.sequence_length
 
 
 def test_a_run_from_a_teacher_cache_needs_no_teacher_ranks_and_no_teacher():
