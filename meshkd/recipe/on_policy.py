@@ -220,6 +220,45 @@ def _cut_at_stop(tokens: torch.Tensor, stop_tokens: tuple[int, ...]) -> torch.Te
     return tokens
 
 
+class StudentCompletions:
+    """A recipe's prompts completed by its student: `rows(batch, seeds)` for training and evaluation.
+
+    Args:
+        model: the module whose `generate` runs (DDP's inner module; FSDP2 and tensor-parallel as they are).
+        config: the recipe config (`kd.generation`, `dataset.prompt_key`, the sequence length).
+        tokenizer: its EOS ends documents (dropped from prompts) and, by default, completions.
+        greedy: the likeliest token each time, whatever `kd.generation.temperature` says (for evaluation).
+    """
+
+    def __init__(self, model: torch.nn.Module, config, tokenizer, *, pad_token_id: int, device: torch.device,
+                 greedy: bool = False) -> None:
+        generation = config.kd.generation
+        self.eos = tokenizer.eos_token_id
+        stops = generation.stop_tokens
+        if stops is None:
+            stops = [] if self.eos is None else [self.eos]
+        settings = SamplingSettings(max_new_tokens=generation.max_new_tokens,
+                                    temperature=0.0 if greedy else generation.temperature,
+                                    top_p=generation.top_p, stop_tokens=tuple(stops))
+        self.sampler: Sampler = ModelGenerate(model, settings, pad_token_id=pad_token_id, device=device)
+        self.limit = None if config.dataset.prompt_key else generation.prompt_tokens
+        self.sequence_length = config.step_scheduler.sequence_length
+        self.pad_token_id, self.device = pad_token_id, device
+
+    def rows(self, batch: dict[str, torch.Tensor], seeds: list[int]) -> tuple[dict[str, torch.Tensor], int, int]:
+        """(the rows prompt + completion of `batch`'s prompts on the device, tokens generated, prompts completed).
+
+        A padding row (no prompt) is completed from one pad token, so every rank runs the same forwards, and
+        is then left empty."""
+        prompts = prompts_of(batch, limit=self.limit, eos_token_id=self.eos)
+        pad = torch.tensor([self.pad_token_id])
+        completions = self.sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
+        rows = completion_batch(prompts, completions, sequence_length=self.sequence_length,
+                                pad_token_id=self.pad_token_id)
+        real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
+        return ({key: value.to(self.device) for key, value in rows.items()}, sum(map(len, real)), len(real))
+
+
 def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[PackedDataset, PackedDataset]:
     """(train, validation) prompts under `dataset.prompt_key`, one per row, split as the text documents are.
 

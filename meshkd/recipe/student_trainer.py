@@ -56,15 +56,7 @@ from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
-from meshkd.recipe.on_policy import (
-    ModelGenerate,
-    SamplingSettings,
-    build_prompt_set,
-    completion_batch,
-    is_on_policy,
-    prompts_of,
-    row_seed,
-)
+from meshkd.recipe.on_policy import StudentCompletions, build_prompt_set, is_on_policy, row_seed
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
@@ -197,30 +189,10 @@ class StudentTrainer:
         evaluate = self.config.kd.generation.evaluate
         return evaluate if evaluate is not None else self.config.kd.mode == "on_policy"
 
-    def _sampler(self, *, greedy: bool = False) -> ModelGenerate:
-        """The student's own `generate` with the current weights, as `kd.generation` says (greedy: temperature 0)."""
-        generation = self.config.kd.generation
-        eos = self.tokenizer.eos_token_id
-        stops = generation.stop_tokens if generation.stop_tokens is not None else ([] if eos is None else [eos])
-        settings = SamplingSettings(max_new_tokens=generation.max_new_tokens,
-                                    temperature=0.0 if greedy else generation.temperature,
-                                    top_p=generation.top_p, stop_tokens=tuple(stops))
-        module = getattr(self.model, "module", self.model)  # DDP's inner model: generation needs no gradient sync
-        return ModelGenerate(module, settings, pad_token_id=self.train_set.pad_token_id, device=self.device)
-
-    def _complete(self, sampler: ModelGenerate, batch: dict, seeds: list[int]) -> tuple[dict, int, int]:
-        """(the rows prompt + completion of `batch`'s prompts, the tokens generated, the prompts completed).
-
-        A padding row (no prompt) is completed from one pad token, so every rank runs the same forwards, and
-        then left empty."""
-        limit = None if self.config.dataset.prompt_key else self.config.kd.generation.prompt_tokens
-        prompts = prompts_of(batch, limit=limit, eos_token_id=self.tokenizer.eos_token_id)
-        pad = torch.tensor([self.train_set.pad_token_id])
-        completions = sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
-        rows = completion_batch(prompts, completions, sequence_length=self.config.step_scheduler.sequence_length,
-                                pad_token_id=self.train_set.pad_token_id)
-        real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
-        return ({key: value.to(self.device) for key, value in rows.items()}, sum(len(c) for c in real), len(real))
+    def _completions(self, *, greedy: bool = False) -> StudentCompletions:
+        """The student's completions with its current weights (DDP's inner model: no gradient sync needed)."""
+        return StudentCompletions(getattr(self.model, "module", self.model), self.config, self.tokenizer,
+                                  pad_token_id=self.train_set.pad_token_id, device=self.device, greedy=greedy)
 
     @property
     def student_group(self) -> dist.ProcessGroup | None:
@@ -425,7 +397,7 @@ class StudentTrainer:
 
         feed = self.teacher.prefetch(made(), depth=count, batch_fn=lambda item: TeacherRequest(
             item["micro_batch"], kd.logits_transport))
-        sampler, items, figures = self._sampler(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
+        completions, items, figures = self._completions(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
         started = time.perf_counter()
         try:
             for index, micro_batch in enumerate(text):
@@ -433,7 +405,7 @@ class StudentTrainer:
                     size = prompts[index]["input_ids"].shape[0]
                     first = (self.dp_rank * count + index) * size  # the rows' place in the global batch
                     seeds = [row_seed(kd.generation.seed, step, first + row) for row in range(size)]
-                    micro_batch, tokens, completed = self._complete(sampler, prompts[index], seeds)
+                    micro_batch, tokens, completed = completions.rows(prompts[index], seeds)
                     figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
                 items.append({"micro_batch": micro_batch, "step_valid": 0})
                 pending.put(items[-1])
@@ -654,13 +626,13 @@ class StudentTrainer:
         How far the student's own text is from what the teacher would write: the quantity on-policy
         distillation lowers, measured the same way for any mode."""
         steps = self.config.step_scheduler
-        sampler, sums = self._sampler(greedy=True), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
+        completions, sums = self._completions(greedy=True), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
         source = self.val_set if self.val_prompts is None else self.val_prompts
         for index, batch in enumerate(data.eval_batches(source, batch_size=steps.local_batch_size,
                                                         dp_rank=self.dp_rank, dp_size=self.dp_size)):
             if steps.val_batches is not None and index >= steps.val_batches:
                 break
-            rows, tokens, completed = self._complete(sampler, batch, [0] * batch["input_ids"].shape[0])
+            rows, tokens, completed = completions.rows(batch, [0] * batch["input_ids"].shape[0])
             with self.faults.watch("the teacher request", "teacher"):
                 answer = self.teacher.request(rows, LABEL_LOG_PROBS)
             sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed]
