@@ -468,9 +468,9 @@ def _check_on_policy(config: KDRecipeConfig) -> None:
                           "a teacher; set kd.kd_ratio > 0 (1 is GKD's pure divergence)")
     student = config.distributed
     if student.pp_size > 1 or student.cp_size > 1:
-        raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole model on each rank's own "
-                          f"prompts, which pipeline and context parallel students do not hold; got "
-                          f"distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+        raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
+                          f"model on each rank's own prompts, which pipeline and context parallel students do not "
+                          f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
 
 
 def _check_layer_selection(label: str, selection: dict) -> None:

@@ -52,7 +52,8 @@ def is_on_policy(seed: int, step: int, index: int, fraction: float) -> bool:
     return row_seed(seed, step, -1 - index) / (1 << 63) < fraction
 
 
-def prompts_of(batch: dict[str, torch.Tensor], *, limit: int | None, eos_token_id: int | None) -> list[torch.Tensor | None]:
+def prompts_of(batch: dict[str, torch.Tensor], *, limit: int | None,
+               eos_token_id: int | None) -> list[torch.Tensor | None]:
     """Each row's prompt: its first document, the end-of-text token dropped, cut to `limit` tokens; None for a
     padding row. A prompt keeps at least one token."""
     prompts = []

@@ -312,7 +312,7 @@ class StudentTrainer:
         step = saved = self.start_step
         self.model.train()
         train_step = self.train_step if self.pipeline is None else self.pipelined_train_step
-        if feed is None:
+        if feed is None:  # on-policy: every step makes its own feed from the student's completions
             train_step = self._on_policy_step
         while step < steps.max_steps:
             with self.faults.watch(f"step {step + 1}", "student"):
@@ -397,7 +397,7 @@ class StudentTrainer:
 
         feed = self.teacher.prefetch(made(), depth=count, batch_fn=lambda item: TeacherRequest(
             item["micro_batch"], kd.logits_transport))
-        completions, items, figures = self._completions(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
+        completer, items, figures = self._completions(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
         started = time.perf_counter()
         try:
             for index, micro_batch in enumerate(text):
@@ -405,7 +405,7 @@ class StudentTrainer:
                     size = prompts[index]["input_ids"].shape[0]
                     first = (self.dp_rank * count + index) * size  # the rows' place in the global batch
                     seeds = [row_seed(kd.generation.seed, step, first + row) for row in range(size)]
-                    micro_batch, tokens, completed = completions.rows(prompts[index], seeds)
+                    micro_batch, tokens, completed = completer.rows(prompts[index], seeds)
                     figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
                 items.append({"micro_batch": micro_batch, "step_valid": 0})
                 pending.put(items[-1])
@@ -626,13 +626,13 @@ class StudentTrainer:
         How far the student's own text is from what the teacher would write: the quantity on-policy
         distillation lowers, measured the same way for any mode."""
         steps = self.config.step_scheduler
-        completions, sums = self._completions(greedy=True), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
+        completer, sums = self._completions(greedy=True), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
         source = self.val_set if self.val_prompts is None else self.val_prompts
         for index, batch in enumerate(data.eval_batches(source, batch_size=steps.local_batch_size,
                                                         dp_rank=self.dp_rank, dp_size=self.dp_size)):
             if steps.val_batches is not None and index >= steps.val_batches:
                 break
-            rows, tokens, completed = completions.rows(batch, [0] * batch["input_ids"].shape[0])
+            rows, tokens, completed = completer.rows(batch, [0] * batch["input_ids"].shape[0])
             with self.faults.watch("the teacher request", "teacher"):
                 answer = self.teacher.request(rows, LABEL_LOG_PROBS)
             sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed]

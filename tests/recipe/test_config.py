@@ -47,6 +47,9 @@ def test_missing_or_malformed_files_are_clear(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
+ON_POLICY = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -77,9 +80,9 @@ def test_missing_or_malformed_files_are_clear(tmp_path):
          r"kd.divergence .*reverse_kl needs the teacher's whole distribution"),
         ({"kd": {"divergence": "jsd", "jsd_beta": 0.0}}, r"jsd_beta must lie strictly between 0 and 1"),
         ({"kd": {"divergence": "kl"}}, r"divergence must be one of"),
-        ({"kd": {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}, "kd_ratio": 0.0}}, r"on_policy with kd.kd_ratio 0"),
-        ({"kd": {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}, "teacher_cache": "cache"}}, r"need a live teacher"),
-        ({"kd": {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}, "distributed": {"dp_size": 1, "pp_size": 2}},
+        ({"kd": {**ON_POLICY, "kd_ratio": 0.0}}, r"on_policy with kd.kd_ratio 0"),
+        ({"kd": {**ON_POLICY, "teacher_cache": "cache"}}, r"need a live teacher"),
+        ({"kd": ON_POLICY, "distributed": {"dp_size": 1, "pp_size": 2}},
          r"pipeline and context parallel students .*pp_size 2"),
         ({"kd": {"generation": {"evaluate": True}}, "distributed": {"dp_size": 1, "cp_size": 2}},
          r"kd.generation.evaluate: .*cp_size 2"),
@@ -96,7 +99,7 @@ def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
         config_from_dict(config)
 
 
-@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "hf_gpu"])
+@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "tiny_on_policy", "hf_gpu"])
 def test_example_configs_load(name):
     from pathlib import Path
 
