@@ -109,6 +109,9 @@ class KDConfig:
     on_policy_fraction: float = 1.0  # with on_policy: the share of micro-batches the student completes
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd (meshkd.core.loss)
     jsd_beta: float = 0.5  # beta of jsd, in (0, 1)
+    # An MoE student's router load-balancing loss weight; None: its config's router_aux_loss_coef (0 for a
+    # dense student); 0: off (meshkd.recipe.router_loss)
+    router_aux_loss_coef: float | None = None
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
 
 
@@ -384,6 +387,12 @@ def validate(config: KDRecipeConfig) -> None:
     if kd.max_skipped_steps < 0:
         raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
     _check_on_policy(config)
+    router = kd.router_aux_loss_coef
+    if router is not None and not (router >= 0 and math.isfinite(router)):
+        raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
+    if router and config.distributed.pp_size * config.distributed.cp_size > 1:
+        raise ConfigError(f"kd.router_aux_loss_coef ({router}): the router loss is computed for students without "
+                          "pipeline and context parallel only (the default, null, leaves it out for them)")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
     if config.dataset.on_bad_file not in ("error", "skip"):

@@ -58,6 +58,7 @@ from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions, build_prompt_set, is_on_policy, row_seed
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
+from meshkd.recipe.router_loss import RouterLoss
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
@@ -136,6 +137,9 @@ class StudentTrainer:
         else:
             self.teacher = TeacherClient(bridge)
         self._teacher = None
+        # Hooks on the routers the model declares; pipeline and context parallel students go without (see config).
+        self.router_loss = None if setup.pp_size * setup.cp_size > 1 else RouterLoss.for_student(
+            self._model, config.kd.router_aux_loss_coef)
         if setup.pp_size > 1:
             self.pipeline = StudentPipeline(self._model, setup, device=self.device, schedule=setup.pp_schedule,
                                             num_micro_batches=self.num_micro_batches)
@@ -461,8 +465,11 @@ class StudentTrainer:
         return local, teacher
 
     def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, teacher_logits: dict | None,
-                         norm: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """(the loss to backpropagate, its loss / ce_loss / kd_loss values) of one micro-batch."""
+                         norm: float, router: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the loss to backpropagate, its loss / ce_loss / kd_loss values) of one micro-batch.
+
+        `router`: an MoE student's load-balancing loss of this micro-batch; the objective adds
+        `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank."""
         kd_cfg = self.config.kd
         labels = micro_batch["labels"]
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
@@ -472,8 +479,13 @@ class StudentTrainer:
                              ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm, chunk_size=kd_cfg.chunk_size,
                              divergence=kd_cfg.divergence, jsd_beta=kd_cfg.jsd_beta) if kd_cfg.kd_ratio > 0 else None
         loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
-        values = {"loss": float(loss.detach()), "ce_loss": float(ce.detach()) if ce is not None else 0.0,
+        values = {"ce_loss": float(ce.detach()) if ce is not None else 0.0,
                   "kd_loss": float(kd.detach()) if kd is not None else 0.0}
+        if router is not None:
+            share = router / (self.num_micro_batches * self.dp_size)  # of the mean over the step's micro-batches
+            loss = loss + self.router_loss.coefficient * share
+            values["router_loss"] = float(share.detach())
+        values["loss"] = float(loss.detach())
         # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
         return loss * student_loss_scale(self.setup), values
 
@@ -496,8 +508,12 @@ class StudentTrainer:
             if index == 0:
                 (num_valid,) = self._sum_over_dp([pair[0]["step_valid"]])
             micro_batch, teacher_logits = self._shard(pair[0]["micro_batch"], pair[1])
-            logits = self._student_logits(micro_batch)
-            loss, values = self.micro_batch_loss(logits, micro_batch, teacher_logits, max(num_valid, 1.0))
+            router = None
+            with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
+                logits = self._student_logits(micro_batch)
+            if self.router_loss:
+                router = self.router_loss.value(micro_batch["attention_mask"])
+            loss, values = self.micro_batch_loss(logits, micro_batch, teacher_logits, max(num_valid, 1.0), router)
             loss.backward()
             records.append(values)
         return self._finish_step(records, wait, num_valid)
@@ -531,7 +547,8 @@ class StudentTrainer:
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm,
                                    stages_group=stages, uncounted=copies)
-        totals = [sum(record[key] for record in records) for key in ("loss", "ce_loss", "kd_loss")]
+        keys = ("loss", "ce_loss", "kd_loss") + (("router_loss",) if self.router_loss else ())
+        totals = [sum(record[key] for record in records) for key in keys]
         summed = self._sum_over_dp(totals, and_cp=True)
         finite = all(math.isfinite(value) for value in (*summed, grad_norm))
         if not finite:
@@ -542,8 +559,8 @@ class StudentTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return {"loss": summed[0], "ce_loss": summed[1], "kd_loss": summed[2], "lr": lr, "grad_norm": grad_norm,
-                "num_tokens": num_valid, "teacher_wait_s": wait, "skipped": not finite}
+        return {**dict(zip(keys, summed)), "lr": lr, "grad_norm": grad_norm, "num_tokens": num_valid,
+                "teacher_wait_s": wait, "skipped": not finite}
 
     def _nonfinite_step(self, summed: list[float], grad_norm: float) -> None:
         """Skip this step's update (`kd.on_nonfinite: skip_step`, at most `kd.max_skipped_steps` times), else

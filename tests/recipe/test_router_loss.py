@@ -1,0 +1,72 @@
+"""An MoE student's router load-balancing loss: the model's own function on packed batches, in the objective."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from meshkd.core.packing import configure_packing
+from meshkd.recipe.models import load_causal_lm
+from meshkd.recipe.router_loss import RouterLoss
+from tests.recipe.test_recipe import config_world_size, curve, train_in_world
+from tests.tiny import base_config, with_layout
+
+SHAPE = dict(vocab_size=262, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+MOE = {"qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_the_router_loss_is_the_models_own_on_real_tokens(family):
+    model = load_causal_lm(random_init={"model_type": family, **SHAPE, **MOE[family]}, seed=3)
+    plain = copy.deepcopy(model)
+    router = RouterLoss.for_student(configure_packing(model), None)
+    assert router.coefficient == model.config.router_aux_loss_coef > 0  # the model's own weight by default
+    ids = torch.randint(0, 262, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])  # a padded row: a packed row of one document
+    positions = torch.tensor([list(range(9)), list(range(6)) + [0] * 3])
+    with router.recording():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    want = plain(input_ids=ids, attention_mask=mask, position_ids=positions, output_router_logits=True).aux_loss
+    torch.testing.assert_close(router.value(mask), want, rtol=1e-6, atol=0)
+    # Two documents in one row count the same tokens as one: the document indices only mark real tokens.
+    torch.testing.assert_close(router.value(mask * torch.tensor([[1] * 4 + [2] * 5, [1] * 9])), want)
+    with torch.no_grad():  # outside `recording` nothing is kept
+        model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    assert router._recorded is None
+
+
+def test_a_dense_student_has_none_and_asking_for_one_names_the_key():
+    dense = load_causal_lm(random_init={"model_type": "llama", **SHAPE}, seed=3)
+    assert RouterLoss.for_student(dense, None) is None
+    assert RouterLoss.for_student(load_causal_lm(random_init={"model_type": "mixtral", **SHAPE, **MOE["mixtral"]},
+                                                 seed=3), 0.0) is None
+    with pytest.raises(ValueError, match=r"kd.router_aux_loss_coef is 0.1, but the student \(LlamaForCausalLM\)"):
+        RouterLoss.for_student(dense, 0.1)
+
+
+def moe_student_config(tmp_path, coefficient: float | None = 0.05) -> dict:
+    config = base_config(tmp_path)
+    config["model"]["random_init"].update(model_type="qwen3_moe", **MOE["qwen3_moe"])
+    config["kd"]["router_aux_loss_coef"] = coefficient
+    return config
+
+
+@pytest.mark.world
+def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
+    single = with_layout(moe_student_config(tmp_path / "single"), {"dp_size": 1}, None)
+    reference = [r for r in train_in_world(1, single) if r["kind"] == "train"]
+    for record in reference:
+        objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
+        assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
+    for name, student, teacher in (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None)):
+        config = with_layout(moe_student_config(tmp_path / name), student, teacher)
+        records = train_in_world(config_world_size(config), config)
+        assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
+        routed = [r["router_loss"] for r in records if r["kind"] == "train"]
+        assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
+    off = with_layout(moe_student_config(tmp_path / "off", 0.0), {"dp_size": 1}, None)
+    assert all("router_loss" not in r for r in train_in_world(1, off))
