@@ -62,7 +62,8 @@ def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
     for record in reference:
         objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
         assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
-    for name, student, teacher in (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None)):
+    layouts = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None))
+    for name, student, teacher in layouts:
         config = with_layout(moe_student_config(tmp_path / name), student, teacher)
         records = train_in_world(config_world_size(config), config)
         assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
