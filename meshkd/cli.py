@@ -181,8 +181,31 @@ def _layer_selection(config_path: str, overrides: list[str], *, resume: bool = F
     return [f"model.keep_layers={keep}"]
 
 
+def _converted_gguf_sources(config_path: str, overrides: list[str]) -> list[str]:
+    """Overrides pointing each GGUF model section at its model converted once to an HF directory
+    (`meshkd.recipe.models.converted_gguf`): every worker then loads only its share, and in a fraction of
+    the time. Under the user's own torchrun the ranks load the GGUF file as it is (they would race)."""
+    if _inside_torchrun():
+        return []
+    from meshkd.recipe.models import converted_gguf
+
+    config, converted = load_config(config_path, overrides), []
+    for label in ("model", "teacher_model"):
+        section = getattr(config, label)
+        if section.path is not None and (section.gguf_file is not None or str(section.path).endswith(".gguf")):
+            directory = converted_gguf(section.path, section.gguf_file)
+            converted += [f"{label}.path={directory}", f"{label}.gguf_file="]
+    return converted
+
+
+def _resolved(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
+    """The overrides plus those that GGUF conversion and layer selection add for the workers."""
+    overrides = [*overrides, *_converted_gguf_sources(config_path, overrides)]
+    return [*overrides, *_layer_selection(config_path, overrides, resume=resume)]
+
+
 def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
-    overrides = [*overrides, *_layer_selection(config_path, overrides, resume=resume)]
+    overrides = _resolved(config_path, overrides, resume=resume)
     config = load_config(config_path, overrides)
     if _inside_torchrun():
         from meshkd.recipe.run import KDRecipe
@@ -196,7 +219,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
 
 def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None) -> int:
-    overrides = [*overrides, *_layer_selection(config_path, overrides)]
+    overrides = _resolved(config_path, overrides)
     config = load_config(config_path, overrides)
     if config.kd.teacher_cache is None:
         raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
@@ -352,7 +375,7 @@ def _prune(config_path: str, overrides: list[str]) -> int:
     if not isinstance(config.model.keep_layers, dict):
         raise ConfigError("model.keep_layers: set it to {auto: N} to have the N most important layers chosen "
                           "(e.g. --set 'model.keep_layers={auto: 8}')")
-    _layer_selection(config_path, overrides)
+    _resolved(config_path, overrides)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The meshkd command: end to end through torch's launcher, and early failure on a bad config."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,29 @@ def test_cli_rejects_a_typo_before_starting_processes(tmp_path):
     result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "optimiser" in result.stderr
+
+
+def test_cli_converts_a_gguf_teacher_once_and_its_workers_load_the_directory(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+    from meshkd.recipe.models import byte_tokenizer
+    from tests.recipe.test_models import tiny_llama, write_gguf
+
+    write_gguf(tiny_llama(seed=11, tie_word_embeddings=True), byte_tokenizer(), tmp_path / "teacher.gguf")
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+    config["teacher_model"] = {"path": str(tmp_path / "teacher.gguf")}
+    config_path = tmp_path / "gguf.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    environment = {**os.environ, "MESHKD_CACHE": str(tmp_path / "cache")}
+
+    def train() -> str:
+        result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path), "--set",
+                                 "step_scheduler.max_steps=1"], capture_output=True, text=True, timeout=300,
+                                env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    assert "converting" in train() and "converting" not in train()  # once: the second run finds it
+    saved = yaml.safe_load(Path(config["logging"]["run_dir"], "config.yaml").read_text())["teacher_model"]
+    assert Path(saved["path"]).parent == tmp_path / "cache" and saved["gguf_file"] is None
+    assert (Path(saved["path"]) / "model.safetensors").is_file()
