@@ -336,6 +336,15 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
               f"{evals[0]['teacher_nll_of_samples']:.4f} -> {evals[-1]['teacher_nll_of_samples']:.4f}")
     teacher = evals[0]["teacher_val_loss"]
     print(f"  teacher on the held-out text: {teacher:.4f}; pruned student before healing: {evals[0]['val_loss']:.4f}")
+    from meshkd.recipe.completions import compare_completions
+
+    config = load_config(config_path, demo_overrides(run_dir, _ON_POLICY + args.set + layers))
+    trained = {f"{name} student": json.loads(Path(directory, "summary.json").read_text())["hf_dir"]
+               for name, directory, _ in runs}
+    print(f"\ngreedy completions of {_DEMO_PROMPT!r}:")
+    for name, text in compare_completions(config.teacher_model, config.model.keep_layers, trained, _DEMO_PROMPT,
+                                          max_new_tokens=16).items():
+        print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     return 0
 
 
@@ -360,8 +369,8 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
         from meshkd.recipe.completions import compare_completions
 
         print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
-        texts = compare_completions(config.teacher_model, config.model.keep_layers, kd["hf_dir"], _DEMO_PROMPT,
-                                    max_new_tokens=16)
+        texts = compare_completions(config.teacher_model, config.model.keep_layers, {"trained student": kd["hf_dir"]},
+                                    _DEMO_PROMPT, max_new_tokens=16)
         for name, text in texts.items():
             print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     with contextlib.suppress(RuntimeError):  # matplotlib missing: the figures above stand

@@ -21,14 +21,14 @@ def greedy_completion(model, tokenizer, prompt: str, *, max_new_tokens: int) -> 
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def compare_completions(teacher_section, keep_layers: list[int], trained_dir: str | Path, prompt: str, *,
+def compare_completions(teacher_section, keep_layers: list[int], trained: dict[str, str | Path], prompt: str, *,
                         max_new_tokens: int = 32) -> dict[str, str]:
-    """{"teacher", "pruned student", "trained student": completion}: the pruned student is the teacher with
-    only `keep_layers`; the trained one is read from the HF directory the run wrote."""
+    """{"teacher", "pruned student", *trained: completion}: the pruned student is the teacher with only
+    `keep_layers`; `trained` names the HF directories the runs wrote."""
     tokenizer = load_section_tokenizer(teacher_section)
     with models.loading_quietly():
         teacher = load_section_model(teacher_section)
-        trained = models.load_causal_lm(path=trained_dir)
+        students = {name: models.load_causal_lm(path=directory) for name, directory in trained.items()}
     pruned = models.prune_layers(copy.deepcopy(teacher), keep_layers)
     return {name: greedy_completion(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
-            for name, model in (("teacher", teacher), ("pruned student", pruned), ("trained student", trained))}
+            for name, model in {"teacher": teacher, "pruned student": pruned, **students}.items()}
