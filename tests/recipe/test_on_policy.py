@@ -166,6 +166,9 @@ def test_on_policy_curve_equals_single_process(layout, on_policy_reference, tmp_
     # Step 1, before any update, within 1e-5; later steps follow the updates, where float32 rounding of the
     # layouts' different reduction orders grows (lr 1e-2), as for off-policy runs.
     assert curve(records)[:3] == pytest.approx(curve(on_policy_reference)[:3], rel=1e-5)
+    # ... and so is the norm of step 1's gradient, which each layout computes from its own shards.
+    first, expected = (next(r for r in rs if r["kind"] == "train") for rs in (records, on_policy_reference))
+    assert first["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     assert curve(records) == pytest.approx(curve(on_policy_reference), rel=1e-4)
     generated = [r["generated_tokens"] for r in records if r["kind"] == "train"]
     assert generated == [r["generated_tokens"] for r in on_policy_reference if r["kind"] == "train"]
