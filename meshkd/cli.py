@@ -318,9 +318,12 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
 
     run_dir = args.run_dir + "_on_policy"
     layers = _layer_selection(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
-    runs = [("on-policy (reverse KL)", run_dir, _ON_POLICY)]
+    runs = [("on-policy", run_dir, _ON_POLICY)]
     if args.compare:
-        runs.append(("off-policy (forward KL)", run_dir + "_beside", _OFF_POLICY_BESIDE))
+        runs.append(("off-policy", run_dir + "_beside", _OFF_POLICY_BESIDE))
+    names = {"forward_kl": "forward KL", "reverse_kl": "reverse KL", "jsd": "JSD"}
+    runs = [(f"{name} ({names[load_config(config_path, demo_overrides(directory, extra + args.set)).kd.divergence]})",
+             directory, extra) for name, directory, extra in runs]  # as --set may have changed it
     for name, directory, extra in runs:
         print(f"meshkd demo: healing the pruned student {name} -> {directory}")
         code = _train(config_path, demo_overrides(directory, extra + args.set + layers), None, False)
