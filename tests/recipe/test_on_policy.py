@@ -205,50 +205,18 @@ def test_a_share_of_micro_batches_on_policy_with_topk_transport(tmp_path):
         assert record["ce_loss"] > 0 and record["kd_loss"] > 0
 
 
-class FailGeneratingOnStudentRankOne:
-    """Student rank 1 fails completing its second micro-batch of step 1 (the first is with the teacher already);
-    every other rank must end within seconds."""
-
-    __name__ = "a_failure_while_generating_ends_every_rank_within_seconds"
-
-    def __init__(self, config: dict) -> None:
-        self.config = config
-
-    def __call__(self) -> None:
-        import time
-
-        import torch.distributed as dist
-
-        from meshkd.recipe.config import config_from_dict
-        from meshkd.recipe.faults import PeerLostError
-        from meshkd.recipe.run import KDRecipe
-
-        recipe = KDRecipe(config_from_dict(self.config))
-        sample, calls = ModelGenerate.sample, []
-
-        def failing(sampler, *args):
-            calls.append(args)
-            # The first evaluation samples twice (val_batches 2); step 1 then once per micro-batch (2).
-            if dist.get_rank() == 1 and len(calls) == 4:
-                raise RuntimeError("out of memory while generating (simulated)")
-            return sample(sampler, *args)
-
-        ModelGenerate.sample = failing  # this process only: the check ends it
-        if dist.get_rank() == 1:
-            recipe.run()  # raises: the harness records it and ends this process
-        started = time.monotonic()
-        with pytest.raises(PeerLostError, match=r"lost the student \(ranks 0-1; rank.* exited\)"):
-            recipe.run()
-        assert time.monotonic() - started < 15, "a rank waited for the collective timeout"
-
-
 @pytest.mark.world
 def test_a_failure_while_generating_ends_every_rank_within_seconds(tmp_path):
+    from tests.recipe.test_reliability import WORLD_TIMEOUT_S, FailOnStudentRankOne
     from tests.world import run_world
 
     config = with_layout(on_policy_config(tmp_path), {"dp_size": 2}, {"dp_size": 1})
     config["collective_timeout_s"] = 30
-    check = FailGeneratingOnStudentRankOne(config)
-    errors = run_world(3, [check], timeout_s=30, deadline_s=120).errors(check.__name__)
+    # Rank 1 fails completing its second micro-batch of step 1 (the first is with the teacher already): the
+    # first evaluation samples twice (val_batches 2), then step 1 once per micro-batch (2).
+    check = FailOnStudentRankOne("a_failure_while_generating_ends_every_rank_within_seconds", config,
+                                 owner=ModelGenerate, method="sample", call=4,
+                                 message="out of memory while generating (simulated)")
+    errors = run_world(3, [check], timeout_s=WORLD_TIMEOUT_S, deadline_s=120).errors(check.__name__)
     assert "out of memory while generating (simulated)" in (errors.get(1) or ""), errors
     assert errors.get(0) is None and errors.get(2) is None, errors

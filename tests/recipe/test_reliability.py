@@ -831,12 +831,15 @@ class SignalOneStudentRank:
 
 
 class FailOnStudentRankOne:
-    """A check: student rank 1 fails on its own inside step 2 (as out of memory would) while rank 0 waits in a
-    data-parallel collective. Rank 1 raises its error (and its process exits, as a worker's would); the
-    others must fail within seconds, not after the collective timeout."""
+    """A check: student rank 1 fails on its own at the `call`-th call of `owner.method` (as out of memory
+    would; by default inside step 2's micro-batch losses) while rank 0 waits in a collective. Rank 1 raises
+    `message` (and its process exits, as a worker's would); the others must fail within seconds, not after
+    the collective timeout."""
 
-    def __init__(self, name: str, config: dict) -> None:
+    def __init__(self, name: str, config: dict, *, owner: type | None = None, method: str = "micro_batch_loss",
+                 call: int = 3, message: str = "out of memory (simulated)") -> None:
         self.__name__, self.config = name, config
+        self.owner, self.method, self.call, self.message = owner, method, call, message
 
     def __call__(self) -> None:
         import torch.distributed as dist
@@ -846,15 +849,16 @@ class FailOnStudentRankOne:
         from meshkd.recipe.student_trainer import StudentTrainer
 
         recipe = KDRecipe(config_from_dict(self.config))
-        micro_batch_loss, calls = StudentTrainer.micro_batch_loss, []
+        owner = self.owner or StudentTrainer
+        original, calls = getattr(owner, self.method), []
 
-        def failing(trainer, *args):
+        def failing(instance, *args):
             calls.append(args)
-            if dist.get_rank() == 1 and len(calls) == 3:  # step 2, in the middle of its micro-batches
-                raise RuntimeError("out of memory (simulated)")
-            return micro_batch_loss(trainer, *args)
+            if dist.get_rank() == 1 and len(calls) == self.call:
+                raise RuntimeError(self.message)
+            return original(instance, *args)
 
-        StudentTrainer.micro_batch_loss = failing  # this process only: the check ends it
+        setattr(owner, self.method, failing)  # this process only: the check ends it
         if dist.get_rank() == 1:
             recipe.run()  # raises: the harness records it and ends this process
         started = time.monotonic()
