@@ -195,16 +195,17 @@ def build_datasets(
     return train, val
 
 
-def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *,
-                       sequence_length: int) -> tuple[PackedDataset, PackedDataset]:
-    """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says."""
+def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
+                       text_key: str | None = None, pack: bool | None = None) -> tuple[PackedDataset, PackedDataset]:
+    """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says;
+    `text_key` and `pack` in place of the section's (on-policy prompts read another field, one per row)."""
     from meshkd.recipe.config import expand_path
 
     return build_datasets(
         tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=sequence_length,
-        val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=dataset.text_key, format=dataset.format,
-        max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars, pack=dataset.packing,
-        on_bad_file=dataset.on_bad_file,
+        val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=text_key or dataset.text_key,
+        format=dataset.format, max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars,
+        pack=dataset.packing if pack is None else pack, on_bad_file=dataset.on_bad_file,
     )
 
 
@@ -334,7 +335,7 @@ def _eval_batches(
         start = step * rows_per_step + dp_rank * batch_size
         batch = dataset[start : start + batch_size]
         missing = batch_size - batch["input_ids"].shape[0]
-        pad = _padding_rows(missing, dataset.sequence_length, dataset.pad_token_id)
+        pad = padding_rows(missing, dataset.sequence_length, dataset.pad_token_id)
         # Concatenating also copies the slice, so a consumer that edits a batch in place (a CPU .to() is a
         # no-op) cannot change the dataset, as with training batches.
         yield {key: torch.cat([batch[key], pad[key]]) for key in BATCH_KEYS}
@@ -430,7 +431,7 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
     """Pack tokenized documents into NEAT rows [num_rows, sequence_length] (one piece per row unless `pack`)."""
     if not documents:
         return PackedDataset(
-            **_padding_rows(0, sequence_length, pad_token_id), pad_token_id=pad_token_id, num_documents=0
+            **padding_rows(0, sequence_length, pad_token_id), pad_token_id=pad_token_id, num_documents=0
         )
     # Pieces: each document cut into row-sized parts, in document order; the concatenated tokens are those
     # of the pieces back to back.
@@ -460,7 +461,7 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
     targets = torch.roll(tokens, -1)
     targets[piece_starts + lengths - 1] = IGNORE_INDEX
 
-    batch = _padding_rows(num_rows, sequence_length, pad_token_id)
+    batch = padding_rows(num_rows, sequence_length, pad_token_id)
     for key, values in (
         ("input_ids", tokens),
         ("labels", targets),
@@ -471,7 +472,7 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
     return PackedDataset(**batch, pad_token_id=pad_token_id, num_documents=len(documents))
 
 
-def _padding_rows(num_rows: int, sequence_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+def padding_rows(num_rows: int, sequence_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
     """`num_rows` rows of pure padding: no token, no target, no document."""
     shape = (num_rows, sequence_length)
     return {

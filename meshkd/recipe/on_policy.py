@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from meshkd.recipe.data import IGNORE_INDEX, PackedDataset, build_datasets
+from meshkd.recipe.data import PackedDataset, build_run_datasets, padding_rows
 
 
 def row_seed(seed: int, step: int, row: int) -> int:
@@ -75,13 +75,7 @@ def completion_batch(prompts: list[torch.Tensor | None], completions: list[torch
     The label at position i is the token at i + 1 when that token belongs to the completion (so the logits
     at the prompt's last token predict the first generated token); -100 everywhere else.
     """
-    rows = len(prompts)
-    batch = {
-        "input_ids": torch.full((rows, sequence_length), pad_token_id, dtype=torch.int64),
-        "labels": torch.full((rows, sequence_length), IGNORE_INDEX, dtype=torch.int64),
-        "position_ids": torch.zeros((rows, sequence_length), dtype=torch.int64),
-        "attention_mask": torch.zeros((rows, sequence_length), dtype=torch.int64),
-    }
+    batch = padding_rows(len(prompts), sequence_length, pad_token_id)
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
         if prompt is None:
             continue
@@ -266,16 +260,10 @@ def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[Pac
     Raises ValueError naming the key when a prompt is longer than `max_prompt_tokens` (the sequence length
     less `max_new_tokens`) or no line has a non-empty prompt.
     """
-    from meshkd.recipe.config import expand_path
-
     key = dataset.prompt_key
     try:
-        splits = build_datasets(
-            tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=max_prompt_tokens + 1,
-            val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=key, format=dataset.format,
-            max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars, pack=False,
-            on_bad_file=dataset.on_bad_file,
-        )
+        splits = build_run_datasets(tokenizer, dataset, sequence_length=max_prompt_tokens + 1, text_key=key,
+                                    pack=False)
     except ValueError as error:
         raise ValueError(f"dataset.prompt_key {key!r}: {error}") from None
     for split in splits:
