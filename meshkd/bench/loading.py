@@ -4,15 +4,16 @@
 
 A random Llama (hidden 2048, 8 layers, vocabulary 32000, untied: about 2.0 GB in float32) and a random
 Qwen3-MoE (hidden 1024, 8 layers, 16 experts of width 768 per layer: about 1.6 GB) are written as
-safetensors to a temporary directory. Each layout then runs in fresh processes (gloo): every rank
-imports torch and transformers, resets the kernel's peak-RSS counter (/proc/self/clear_refs, "5"), builds
-the teacher as `meshkd train` does, runs one forward (so that every weight it serves with is resident,
-memory-mapped ones included) and reads VmHWM: the peak resident memory of loading, laying out and
-serving, above the import floor. Layouts: tp 1 (one process: the baseline), tp 2 and pp 2 (two processes
-each; the MoE: tp 2, and ep 2, whole experts spread over the two tp ranks), with sharded loading
-(`meshkd.parallel.sharded_loading`: meta parameters, layout, then this rank's share) and, for the Llama, also the
-whole model loaded by every rank and then sharded. Ratio: a rank's peak / the tp 1 peak of the same
-loading path. Linux only.
+safetensors to a temporary directory, under the names transformers writes (the MoE's experts one tensor per
+expert and projection, merged into the model's expert tensors while loading). Each layout then runs in fresh
+processes (gloo): every rank imports torch and transformers, resets the kernel's peak-RSS counter
+(/proc/self/clear_refs, "5"), builds the teacher as `meshkd train` does, runs one forward (so that every
+weight it serves with is resident, memory-mapped ones included) and reads VmHWM: the peak resident memory of
+loading, laying out and serving, above the import floor. Layouts: tp 1 (one process: the baseline), tp 2 and
+pp 2 (two processes each; the MoE: tp 2, and ep 2, whole experts spread over the two tp ranks), with sharded
+loading (`meshkd.parallel.sharded_loading`: meta parameters, layout, then this rank's share) and, for the
+Llama, also the whole model loaded by every rank and then sharded. Ratio: a rank's peak / the tp 1 peak of
+the same loading path. Linux only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _write_model(directory: Path, kind: str, hidden: int, layers: int) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    from transformers.core_model_loading import revert_weight_conversion
 
     if kind == "llama":
         config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
@@ -40,9 +42,12 @@ def _write_model(directory: Path, kind: str, hidden: int, layers: int) -> None:
                                 num_experts_per_tok=2, moe_intermediate_size=hidden * 3 // 8,
                                 tie_word_embeddings=False)
     with torch.device("meta"):
-        shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    # The values do not matter for memory: uninitialized storage is written as it is.
-    save_file({name: torch.empty(shape) for name, shape in shapes.items()}, str(directory / "model.safetensors"),
+        model = AutoModelForCausalLM.from_config(config)
+    # The values do not matter for memory: uninitialized storage is written as it is, under the names
+    # transformers stores them with (the MoE's experts one tensor per expert and projection).
+    state = revert_weight_conversion(model, {name: torch.empty(tensor.shape) for name, tensor in
+                                             model.state_dict().items()})
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(str(directory))
 

@@ -1,10 +1,13 @@
 """Sharded loading: a model built without weights, laid out, then filled with this rank's share only.
 
-Single process: the empty model has no parameter storage, pruning maps layers to their stored index, and a
-checkpoint that stores a tensor under another name is refused (None: the caller loads the whole model).
-In a 4-rank world: a teacher laid out tp2 / pp2 (tied embeddings) / pp2 x tp2 and a student under FSDP2 x
-tp2 and pp2 x dp2, each loaded in shards, equal the fully loaded model (logits, every parameter), and
-hold only their share of the parameters.
+Single process: the empty model has no parameter storage, pruning maps layers to their stored index, MoE
+checkpoints stored one tensor per expert (as transformers writes them) fill the model's merged expert
+tensors, and a checkpoint that stores a tensor under a name nothing maps is refused (None: the caller
+loads the whole model).
+In a 4-rank world: a teacher laid out tp2 / pp2 (tied embeddings) / pp2 x tp2, MoE teachers (Qwen3-MoE ep2,
+Mixtral tp2 and pp2 x ep2), students under FSDP2 x tp2 (a dense one and a Qwen3-MoE) and pp2 x dp2, each
+loaded in shards, equal the fully loaded model (logits, every parameter), and hold only their share of the
+parameters.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ VOCAB = 67
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MODELS = {"llama": {"model_type": "llama", **SHAPE},
-          "qwen3_tied": {"model_type": "qwen3", "head_dim": 8, "tie_word_embeddings": True, **SHAPE}}
+          "qwen3_tied": {"model_type": "qwen3", "head_dim": 8, "tie_word_embeddings": True, **SHAPE},
+          # transformers stores MoE experts one tensor per expert and projection (model.layers.0.mlp.experts.0.
+          # gate_proj.weight, ... / block_sparse_moe.experts.0.w1.weight), merged into one tensor when loaded.
+          "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 16, **SHAPE},
+          "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **SHAPE}}
+PER_EXPERT = {"qwen3_moe": "model.layers.0.mlp.experts.3.up_proj.weight",
+              "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight"}
 
 
 def saved_model(name: str, root: Path) -> Path:
@@ -59,13 +69,25 @@ def test_empty_model_holds_no_weights_and_maps_pruned_layers(tmp_path):
     model, checkpoint = empty_causal_lm(directory, keep_layers=[0, 2, 3], dtype=torch.float32,
                                         attn_implementation=None)
     assert is_empty(model) and model.config._attn_implementation == "sdpa"
-    assert checkpoint.names["model.layers.1.mlp.up_proj.weight"] == "model.layers.2.mlp.up_proj.weight"
+    assert checkpoint.sources["model.layers.1.mlp.up_proj.weight"].name == "model.layers.2.mlp.up_proj.weight"
     load_shards(model, checkpoint, device="cpu")
     assert not is_empty(model)
     expected = load_causal_lm(path=directory, keep_layers=[0, 2, 3])
     inputs = batch()["input_ids"]
     with torch.no_grad():
         assert torch.equal(model(input_ids=inputs).logits, expected(input_ids=inputs).logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_per_expert_checkpoint_is_read_as_the_models_merged_experts(tmp_path, name):
+    directory = saved_model(name, tmp_path)
+    assert PER_EXPERT[name] in load_file(str(directory / "model.safetensors"))
+    model, checkpoint = empty_causal_lm(directory, keep_layers=[1, 3], dtype=torch.float32,
+                                        attn_implementation=None)
+    assert "model.layers.3." in str(checkpoint.sources["model.layers.1.mlp.experts.down_proj"])  # the kept layer
+    load_shards(model, checkpoint, device="cpu")
+    expected = load_causal_lm(path=directory, keep_layers=[1, 3])
+    assert_parameters_equal(model.named_parameters(), dict(expected.named_parameters()), name)
 
 
 def test_checkpoint_under_other_names_is_not_loaded_in_shards(tmp_path):
@@ -157,6 +179,12 @@ def check_teacher_pp2_tp2():
     run_teacher("llama", {"pp_size": 2, "tp_size": 2}, max_share=0.4)
 
 
+def check_moe_teachers_ep2_and_tp2():
+    run_teacher("qwen3_moe", {"tp_size": 2, "ep_size": 2}, max_share=0.6)
+    run_teacher("mixtral", {"tp_size": 2}, max_share=0.6)
+    run_teacher("mixtral", {"pp_size": 2, "tp_size": 2, "ep_size": 2}, max_share=0.4)
+
+
 def assert_parameters_equal(named_parameters, expected: dict, what: str) -> None:
     for name, parameter in named_parameters:
         assert torch.equal(full(parameter).detach(), expected[name]), f"{what}: {name}"
@@ -182,7 +210,18 @@ def check_student_pp2_dp2_tied():
     assert not is_empty(pipe.stage_model)
 
 
-CHECKS = [check_teacher_tp2, check_teacher_pp2_tied, check_teacher_pp2_tp2, check_student_fsdp2_tp2,
+def check_moe_student_fsdp2_tp2():
+    directory = shared_directory("qwen3_moe")
+    expected = dict(load_causal_lm(path=directory).named_parameters())
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    model = parallelize_student(model, setup_for({"tp_size": 2}))
+    load_shards(model, checkpoint, device="cpu")
+    assert local_numel(model) <= 0.3 * sum(p.numel() for p in expected.values())
+    assert_parameters_equal(model.named_parameters(), expected, "moe fsdp2 x tp2")
+
+
+CHECKS = [check_teacher_tp2, check_teacher_pp2_tied, check_teacher_pp2_tp2, check_moe_teachers_ep2_and_tp2,
+          check_student_fsdp2_tp2, check_moe_student_fsdp2_tp2,
           check_student_pp2_dp2_tied, check_remove_saved_models]
 
 test_sharded_loading_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=240.0)
