@@ -185,6 +185,11 @@ def _resolve_section(section: Any, label: str, *, world_size: int | None) -> Dis
     if pp_schedule not in PP_SCHEDULES:
         raise ValueError(f"{label}.pp_schedule must be one of {list(PP_SCHEDULES)}, got {pp_schedule!r}")
 
+    if sizes["ep_size"] > 1 and sizes["ep_size"] != sizes["tp_size"]:
+        raise ValueError(
+            f"{label}.ep_size({sizes['ep_size']}) > 1 must equal tp_size({sizes['tp_size']}): the experts are "
+            "spread over the tensor-parallel ranks"
+        )
     model_parallel = sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"]
     if sizes["dp_size"] is None:
         if world_size is None:
@@ -247,11 +252,6 @@ def validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedSe
     roles = []
     for section, label in ((student_section, "distributed"), (teacher_section, "teacher_distributed")):
         setup = _resolve_section(section, label, world_size=None)
-        if setup.ep_size > 1 and (label == "distributed" or setup.ep_size != setup.tp_size):
-            raise ValueError(
-                f"{label}.ep_size({setup.ep_size}) > 1 is supported for the teacher only, with ep_size equal to "
-                f"tp_size({setup.tp_size}): its experts are spread over the tensor-parallel ranks"
-            )
         if setup.strategy == "ddp":
             raise ValueError(f"{label}.strategy 'ddp' is not supported with separate_meshes: true; use fsdp2")
         roles.append(setup)

@@ -62,7 +62,7 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     if setup.cp_size > 1:
         check_student_cp(model, setup)
     if setup.tp_size > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.ep_size > 1)
     if setup.cp_size > 1:
         enable_student_cp(model, mesh)
     if setup.dp_size * setup.cp_size == 1:

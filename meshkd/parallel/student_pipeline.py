@@ -168,7 +168,7 @@ class StudentPipeline:
         if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
             model.to(self.device)
         if self.tp_mesh is not None:
-            apply_tensor_parallel(model, self.tp_mesh)
+            apply_tensor_parallel(model, self.tp_mesh, expert_parallel=setup.ep_size > 1)
         if self.cp_size > 1:
             # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
             enable_cp_attention(model, self.cp_group)

@@ -9,9 +9,9 @@ summed over tp (Qwen 3's per-head q/k norms). meshkd applies that plan with tran
 the vocabulary, and the output head keeps its logits as a DTensor Shard(-1) on the vocabulary dim, so the
 vocab-parallel KD loss never gathers the vocabulary. `tensor_parallel_plan` resolves the plan for one
 model instance (wildcards expanded to the modules it has, so a pipeline stage's pass-throughs are left
-out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour. A
-forward-only teacher may instead spread whole experts over the same tp ranks by the model's expert plan
-(`config.base_model_ep_plan`, transformers' expert dispatch): ep_size = tp_size.
+out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour. The
+experts of an MoE teacher or student may instead be spread whole over the same tp ranks by the model's
+expert plan (`config.base_model_ep_plan`, transformers' expert dispatch): ep_size = tp_size.
 """
 
 from __future__ import annotations
@@ -185,9 +185,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_paral
     """Shard `model` in place over the 1-D `tp_mesh` by its own plan (`tensor_parallel_plan`).
 
     With `expert_parallel`, the experts follow the model's expert plan instead: each rank holds whole
-    experts (1/tp of them), every rank runs its experts on the tokens routed to them and the outputs are
-    summed over the group (transformers' expert dispatch; the ranks hold the same tokens). Tied input/output
-    embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is pointed back at the
+    experts (1/tp of them, a DTensor Shard(0) over the experts). transformers' expert dispatch moves the
+    tokens: without gradients every rank runs its experts on all tokens routed to them and the outputs are
+    summed over the group; with gradients the ranks split the tokens and exchange them with the experts'
+    ranks (all-to-all, differentiable), so an expert's gradient comes from every token routed to it. Tied
+    input/output embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is pointed back at the
     embedding's DTensor. Raises ValueError as `check_tensor_parallel`.
     """
     from transformers.distributed.expert_parallel import apply_expert_parallelism

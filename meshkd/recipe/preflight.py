@@ -144,11 +144,6 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
             "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
             "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
         )
-    if student_layout.ep_size > 1:
-        raise ConfigError(
-            f"distributed.ep_size({student_layout.ep_size}) > 1: expert parallel is not supported yet; MoE experts "
-            "are sharded by tensor parallel inside each expert (tp_size)"
-        )
     if student_layout.sequence_parallel:
         raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
     if student_layout.pp_size > 1 and student_layout.strategy == "ddp":

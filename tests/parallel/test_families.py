@@ -8,7 +8,8 @@ q/k norms and MoE experts set where the family has them), in one 4-rank gloo wor
   test_packing checks against per-document forwards);
 - student tp2 x cp2 (`parallelize_student`, FSDP2 over the cp axis) and pp2 x tp2 (`StudentPipeline`):
   logits, loss and every parameter gradient equal the single-process model's on the same packed batch
-  (families whose embeddings are tied by default, Gemma's, keep them tied on the pipelined student).
+  (families whose embeddings are tied by default, Gemma's, keep them tied on the pipelined student); MoE
+  students also with ep2 (dp 2 x tp 2, experts whole over the tp ranks), and a pipelined one pp2 x tp2 x ep2.
 """
 
 from __future__ import annotations
@@ -87,14 +88,24 @@ def inputs_of(batch: dict) -> dict:
     return {key: batch[key] for key in MODEL_INPUTS if key in batch}
 
 
+def assert_whole_experts_per_rank(model: torch.nn.Module, section: dict) -> None:
+    """With ep_size > 1, each rank runs half of every layer's experts (and holds no more than half)."""
+    if section.get("ep_size", 1) > 1:
+        blocks = [module for name, module in model.named_modules() if name.endswith(".experts")]
+        total = next(getattr(model.config, key) for key in ("num_experts", "num_local_experts")
+                     if hasattr(model.config, key))
+        assert blocks and all(2 * block.num_experts == total for block in blocks)
+        for name, parameter in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                assert 2 * parameter.to_local().shape[0] <= parameter.shape[0] == total, name
+
+
 def check_teacher(family: str, section: dict) -> None:
     model = family_model(family)
     plain_reference = copy.deepcopy(model).eval()
     packed_reference = configure_packing(copy.deepcopy(model).eval())
     runner = TeacherRunner(model, setup_for(section), device="cpu")
-    if section.get("ep_size", 1) > 1:  # whole experts per rank: half of each experts tensor's first dim
-        experts = [p for name, p in model.named_parameters() if name.endswith("experts.gate_up_proj")]
-        assert experts and all(2 * p.to_local().shape[0] == p.shape[0] for p in experts)
+    assert_whole_experts_per_rank(model, section)
     for batch, reference in ((PLAIN, plain_reference), (PACKED, packed_reference)):
         logits = runner.logits(batch if runner.is_first else None)
         if runner.is_last:
@@ -135,6 +146,7 @@ def check_student(family: str, section: dict) -> None:
     setup = setup_for(section)
     ref_loss, ref_grads, ref_logits = _reference_step(family_model(family))
     model = parallelize_student(configure_packing(family_model(family)), setup)
+    assert_whole_experts_per_rank(model, section)
     local, shard = shard_student_batch(PACKED, setup)
     logits = model(**inputs_of(local)).logits
     loss = cross_entropy_loss(logits, local["labels"], num_valid_tokens=_num_valid())
@@ -186,6 +198,8 @@ CHECKS = [
     for family in FAMILIES
     for function, section in ((check_teacher, TP_CP), (check_teacher, PP_TP), (check_student, TP_CP),
                               (check_student_pipeline, PP_TP))
-] + [FamilyCheck(check_teacher, family, {"tp_size": 2, "ep_size": 2}) for family in MOE]
+] + [FamilyCheck(function, family, {"tp_size": 2, "ep_size": 2}) for family in MOE
+      for function in (check_teacher, check_student)] + [
+    FamilyCheck(check_student_pipeline, "mixtral", {"pp_size": 2, "tp_size": 2, "ep_size": 2})]
 
 test_families_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=900.0)

@@ -580,9 +580,10 @@ def preflight_cases(tmp: Path) -> dict:
                                                      "step_scheduler__global_batch_size": 2}, ConfigError,
                                                     r"distributed\.pp_schedule '1f1b' needs at least pp_size\(2\) "
                                                     r"micro-batches per step, got .* = 1"),
-        "expert_parallel_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
-                                              "distributed": {"dp_size": 1, "ep_size": 2}}, ConfigError,
-                                             r"distributed\.ep_size\(2\) > 1: expert parallel is not supported yet"),
+        "expert_parallel_of_a_dense_model": ({"separate_meshes": False, "teacher_distributed": _DELETE,
+                                              "distributed": {"dp_size": 1, "tp_size": 2, "ep_size": 2}}, ConfigError,
+                                             r"distributed\.tp_size\(2\), ep_size\(2\) does not fit model: .* needs "
+                                             r"a mixture-of-experts model; LlamaForCausalLM ships no expert-parallel"),
         "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}}, ConfigError,
                                       r"distributed\.sequence_parallel is not supported for the student"),
         "negative_model_size": ({"model__random_init__hidden_size": -64}, ValueError,
@@ -606,7 +607,7 @@ PREFLIGHT_CASES = [
     "student_tp_splits_heads", "teacher_tp_splits_kv_heads", "teacher_pp_above_layers", "teacher_pp_above_kept_layers",
     "student_tp_with_a_larger_vocabulary", "keep_layers_out_of_range", "misspelled_model_size", "unknown_model_type",
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
-    "student_1f1b_with_too_few_micro_batches", "expert_parallel_on_shared_meshes", "student_sequence_parallel",
+    "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "student_sequence_parallel",
     "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json",
 ]

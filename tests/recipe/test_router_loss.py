@@ -52,6 +52,7 @@ def moe_student_config(tmp_path, coefficient: float | None = 0.05) -> dict:
     config = base_config(tmp_path)
     config["model"]["random_init"].update(model_type="qwen3_moe", **MOE["qwen3_moe"])
     config["kd"]["router_aux_loss_coef"] = coefficient
+    config["checkpoint"] = {"enabled": True, "save_hf": True}  # the trained student, exported
     return config
 
 
@@ -62,12 +63,17 @@ def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
     for record in reference:
         objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
         assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
-    layouts = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None))
+    exported = dict(load_causal_lm(path=tmp_path / "single" / "run" / "hf_student").named_parameters())
+    # tp2_ep2: whole experts spread over the tp ranks.
+    layouts = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None),
+               ("tp2_ep2", {"dp_size": 1, "tp_size": 2, "ep_size": 2}, {"dp_size": 1}))
     for name, student, teacher in layouts:
         config = with_layout(moe_student_config(tmp_path / name), student, teacher)
         records = train_in_world(config_world_size(config), config)
         assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
         routed = [r["router_loss"] for r in records if r["kind"] == "train"]
         assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
+        for key, parameter in load_causal_lm(path=tmp_path / name / "run" / "hf_student").named_parameters():
+            torch.testing.assert_close(parameter, exported[key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
     off = with_layout(moe_student_config(tmp_path / "off", 0.0), {"dp_size": 1}, None)
     assert all("router_loss" not in r for r in train_in_world(1, off))
