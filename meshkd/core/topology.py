@@ -77,6 +77,14 @@ class DistributedSetup:
         return len(self.ranks)
 
     @property
+    def expert_axis(self) -> str | None:
+        """The mesh axis whole MoE experts are spread over: "tp" (ep_size = tp_size: the ranks hold the same
+        tokens), "dp_shard" (tp_size 1, ep_size = dp_shard_size: the ranks hold different tokens), or None."""
+        if self.ep_size == 1:
+            return None
+        return "tp" if self.ep_size == self.tp_size else "dp_shard"
+
+    @property
     def rank_grid(self) -> torch.Tensor:
         """Global ranks as an int tensor shaped `mesh_shape` (the same on every rank)."""
         return torch.tensor(self.ranks, dtype=torch.int64).reshape(self.mesh_shape)
@@ -185,11 +193,6 @@ def _resolve_section(section: Any, label: str, *, world_size: int | None) -> Dis
     if pp_schedule not in PP_SCHEDULES:
         raise ValueError(f"{label}.pp_schedule must be one of {list(PP_SCHEDULES)}, got {pp_schedule!r}")
 
-    if sizes["ep_size"] > 1 and sizes["ep_size"] != sizes["tp_size"]:
-        raise ValueError(
-            f"{label}.ep_size({sizes['ep_size']}) > 1 must equal tp_size({sizes['tp_size']}): the experts are "
-            "spread over the tensor-parallel ranks"
-        )
     model_parallel = sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"]
     if sizes["dp_size"] is None:
         if world_size is None:
@@ -203,6 +206,13 @@ def _resolve_section(section: Any, label: str, *, world_size: int | None) -> Dis
     if sizes["dp_size"] % sizes["dp_replicate_size"]:
         raise ValueError(
             f"{label}.dp_replicate_size({sizes['dp_replicate_size']}) must divide {label}.dp_size({sizes['dp_size']})"
+        )
+    ep_size, dp_shard_size = sizes["ep_size"], sizes["dp_size"] // sizes["dp_replicate_size"]
+    if ep_size > 1 and ep_size != sizes["tp_size"] and not (sizes["tp_size"] == 1 and ep_size == dp_shard_size):
+        raise ValueError(
+            f"{label}.ep_size({ep_size}) > 1 must equal tp_size({sizes['tp_size']}) (whole experts over the "
+            f"tensor-parallel ranks) or, with tp_size 1, the data-parallel shard size dp_size / dp_replicate_size "
+            f"({dp_shard_size}) (whole experts over the data-parallel ranks)"
         )
     return DistributedSetup(
         ranks=(), strategy=strategy, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, **sizes

@@ -2,10 +2,11 @@
 
 `parallelize_student` lays a (non-pipelined) student out in a fixed order: tensor parallel
 (`meshkd.parallel.tensor_parallel`, the model's own plan; logits stay a DTensor Shard(-1) so the loss is
-vocab-parallel), then context parallel (`meshkd.parallel.context_parallel`), then FSDP2 per decoder layer
-and on the root over `dp_shard` (HSDP over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over
-`dp` with strategy "ddp". A pipelined student is laid out by `meshkd.parallel.student_pipeline` with the
-same pieces.
+vocab-parallel; MoE experts whole over the tp ranks with ep_size = tp_size, or over the dp_shard ranks with
+tp_size 1 and ep_size = dp_shard_size, left out of FSDP2), then context parallel
+(`meshkd.parallel.context_parallel`), then FSDP2 per decoder layer and on the root over `dp_shard` (HSDP
+over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp". A pipelined
+student is laid out by `meshkd.parallel.student_pipeline` with the same pieces.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from meshkd.core.agreement import group_device
 from meshkd.core.topology import DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import STUDENT_CP_AXIS, check_student_cp, enable_student_cp
 from meshkd.parallel.stages import decoder_of
-from meshkd.parallel.tensor_parallel import apply_tensor_parallel
+from meshkd.parallel.tensor_parallel import apply_expert_parallel, apply_tensor_parallel
 
 
 def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
@@ -48,8 +49,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
 
     Raises:
         ValueError: for layouts this function does not lay out (pp: use `StudentPipeline`; sequence
-            parallel, TP with DDP, CP with DDP), a CP student not configured for NEAT packing, or head
-            counts the tp size does not divide.
+            parallel, TP with DDP, CP with DDP, experts over dp with DDP, CP or dp_replicate), a CP student
+            not configured for NEAT packing, or head counts the tp size does not divide.
     """
     mesh = member_mesh(setup)
     if setup.pp_size > 1 or setup.sequence_parallel:
@@ -59,10 +60,16 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
         )
     if setup.strategy == "ddp" and setup.tp_size > 1:
         raise ValueError(f"strategy 'ddp' with tp_size({setup.tp_size}) > 1 is not supported; use fsdp2")
+    if setup.expert_axis == "dp_shard" and (setup.strategy == "ddp" or setup.cp_size * setup.dp_replicate_size > 1):
+        raise ValueError(f"ep_size({setup.ep_size}) over the data-parallel ranks needs strategy fsdp2 without cp "
+                         "or dp_replicate")
     if setup.cp_size > 1:
         check_student_cp(model, setup)
+    experts = []
     if setup.tp_size > 1:
-        apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.ep_size > 1)
+        apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.expert_axis == "tp")
+    elif setup.expert_axis == "dp_shard":
+        experts = _spread_experts_over_dp(model, setup, mesh)
     if setup.cp_size > 1:
         enable_student_cp(model, mesh)
     if setup.dp_size * setup.cp_size == 1:
@@ -82,9 +89,24 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     # Per-layer groups first, then the root (embedding, norm, lm_head), so each layer's parameters are
     # gathered just before it runs and freed after.
     for layer in decoder_of(model).layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, ignored_params=set(experts))
+    fully_shard(model, mesh=dp_mesh, ignored_params=set(experts))
     return model
+
+
+def _spread_experts_over_dp(model: nn.Module, setup: DistributedSetup, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Whole experts over the dp_shard ranks (which hold different tokens); returns the expert parameters.
+
+    FSDP2 leaves them alone (each rank owns its experts; nothing to shard or reduce over dp). FSDP2 averages
+    the other gradients over dp, which the loss scale (`student_loss_scale`) turns into a sum; an expert's
+    gradient already is the sum over every rank's tokens (the all-to-all's backward), so the same scale is
+    taken off it here.
+    """
+    experts = apply_expert_parallel(model, mesh["dp_shard"], mesh["tp"])
+    scale = 1.0 / student_loss_scale(setup)
+    for parameter in experts:
+        parameter.register_hook(lambda grad: grad * scale)
+    return experts
 
 
 def student_fsdp_mesh(setup: DistributedSetup, mesh: DeviceMesh) -> DeviceMesh:

@@ -168,7 +168,7 @@ class StudentPipeline:
         if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
             model.to(self.device)
         if self.tp_mesh is not None:
-            apply_tensor_parallel(model, self.tp_mesh, expert_parallel=setup.ep_size > 1)
+            apply_tensor_parallel(model, self.tp_mesh, expert_parallel=setup.expert_axis == "tp")
         if self.cp_size > 1:
             # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
             enable_cp_attention(model, self.cp_group)
@@ -407,6 +407,9 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
         raise ValueError("sequence_parallel with pp_size > 1 is not supported")
     if setup.strategy == "ddp" and setup.dp_size > 1:
         raise ValueError(f"strategy 'ddp' with pp_size({setup.pp_size}) > 1 is not supported; use fsdp2")
+    if setup.expert_axis == "dp_shard":
+        raise ValueError(f"ep_size({setup.ep_size}) over the data-parallel ranks is not supported with pp_size > 1; "
+                         "use ep_size equal to tp_size")
     num_layers = len(decoder_of(model).layers)
     if setup.pp_size > num_layers:
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")

@@ -73,8 +73,11 @@ class TeacherRunner:
         self.is_first, self.is_last = self.stage.is_first, self.stage.is_last
         if not is_empty(model):  # else `load_shards` gives it storage on the device once laid out
             model.to(self.device)
+        if setup.expert_axis == "dp_shard":
+            raise ValueError(f"ep_size({setup.ep_size}) over the data-parallel ranks is not supported for the "
+                             "teacher (its replicas do not run forward in step); use ep_size equal to tp_size")
         if setup.tp_size > 1:
-            apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.ep_size > 1)
+            apply_tensor_parallel(model, mesh["tp"], expert_parallel=setup.expert_axis == "tp")
         if self.cp_size > 1:
             enable_cp_attention(model, mesh.get_group("cp"))
         model.eval()

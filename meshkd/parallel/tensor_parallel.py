@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkd.parallel.stages import decoder_of, is_pass_through, is_tied
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan"]
+__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan"]
 
 VOCAB_PARALLEL_HEAD = "meshkd_vocab_parallel_head"
 """Style of the output head: colwise, logits left as a DTensor Shard(-1) on the vocabulary dim."""
@@ -142,11 +142,10 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, ep_size: int = 1) -> N
 
     Refused: a family without a plan; a style transformers does not implement; head counts the tp size does
     not divide where attention projections are sharded by head; with `ep_size` > 1, a model without an
-    expert plan, an ep size other than the tp size (experts are spread over the tensor-parallel ranks), or
-    an expert count it does not divide. The message names the module and the number.
+    expert plan or an expert count it does not divide. The message names the module and the number.
     """
     if ep_size > 1:
-        _check_expert_parallel(model, tp_size, ep_size)
+        _check_expert_parallel(model, ep_size)
     if tp_size == 1:
         return
     styles = _styles()
@@ -167,10 +166,7 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, ep_size: int = 1) -> N
                                      "attention heads whole")
 
 
-def _check_expert_parallel(model: nn.Module, tp_size: int, ep_size: int) -> None:
-    if ep_size != tp_size:
-        raise ValueError(f"ep_size({ep_size}) must equal tp_size({tp_size}): experts are spread over the "
-                         "tensor-parallel ranks, which all hold the same tokens")
+def _check_expert_parallel(model: nn.Module, ep_size: int) -> None:
     if not _declared_plan(model, "ep"):
         raise ValueError(f"ep_size({ep_size}) > 1 needs a mixture-of-experts model; {type(model).__name__} ships "
                          "no expert-parallel plan (config.base_model_ep_plan)")
@@ -184,15 +180,11 @@ def _check_expert_parallel(model: nn.Module, tp_size: int, ep_size: int) -> None
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_parallel: bool = False) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` by its own plan (`tensor_parallel_plan`).
 
-    With `expert_parallel`, the experts follow the model's expert plan instead: each rank holds whole
-    experts (1/tp of them, a DTensor Shard(0) over the experts). transformers' expert dispatch moves the
-    tokens: without gradients every rank runs its experts on all tokens routed to them and the outputs are
-    summed over the group; with gradients the ranks split the tokens and exchange them with the experts'
-    ranks (all-to-all, differentiable), so an expert's gradient comes from every token routed to it. Tied
-    input/output embeddings stay tied: both are sharded Shard(0) over the vocabulary and the head is pointed back at the
-    embedding's DTensor. Raises ValueError as `check_tensor_parallel`.
+    With `expert_parallel`, the experts follow the model's expert plan instead (`apply_expert_parallel` over
+    `tp_mesh`): each rank holds 1/tp of them whole. Tied input/output embeddings stay tied: both are sharded
+    Shard(0) over the vocabulary and the head is pointed back at the embedding's DTensor. Raises ValueError
+    as `check_tensor_parallel`.
     """
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     tp_size = tp_mesh.size()
@@ -210,7 +202,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_paral
                 styles[style].shard_param(modules[name], parameter, tp_mesh)
     apply_tensor_parallelism(model, tp_mesh, plan)
     if expert_parallel:
-        apply_expert_parallelism(model, tp_mesh, tp_mesh, _expand(model, _declared_plan(model, "ep")))
+        apply_expert_parallel(model, tp_mesh, tp_mesh)
     if tied:
         head.weight = embedding.weight
     local_heads = any(style in _LOCAL_HEAD_STYLES and name.rsplit(".", 1)[-1] in _ATTENTION_PROJECTIONS
@@ -223,3 +215,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_paral
             for key in ("num_heads", "num_key_value_heads"):
                 if isinstance(getattr(attention, key, None), int):
                     setattr(attention, key, getattr(attention, key) // tp_size)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Spread whole experts over the 1-D `ep_mesh` by the model's expert plan; returns the expert parameters.
+
+    Each rank keeps 1/ep of every layer's experts (a DTensor Shard(0) over the experts). transformers' expert
+    dispatch (`ep_dispatch_experts`) sends each token to the ranks of its experts and back: an all-to-all,
+    differentiable, so an expert's gradient sums the contributions of every rank's tokens; when `ep_mesh` is
+    `tp_mesh` (the ranks hold the same tokens) a forward without gradients sums partial outputs instead.
+    Raises ValueError as `check_tensor_parallel` does for `ep_size`.
+    """
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    _check_expert_parallel(model, ep_mesh.size())
+    plan = _expand(model, _declared_plan(model, "ep"))
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan)
+    parameters = dict(model.named_parameters())
+    return [parameters[name] for name in plan if name in parameters]

@@ -217,6 +217,22 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
                 f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
                 f"max_position_embeddings({limit})"
             )
+    for key, layout, label, _, _ in roles:
+        if layout.ep_size > 1 and layout.ep_size != layout.tp_size:  # whole experts over the data-parallel ranks
+            if label == "teacher_model":
+                raise ConfigError(
+                    f"{key}.ep_size({layout.ep_size}) would spread the teacher's experts over its data-parallel "
+                    "ranks, which answer different requests and do not run forward in step; use ep_size equal "
+                    "to tp_size"
+                )
+            unsupported = [f"{name}({value})" for name, value in (("cp_size", layout.cp_size), ("pp_size",
+                           layout.pp_size), ("dp_replicate_size", layout.dp_replicate_size)) if value > 1]
+            unsupported += [f"strategy '{layout.strategy}'"] if layout.strategy != "fsdp2" else []
+            if unsupported:
+                raise ConfigError(
+                    f"{key}.ep_size({layout.ep_size}) spreads experts over the data-parallel ranks, which is "
+                    f"supported with FSDP2 alone (no cp, pp or dp_replicate); got {', '.join(unsupported)}"
+                )
     for key, layout, label, model, _ in roles:
         try:
             check_tensor_parallel(model, layout.tp_size, layout.ep_size)

@@ -31,6 +31,8 @@ def separate(student, teacher):
         (separate({"dp_size": 1}, {"tp_size": 2}), 3, r"teacher_distributed.dp_size is required"),
         (separate({"dp_size": 2}, {"dp_size": 1, "ep_size": 2}), 3, r"teacher_distributed.ep_size\(2\) > 1 must equal"),
         (separate({"dp_size": 1, "ep_size": 2}, {"dp_size": 1}), 3, r"^distributed.ep_size\(2\) > 1 must equal"),
+        (separate({"dp_size": 4, "dp_replicate_size": 2, "ep_size": 4}, {"dp_size": 1}), 5,
+         r"^distributed.ep_size\(4\) > 1 must equal tp_size\(1\) .* dp_size / dp_replicate_size \(2\)"),
         (separate({"dp_size": 2, "tp_size": 2}, {"dp_size": 1}), 4, r"4 \+ 1 != world size 4"),
         (separate({"dp_size": 2, "strategy": "ddp"}, {"dp_size": 1}), 3, "distributed.strategy 'ddp'"),
         ({"distributed": {"tp_size": 0}}, 2, r"distributed.tp_size must be a positive integer, got 0"),
@@ -49,6 +51,14 @@ def test_bad_configs_fail_before_any_collective(cfg, world_size, message):
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=message):
         create_kd_distributed_setups(cfg, world_size)
+
+
+def test_experts_go_over_the_tp_ranks_or_with_tp_1_over_the_dp_shard_ranks():
+    layouts = {(2, 2, 2): "tp", (4, 1, 4): "dp_shard", (2, 2, 1): None}  # (dp, tp, ep) -> axis
+    for (dp, tp, ep), axis in layouts.items():
+        student, _, _ = validate_kd_config(separate({"dp_size": dp, "tp_size": tp, "ep_size": ep}, {"dp_size": 1}),
+                                           dp * tp + 1)
+        assert student.expert_axis == axis, (dp, tp, ep)
 
 
 def test_shared_sizes_resolve_left_over_ranks_to_data_parallel():

@@ -9,7 +9,8 @@ q/k norms and MoE experts set where the family has them), in one 4-rank gloo wor
 - student tp2 x cp2 (`parallelize_student`, FSDP2 over the cp axis) and pp2 x tp2 (`StudentPipeline`):
   logits, loss and every parameter gradient equal the single-process model's on the same packed batch
   (families whose embeddings are tied by default, Gemma's, keep them tied on the pipelined student); MoE
-  students also with ep2 (dp 2 x tp 2, experts whole over the tp ranks), and a pipelined one pp2 x tp2 x ep2.
+  students also with ep2 (dp 2 x tp 2, experts whole over the tp ranks), a pipelined one pp2 x tp2 x ep2,
+  and a Qwen3-MoE one with ep4 over its 4 data-parallel ranks (one expert per rank and layer).
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ FAMILIES = {
     "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, layer_types=_MIXED),
+    # Multi-head latent attention (low-rank q and kv, rope and no-rope head parts, v heads of another width), a
+    # dense first layer, then routed experts in groups plus a shared expert.
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=16),
 }
 
 
 def family_model(family: str, *, seed: int = 3) -> torch.nn.Module:
-    return load_causal_lm(random_init={"model_type": family, **_SHAPE, **FAMILIES[family]}, seed=seed)
+    return load_causal_lm(random_init={"model_type": family, **{**_SHAPE, **FAMILIES[family]}}, seed=seed)
 
 
 def _batches() -> tuple[dict, dict]:
@@ -89,15 +95,16 @@ def inputs_of(batch: dict) -> dict:
 
 
 def assert_whole_experts_per_rank(model: torch.nn.Module, section: dict) -> None:
-    """With ep_size > 1, each rank runs half of every layer's experts (and holds no more than half)."""
-    if section.get("ep_size", 1) > 1:
+    """With ep_size > 1, each rank runs 1/ep of every layer's experts (and holds no more than that)."""
+    ep = section.get("ep_size", 1)
+    if ep > 1:
         blocks = [module for name, module in model.named_modules() if name.endswith(".experts")]
-        total = next(getattr(model.config, key) for key in ("num_experts", "num_local_experts")
+        total = next(getattr(model.config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
                      if hasattr(model.config, key))
-        assert blocks and all(2 * block.num_experts == total for block in blocks)
+        assert blocks and all(ep * block.num_experts == total for block in blocks)
         for name, parameter in model.named_parameters():
             if name.endswith("experts.gate_up_proj"):
-                assert 2 * parameter.to_local().shape[0] <= parameter.shape[0] == total, name
+                assert ep * parameter.to_local().shape[0] <= parameter.shape[0] == total, name
 
 
 def check_teacher(family: str, section: dict) -> None:
@@ -192,7 +199,7 @@ class FamilyCheck:
 # Each family in every role and layout kind, with layouts combined to keep the world short: tp with cp (the
 # 4 ranks hold one replica), and pp with tp.
 TP_CP, PP_TP = {"tp_size": 2, "cp_size": 2}, {"pp_size": 2, "tp_size": 2}
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 CHECKS = [
     FamilyCheck(function, family, section)
     for family in FAMILIES
@@ -200,6 +207,7 @@ CHECKS = [
                               (check_student_pipeline, PP_TP))
 ] + [FamilyCheck(function, family, {"tp_size": 2, "ep_size": 2}) for family in MOE
       for function in (check_teacher, check_student)] + [
-    FamilyCheck(check_student_pipeline, "mixtral", {"pp_size": 2, "tp_size": 2, "ep_size": 2})]
+    FamilyCheck(check_student_pipeline, "mixtral", {"pp_size": 2, "tp_size": 2, "ep_size": 2}),
+    FamilyCheck(check_student, "qwen3_moe", {"ep_size": 4})]  # experts over the 4 dp ranks, one each
 
 test_families_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=900.0)

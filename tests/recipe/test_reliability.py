@@ -584,6 +584,12 @@ def preflight_cases(tmp: Path) -> dict:
                                               "distributed": {"dp_size": 1, "tp_size": 2, "ep_size": 2}}, ConfigError,
                                              r"distributed\.tp_size\(2\), ep_size\(2\) does not fit model: .* needs "
                                              r"a mixture-of-experts model; LlamaForCausalLM ships no expert-parallel"),
+        "teacher_experts_over_dp": ({"teacher_distributed": {"dp_size": 2, "ep_size": 2}}, ConfigError,
+                                    r"teacher_distributed\.ep_size\(2\) would spread the teacher's experts over its "
+                                    r"data-parallel ranks, .* use ep_size equal to tp_size"),
+        "student_experts_over_dp_with_cp": ({"distributed": {"dp_size": 2, "cp_size": 2, "ep_size": 2}}, ConfigError,
+                                            r"distributed\.ep_size\(2\) spreads experts over the data-parallel "
+                                            r"ranks, .*; got cp_size\(2\)"),
         "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}}, ConfigError,
                                       r"distributed\.sequence_parallel is not supported for the student"),
         "negative_model_size": ({"model__random_init__hidden_size": -64}, ValueError,
@@ -607,7 +613,8 @@ PREFLIGHT_CASES = [
     "student_tp_splits_heads", "teacher_tp_splits_kv_heads", "teacher_pp_above_layers", "teacher_pp_above_kept_layers",
     "student_tp_with_a_larger_vocabulary", "keep_layers_out_of_range", "misspelled_model_size", "unknown_model_type",
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
-    "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "student_sequence_parallel",
+    "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
+    "student_experts_over_dp_with_cp", "student_sequence_parallel",
     "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json",
 ]

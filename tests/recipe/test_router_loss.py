@@ -64,9 +64,10 @@ def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
         objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
         assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
     exported = dict(load_causal_lm(path=tmp_path / "single" / "run" / "hf_student").named_parameters())
-    # tp2_ep2: whole experts spread over the tp ranks.
+    # Whole experts spread over the tp ranks (tp2_ep2), or over the dp ranks, which hold different rows (dp2_ep2).
     layouts = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None),
-               ("tp2_ep2", {"dp_size": 1, "tp_size": 2, "ep_size": 2}, {"dp_size": 1}))
+               ("tp2_ep2", {"dp_size": 1, "tp_size": 2, "ep_size": 2}, {"dp_size": 1}),
+               ("dp2_ep2", {"dp_size": 2, "ep_size": 2}, {"dp_size": 1}))
     for name, student, teacher in layouts:
         config = with_layout(moe_student_config(tmp_path / name), student, teacher)
         records = train_in_world(config_world_size(config), config)
