@@ -44,9 +44,14 @@ MODELS = {"llama": {"model_type": "llama", **SHAPE},
           # gate_proj.weight, ... / block_sparse_moe.experts.0.w1.weight), merged into one tensor when loaded.
           "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 16, **SHAPE},
-          "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **SHAPE}}
+          "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **SHAPE},
+          "deepseek_v3": {"model_type": "deepseek_v3", **SHAPE, "num_key_value_heads": 4, "q_lora_rank": 24,
+                          "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                          "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                          "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 16}}
 PER_EXPERT = {"qwen3_moe": "model.layers.0.mlp.experts.3.up_proj.weight",
-              "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight"}
+              "mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight",
+              "deepseek_v3": "model.layers.1.mlp.experts.3.up_proj.weight"}
 
 
 def saved_model(name: str, root: Path) -> Path:
@@ -78,7 +83,7 @@ def test_empty_model_holds_no_weights_and_maps_pruned_layers(tmp_path):
         assert torch.equal(model(input_ids=inputs).logits, expected(input_ids=inputs).logits)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", list(PER_EXPERT))
 def test_per_expert_checkpoint_is_read_as_the_models_merged_experts(tmp_path, name):
     directory = saved_model(name, tmp_path)
     assert PER_EXPERT[name] in load_file(str(directory / "model.safetensors"))

@@ -76,5 +76,14 @@ def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
         assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
         for key, parameter in load_causal_lm(path=tmp_path / name / "run" / "hf_student").named_parameters():
             torch.testing.assert_close(parameter, exported[key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
+    # Experts over the dp ranks checkpoint and resume: stopped after step 3 (checkpoint of step 2), resumed.
+    config = with_layout(moe_student_config(tmp_path / "resumed"), {"dp_size": 2, "ep_size": 2}, {"dp_size": 1})
+    config["step_scheduler"]["ckpt_every_steps"] = 2
+    first = copy.deepcopy(config)
+    first["step_scheduler"]["max_steps"] = 3
+    first["lr_scheduler"]["total_steps"] = config["step_scheduler"]["max_steps"]
+    train_in_world(3, first)
+    resumed = [r for r in train_in_world(3, config, resume=True) if r["kind"] == "train" and r["step"] > 2]
+    assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
     off = with_layout(moe_student_config(tmp_path / "off", 0.0), {"dp_size": 1}, None)
     assert all("router_loss" not in r for r in train_in_world(1, off))
