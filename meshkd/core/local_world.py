@@ -32,6 +32,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    if "OMP_NUM_THREADS" not in os.environ:
+        # The ranks share this machine's cores: more compute threads than cores only adds contention.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))

@@ -45,7 +45,7 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     `shard_teacher_logits`. FSDP2 shards over `STUDENT_CP_AXIS`; that axis is created here when the setup
     spans the whole world, otherwise every world rank must call `flatten_student_cp_axes` first (group
     creation is collective over the world). Multiply the loss by `student_loss_scale(setup)` before
-    backward.
+    backward, and call `scale_expert_gradients(model)` after it (experts over the dp ranks need it).
 
     Raises:
         ValueError: for layouts this function does not lay out (pp: use `StudentPipeline`; sequence
@@ -94,19 +94,39 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     return model
 
 
+EXPERT_GRADIENT_SCALE = "meshkd_expert_gradient_scale"
+"""Attribute of a module whose parameters are experts spread over the dp ranks: their gradients' factor."""
+
+
 def _spread_experts_over_dp(model: nn.Module, setup: DistributedSetup, mesh: DeviceMesh) -> list[nn.Parameter]:
     """Whole experts over the dp_shard ranks (which hold different tokens); returns the expert parameters.
 
     FSDP2 leaves them alone (each rank owns its experts; nothing to shard or reduce over dp). FSDP2 averages
     the other gradients over dp, which the loss scale (`student_loss_scale`) turns into a sum; an expert's
-    gradient already is the sum over every rank's tokens (the all-to-all's backward), so the same scale is
-    taken off it here.
+    gradient already is the sum over every rank's tokens (the all-to-all's backward), so the same scale has
+    to come off it: `scale_expert_gradients`. The factor is kept on the experts' modules, which sharded
+    loading leaves in place (it gives the parameters new storage, and a hook on a parameter would go with it).
     """
     experts = apply_expert_parallel(model, mesh["dp_shard"], mesh["tp"])
-    scale = 1.0 / student_loss_scale(setup)
-    for parameter in experts:
-        parameter.register_hook(lambda grad: grad * scale)
+    expert_ids = {id(parameter) for parameter in experts}
+    for module in model.modules():
+        if any(id(parameter) in expert_ids for parameter in module.parameters(recurse=False)):
+            setattr(module, EXPERT_GRADIENT_SCALE, 1.0 / student_loss_scale(setup))
     return experts
+
+
+def scale_expert_gradients(model: nn.Module) -> None:
+    """Take the loss scale off the gradients of experts spread over the dp ranks (no-op for other layouts).
+
+    Call after the step's backward passes, before clipping, when `parallelize_student` laid the student out
+    with experts over the data-parallel ranks (ep_size = dp_shard_size, tp_size 1).
+    """
+    for module in model.modules():
+        scale = getattr(module, EXPERT_GRADIENT_SCALE, None)
+        if scale is not None:
+            for parameter in module.parameters(recurse=False):
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)
 
 
 def student_fsdp_mesh(setup: DistributedSetup, mesh: DeviceMesh) -> DeviceMesh:

@@ -47,6 +47,7 @@ from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_
 from meshkd.parallel.data_parallel import (
     clip_grad_norm,
     parallelize_student,
+    scale_expert_gradients,
     student_loss_scale,
 )
 from meshkd.parallel.sharded_loading import is_empty, load_shards
@@ -545,6 +546,7 @@ class StudentTrainer:
         """Clip, step the optimizer and the schedule; the step's metrics summed over dp and cp ranks."""
         stages = self.setup.pp_group if self.pipeline is not None else None
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
+        scale_expert_gradients(self.model)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.max_grad_norm,
                                    stages_group=stages, uncounted=copies)
         keys = ("loss", "ce_loss", "kd_loss") + (("router_loss",) if self.router_loss else ())

@@ -23,7 +23,7 @@ from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.packing import configure_packing
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.context_parallel import shard_student_batch
-from meshkd.parallel.data_parallel import parallelize_student
+from meshkd.parallel.data_parallel import parallelize_student, scale_expert_gradients
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.models import load_causal_lm
@@ -161,6 +161,7 @@ def check_student(family: str, section: dict) -> None:
         assert_close(logits, ref_logits, f"{family} student {section} logits")
         assert abs(loss.item() - ref_loss) <= ATOL
     (loss * setup.cp_size).backward()  # FSDP2 averages over dp x cp; the cp shares must be summed
+    scale_expert_gradients(model)  # experts over the dp ranks sum their ranks' gradients: the same average
     compared = _compare_gradients(model.named_parameters(), ref_grads, f"{family} student {section}")
     assert compared >= 8, f"only {compared} gradients compared"
 

@@ -7,7 +7,8 @@ loads the whole model).
 In a 4-rank world: a teacher laid out tp2 / pp2 (tied embeddings) / pp2 x tp2, MoE teachers (Qwen3-MoE ep2,
 Mixtral tp2 and pp2 x ep2), students under FSDP2 x tp2 (a dense one and a Qwen3-MoE) and pp2 x dp2, each
 loaded in shards, equal the fully loaded model (logits, every parameter), and hold only their share of the
-parameters.
+parameters; a Qwen3-MoE student with its experts over 4 dp ranks, loaded in shards, gets the fully loaded
+model's gradients.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from meshkd.core.packing import configure_packing
 from meshkd.core.topology import create_kd_distributed_setups
-from meshkd.parallel.data_parallel import parallelize_student
+from meshkd.parallel.data_parallel import parallelize_student, scale_expert_gradients
 from meshkd.parallel.sharded_loading import empty_causal_lm, is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
@@ -225,8 +226,26 @@ def check_moe_student_fsdp2_tp2():
     assert_parameters_equal(model.named_parameters(), expected, "moe fsdp2 x tp2")
 
 
+def check_moe_student_experts_over_dp():
+    """Sharded loading gives the parameters new storage; the experts' gradients still come out right."""
+    directory = shared_directory("qwen3_moe")
+    ids = batch()["input_ids"]
+    reference = load_causal_lm(path=directory)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    model, checkpoint = empty_causal_lm(directory, keep_layers=None, dtype=torch.float32, attn_implementation=None)
+    model = parallelize_student(model, setup_for({"ep_size": 4}))  # one expert per rank and layer
+    load_shards(model, checkpoint, device="cpu")
+    model(input_ids=ids, labels=ids).loss.backward()  # the same rows on every rank: FSDP2's average is exact
+    scale_expert_gradients(model)
+    experts = [name for name, _ in model.named_parameters() if ".experts." in name]
+    assert experts and all(dict(model.named_parameters())[name].to_local().shape[0] == 1 for name in experts)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(full(parameter.grad), expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 CHECKS = [check_teacher_tp2, check_teacher_pp2_tied, check_teacher_pp2_tp2, check_moe_teachers_ep2_and_tp2,
-          check_student_fsdp2_tp2, check_moe_student_fsdp2_tp2,
+          check_student_fsdp2_tp2, check_moe_student_fsdp2_tp2, check_moe_student_experts_over_dp,
           check_student_pp2_dp2_tied, check_remove_saved_models]
 
 test_sharded_loading_world = world_test(WORLD, CHECKS, timeout_s=60.0, deadline_s=240.0)
