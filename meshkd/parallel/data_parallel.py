@@ -60,9 +60,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
         )
     if setup.strategy == "ddp" and setup.tp_size > 1:
         raise ValueError(f"strategy 'ddp' with tp_size({setup.tp_size}) > 1 is not supported; use fsdp2")
-    if setup.expert_axis == "dp_shard" and (setup.strategy == "ddp" or setup.cp_size * setup.dp_replicate_size > 1):
-        raise ValueError(f"ep_size({setup.ep_size}) over the data-parallel ranks needs strategy fsdp2 without cp "
-                         "or dp_replicate")
+    if setup.expert_axis == "dp_shard":
+        check_experts_over_dp(setup)
     if setup.cp_size > 1:
         check_student_cp(model, setup)
     experts = []
@@ -113,6 +112,17 @@ def _spread_experts_over_dp(model: nn.Module, setup: DistributedSetup, mesh: Dev
         if any(id(parameter) in expert_ids for parameter in module.parameters(recurse=False)):
             setattr(module, EXPERT_GRADIENT_SCALE, 1.0 / student_loss_scale(setup))
     return experts
+
+
+def check_experts_over_dp(layout) -> None:
+    """ValueError for a layout (a `DistributedSetup` or its config section) that spreads experts over the dp
+    ranks together with what that does not support: cp, pp, dp_replicate or DDP."""
+    unsupported = [f"{name}({getattr(layout, name)})" for name in ("cp_size", "pp_size", "dp_replicate_size")
+                   if getattr(layout, name) > 1]
+    unsupported += [f"strategy '{layout.strategy}'"] if layout.strategy != "fsdp2" else []
+    if unsupported:
+        raise ValueError(f"ep_size({layout.ep_size}) spreads experts over the data-parallel ranks, which is "
+                         f"supported with FSDP2 alone (no cp, pp or dp_replicate); got {', '.join(unsupported)}")
 
 
 def scale_expert_gradients(model: nn.Module) -> None:

@@ -60,9 +60,6 @@ class StoredTensor:
         return [self]
 
     def __str__(self) -> str:
-        leaves = self.leaves()
-        if len(leaves) > 1:
-            return f"{len(leaves)} stored tensors, {leaves[0]} to {leaves[-1]}"
         return f"{self.name} ({self.file.name})"
 
 
@@ -74,6 +71,10 @@ class _Combined(StoredTensor):
 
     def leaves(self) -> list[StoredTensor]:
         return [leaf for part in self.parts for leaf in part.leaves()]
+
+    def __str__(self) -> str:
+        leaves = self.leaves()
+        return f"{len(leaves)} stored tensors, {leaves[0]} to {leaves[-1]}"
 
 
 class _Stacked(_Combined):
@@ -208,7 +209,7 @@ def empty_causal_lm(
     # The name each parameter has in the unpruned model, which the checkpoint's names turn into.
     unpruned = {name: re.sub(r"(\.layers\.)(\d+)(\.)",
                              lambda m: f"{m[1]}{original.get(int(m[2]), int(m[2]))}{m[3]}", name)
-                for name in dict(model.named_parameters(remove_duplicate=False))}
+                for name, _ in model.named_parameters(remove_duplicate=False)}
     stored = _stored_tensors(model, files, set(unpruned.values()))
     if stored is None:
         return None

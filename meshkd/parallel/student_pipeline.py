@@ -49,7 +49,7 @@ from meshkd.parallel.context_parallel import (
     gather_documents,
     positions_and_documents,
 )
-from meshkd.parallel.data_parallel import gather_full_state_dict, student_fsdp_mesh
+from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
 from meshkd.parallel.sharded_loading import is_empty
 from meshkd.parallel.stages import ModelStage, decoder_of, is_pass_through, is_tied
 from meshkd.parallel.tensor_parallel import apply_tensor_parallel
@@ -408,8 +408,7 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
     if setup.strategy == "ddp" and setup.dp_size > 1:
         raise ValueError(f"strategy 'ddp' with pp_size({setup.pp_size}) > 1 is not supported; use fsdp2")
     if setup.expert_axis == "dp_shard":
-        raise ValueError(f"ep_size({setup.ep_size}) over the data-parallel ranks is not supported with pp_size > 1; "
-                         "use ep_size equal to tp_size")
+        check_experts_over_dp(setup)  # refuses pp_size > 1
     num_layers = len(decoder_of(model).layers)
     if setup.pp_size > num_layers:
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")

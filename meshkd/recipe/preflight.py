@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from meshkd.core.packing import attention_windows
+from meshkd.parallel.data_parallel import check_experts_over_dp
 from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
@@ -225,14 +226,10 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
                     "ranks, which answer different requests and do not run forward in step; use ep_size equal "
                     "to tp_size"
                 )
-            unsupported = [f"{name}({value})" for name, value in (("cp_size", layout.cp_size), ("pp_size",
-                           layout.pp_size), ("dp_replicate_size", layout.dp_replicate_size)) if value > 1]
-            unsupported += [f"strategy '{layout.strategy}'"] if layout.strategy != "fsdp2" else []
-            if unsupported:
-                raise ConfigError(
-                    f"{key}.ep_size({layout.ep_size}) spreads experts over the data-parallel ranks, which is "
-                    f"supported with FSDP2 alone (no cp, pp or dp_replicate); got {', '.join(unsupported)}"
-                )
+            try:
+                check_experts_over_dp(layout)
+            except ValueError as error:
+                raise ConfigError(f"{key}.{error}") from None
     for key, layout, label, model, _ in roles:
         try:
             check_tensor_parallel(model, layout.tp_size, layout.ep_size)
