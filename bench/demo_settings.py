@@ -1,0 +1,130 @@
+"""Healing settings for `meshkd demo`, side by side: `python bench/demo_settings.py [NAME ...]`.
+
+One process, so settings compare on compute alone: the demo's teacher answers the demo's training rows once
+(kept in memory in bf16), then each setting heals a fresh copy of the demo's pruned student on the rows its
+steps visit and reports the held-out loss on the demo's 16 validation rows. Every setting trains on the same
+60 rows (steps x rows a step), so they differ only in how those tokens are used. The student's layers are
+those `meshkd prune` records for the demo (measured here once if no run directory holds them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from importlib import resources
+
+import torch
+
+from meshkd.cli import demo_overrides
+from meshkd.core.loss import kd_loss
+from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
+from meshkd.recipe import data, layer_selection, models
+from meshkd.recipe.config import LRSchedulerConfig, load_config
+
+# name: (steps, rows a step, peak lr, kd_ratio); warmup 2 steps, cosine to 0.1 of the peak, as the demo.
+SETTINGS = {
+    "15x4 lr 1e-3 KD": (15, 4, 1e-3, 1.0),
+    "15x4 lr 1e-3 CE": (15, 4, 1e-3, 0.0),
+    "15x4 lr 5e-4 KD": (15, 4, 5e-4, 1.0),
+    "30x2 lr 1e-3 KD": (30, 2, 1e-3, 1.0),
+    "30x2 lr 5e-4 KD": (30, 2, 5e-4, 1.0),
+    "30x2 lr 5e-4 CE": (30, 2, 5e-4, 0.0),
+}
+_VAL_ROWS = 16
+
+
+def _logits(model, batch):
+    documents = batch["attention_mask"]
+    masks = masks_for_layers(attention_windows(model.config, model),
+                             lambda window: indexed_to_additive_mask(documents, sliding_window=window))
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=masks,
+                 use_cache=False).logits
+
+
+def _val_loss(model, val) -> float:
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, _VAL_ROWS, 4):
+            batch = val[start: start + 4]
+            labels = batch["labels"]
+            total += float(torch.nn.functional.cross_entropy(_logits(model, batch).flatten(0, 1), labels.flatten(),
+                                                             reduction="sum"))
+            tokens += int((labels != -100).sum())
+    return total / tokens
+
+
+def _heal(config, keep: list[int], train, val, teacher: dict[int, torch.Tensor], steps: int, rows: int, lr: float,
+          kd_ratio: float) -> float:
+    torch.manual_seed(0)
+    with models.loading_quietly():
+        student = models.prune_layers(models.load_causal_lm(path=config.model.path), keep).train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = LRSchedulerConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.1).factor(steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    batches = data.iterate_batches(train, global_batch_size=rows, dp_rank=0, dp_size=1, seed=config.dataset.seed)
+    for _, batch in zip(range(steps), batches):
+        logits, labels = _logits(student, batch), batch["labels"]
+        tokens = int((labels != -100).sum())
+        loss = (1 - kd_ratio) * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                                  reduction="sum") / tokens
+        if kd_ratio:
+            answers = torch.stack([teacher[_row_key(row)] for row in batch["input_ids"]]).float()
+            loss = loss + kd_ratio * kd_loss(logits, answers, labels, num_valid_tokens=tokens, chunk_size=1024)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), config.optimizer.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+    student.eval()
+    return _val_loss(student, val)
+
+
+def _row_key(input_ids: torch.Tensor) -> int:
+    return hash(tuple(input_ids.tolist()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"settings to run (default: all of {list(SETTINGS)})")
+    parser.add_argument("--run-dir", default="runs/demo", help="where the demo's layer selection is (or goes)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+    config = load_config(resources.files("meshkd") / "configs" / "demo.yaml", demo_overrides(args.run_dir, []))
+    tokenizer = models.load_tokenizer(path=config.model.path)
+    keep = layer_selection.resolve(config, tokenizer)
+    train, val = data.build_run_datasets(tokenizer, config.dataset,
+                                         sequence_length=config.step_scheduler.sequence_length)
+    with models.loading_quietly():
+        teacher_model = models.load_causal_lm(path=config.model.path).eval()
+    started = time.perf_counter()
+    rows = data.training_rows(train, global_batch_size=1, seed=config.dataset.seed, num_steps=60)
+    teacher = {}
+    with torch.no_grad():
+        for start in range(0, len(rows), 4):
+            batch = train[torch.tensor(rows[start: start + 4])]
+            for ids, logits in zip(batch["input_ids"], _logits(teacher_model, batch)):
+                teacher[_row_key(ids)] = logits.to(torch.bfloat16)
+        teacher_loss = _val_loss(teacher_model, val)
+    print(f"teacher answered {len(rows)} rows in {time.perf_counter() - started:.0f} s; held-out loss "
+          f"{teacher_loss:.4f}; student layers {keep}", flush=True)
+    before = None
+    for name in args.names or SETTINGS:
+        started = time.perf_counter()
+        steps, per_step, lr, kd_ratio = SETTINGS[name]
+        after = _heal(config, keep, train, val, teacher, steps, per_step, lr, kd_ratio)
+        if before is None:
+            with models.loading_quietly():
+                pruned = models.prune_layers(models.load_causal_lm(path=config.model.path), keep).eval()
+            before = _val_loss(pruned, val)
+            print(f"pruned student before healing: {before:.4f}")
+        closed = (before - after) / (before - teacher_loss)
+        seconds = time.perf_counter() - started
+        print(f"{name:<18} held-out {after:.4f}  ({closed:.0%} of the gap closed; {seconds:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
