@@ -25,9 +25,7 @@ from meshkd.recipe.config import LRSchedulerConfig, load_config
 # name: (steps, rows a step, peak lr, kd_ratio); warmup 2 steps, cosine to 0.1 of the peak, as the demo.
 SETTINGS = {
     "15x4 lr 1e-3 KD": (15, 4, 1e-3, 1.0),
-    "15x4 lr 1e-3 CE": (15, 4, 1e-3, 0.0),
     "15x4 lr 5e-4 KD": (15, 4, 5e-4, 1.0),
-    "30x2 lr 1e-3 KD": (30, 2, 1e-3, 1.0),
     "30x2 lr 5e-4 KD": (30, 2, 5e-4, 1.0),
     "30x2 lr 5e-4 CE": (30, 2, 5e-4, 0.0),
 }
