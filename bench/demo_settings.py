@@ -17,12 +17,12 @@ from importlib import resources
 import torch
 
 from meshkd.cli import demo_overrides
-from meshkd.core.loss import kd_loss
+from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
 from meshkd.recipe import data, layer_selection, models
-from meshkd.recipe.config import LRSchedulerConfig, load_config
+from meshkd.recipe.config import load_config
 
-# name: (steps, rows a step, peak lr, kd_ratio); warmup 2 steps, cosine to 0.1 of the peak, as the demo.
+# name: (steps, rows a step, peak lr, kd_ratio); the demo config's optimizer and schedule otherwise.
 SETTINGS = {
     "15x4 lr 1e-3 KD": (15, 4, 1e-3, 1.0),
     "15x4 lr 5e-4 KD": (15, 4, 5e-4, 1.0),
@@ -57,18 +57,19 @@ def _heal(config, keep: list[int], train, val, teacher: dict[int, torch.Tensor],
     torch.manual_seed(0)
     with models.loading_quietly():
         student = models.prune_layers(models.load_causal_lm(path=config.model.path), keep).train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = LRSchedulerConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.1).factor(steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(config.optimizer.betas),
+                                  weight_decay=config.optimizer.weight_decay, eps=config.optimizer.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_scheduler.factor(steps))
     batches = data.iterate_batches(train, global_batch_size=rows, dp_rank=0, dp_size=1, seed=config.dataset.seed)
     for _, batch in zip(range(steps), batches):
         logits, labels = _logits(student, batch), batch["labels"]
         tokens = int((labels != -100).sum())
-        loss = (1 - kd_ratio) * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                                                  reduction="sum") / tokens
-        if kd_ratio:
+        ce = cross_entropy_loss(logits, labels, num_valid_tokens=tokens) if kd_ratio < 1 else None
+        kd = None
+        if kd_ratio > 0:
             answers = torch.stack([teacher[_row_key(row)] for row in batch["input_ids"]]).float()
-            loss = loss + kd_ratio * kd_loss(logits, answers, labels, num_valid_tokens=tokens, chunk_size=1024)
+            kd = kd_loss(logits, answers, labels, num_valid_tokens=tokens, chunk_size=config.kd.chunk_size)
+        loss = kd_objective(ce, kd, kd_ratio)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), config.optimizer.max_grad_norm)
@@ -108,16 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         teacher_loss = _val_loss(teacher_model, val)
     print(f"teacher answered {len(rows)} rows in {time.perf_counter() - started:.0f} s; held-out loss "
           f"{teacher_loss:.4f}; student layers {keep}", flush=True)
-    before = None
+    before = _val_loss(models.prune_layers(teacher_model, keep), val)  # the teacher's part is done: pruned in place
+    print(f"pruned student before healing: {before:.4f}")
     for name in args.names or SETTINGS:
         started = time.perf_counter()
         steps, per_step, lr, kd_ratio = SETTINGS[name]
         after = _heal(config, keep, train, val, teacher, steps, per_step, lr, kd_ratio)
-        if before is None:
-            with models.loading_quietly():
-                pruned = models.prune_layers(models.load_causal_lm(path=config.model.path), keep).eval()
-            before = _val_loss(pruned, val)
-            print(f"pruned student before healing: {before:.4f}")
         closed = (before - after) / (before - teacher_loss)
         seconds = time.perf_counter() - started
         print(f"{name:<18} held-out {after:.4f}  ({closed:.0%} of the gap closed; {seconds:.0f} s)", flush=True)
