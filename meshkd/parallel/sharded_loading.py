@@ -298,7 +298,14 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
     keep their values.
     """
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    tied = _tied_names(model)
     model.to_empty(device=device)
+    # to_empty gives every module its own new parameter, so a tied output head would become a second
+    # matrix: the other names of a shared parameter are pointed back at the first one's new storage.
+    for first, others in tied.items():
+        for other in others:
+            owner, _, attribute = other.rpartition(".")
+            model.get_submodule(owner).register_parameter(attribute, model.get_parameter(first))
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
     for name, parameter in model.named_parameters():
@@ -307,6 +314,14 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
         # read, so they never add up to the whole checkpoint in this process's resident memory.
         with _OpenFiles() as files:
             _fill(parameter, source, files)
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """For each parameter registered under several names: its first name -> the others."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
 
 
 def _fill(parameter: torch.Tensor, source: StoredTensor, files: _OpenFiles) -> None:
