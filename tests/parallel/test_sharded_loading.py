@@ -84,6 +84,26 @@ def test_empty_model_holds_no_weights_and_maps_pruned_layers(tmp_path):
         assert torch.equal(model(input_ids=inputs).logits, expected(input_ids=inputs).logits)
 
 
+@pytest.mark.parametrize("name", ["qwen3_tied", "llama"])
+@pytest.mark.parametrize("keep_layers", [None, [1, 3]])
+def test_loaded_in_one_process_it_is_the_configured_architecture(tmp_path, name, keep_layers):
+    """Tied embeddings stay one matrix; the parameter count is from_pretrained's (of the pruned model)."""
+    directory = saved_model(name, tmp_path)
+    model, checkpoint = empty_causal_lm(directory, keep_layers=keep_layers, dtype=torch.float32,
+                                        attn_implementation=None)
+    load_shards(model, checkpoint, device="cpu")
+    expected = load_causal_lm(path=directory, keep_layers=keep_layers)
+    assert_architecture(model, expected)
+
+
+def assert_architecture(model: torch.nn.Module, expected: torch.nn.Module) -> None:
+    """`model` (laid out or not) ties what `expected` ties and has as many parameters (global sizes)."""
+    tied = expected.get_output_embeddings().weight is expected.get_input_embeddings().weight
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    assert tied == bool(expected.config.tie_word_embeddings)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in expected.parameters())
+
+
 @pytest.mark.parametrize("name", list(PER_EXPERT))
 def test_per_expert_checkpoint_is_read_as_the_models_merged_experts(tmp_path, name):
     directory = saved_model(name, tmp_path)
@@ -164,6 +184,8 @@ def run_teacher(name: str, section: dict, max_share: float) -> None:
     total = sum(p.numel() for p in reference.parameters())
     runner = TeacherRunner(model, setup_for(section), device="cpu")
     load_shards(model, checkpoint, device="cpu")
+    if section.get("pp_size", 1) == 1:  # else this rank holds one stage
+        assert_architecture(model, reference)
     share = local_numel(model) / total
     assert share <= max_share, f"{name} {section}: this rank holds {share:.2f} of the parameters"
     logits = runner.logits(batch())
@@ -175,6 +197,7 @@ def run_teacher(name: str, section: dict, max_share: float) -> None:
 
 def check_teacher_tp2():
     run_teacher("llama", {"tp_size": 2}, max_share=0.6)
+    run_teacher("qwen3_tied", {"tp_size": 2}, max_share=0.6)
 
 
 def check_teacher_pp2_tied():
@@ -204,6 +227,7 @@ def check_student_fsdp2_tp2():
     load_shards(model, checkpoint, device="cpu")
     assert local_numel(model) <= 0.3 * sum(p.numel() for p in dict.fromkeys(expected.values()))
     assert_parameters_equal(model.named_parameters(), expected, "fsdp2 x tp2")
+    assert_architecture(model, load_causal_lm(path=directory))
 
 
 def check_student_pp2_dp2_tied():
