@@ -16,10 +16,13 @@ Context parallel (cp_size > 1): the micro-batches are the cp rank's head-tail sh
 and FSDP2 shards over the flattened (dp_shard, cp) axis, so the loss scale stays dp * cp.
 
 A torch `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` runs the micro-batches. Only the hidden state
-travels between stages. Every rank of a data-parallel replica holds the same micro-batches, so
-position_ids and the NEAT document indices reach every stage as schedule kwargs (chunked per micro-batch
-like the inputs) and each stage builds its own 4D attention masks (`cp_mask`, as `TeacherRunner`). The
-micro-batch index reaches the loss as the schedule's target: `arange(n)`, chunked into one index each.
+travels between stages, and for an MoE student trained with its router loss the routers' running statistics
+(`meshkd.recipe.router_loss`: each stage adds its layers' part, the last stage's loss sees them all, and
+the backward returns each stage its part's gradient the same way). Every rank of a data-parallel replica
+holds the same micro-batches, so position_ids and the NEAT document indices reach every stage as schedule
+kwargs (chunked per micro-batch like the inputs) and each stage builds its own 4D attention masks
+(`cp_mask`, as `TeacherRunner`). The micro-batch index reaches the loss as the schedule's target:
+`arange(n)`, chunked into one index each.
 
 Stage metadata is given statically (shapes from the micro-batch, dtype from the parameters), so torch runs
 no extra forward/backward to infer it and never calls the loss for that; the last stage hands the schedule
@@ -31,6 +34,7 @@ multiplied by `student_loss_scale(setup)`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +51,7 @@ from meshkd.parallel.context_parallel import (
     enable_cp_attention,
     ensure_student_cp_axis,
     gather_documents,
+    pad_and_shard,
     positions_and_documents,
 )
 from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
@@ -73,7 +78,7 @@ class _StageModule(nn.Module):
 
     def __init__(
         self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, cp_size: int = 1,
-        cp_rank: int = 0,
+        cp_rank: int = 0, router_loss=None,
     ):
         super().__init__()
         for name, child in stage.model.named_children():
@@ -83,15 +88,30 @@ class _StageModule(nn.Module):
         self.windows = windows
         self.dtype = dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.router_loss = router_loss
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, statistics: torch.Tensor | None = None, *, position_ids: torch.Tensor,
+                documents: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The stage's output; with a router loss (hidden state or logits, the routers' statistics so far),
+        `statistics` then being the previous stage's (none on the first)."""
         masks = cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
                          dtype=compute_dtype(self, inputs.device), windows=self.windows)
-        output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
+        with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
+            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         if not self.stage.is_last:
             # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
-            return output.to(self.dtype).contiguous()
-        return output.to_local() if isinstance(output, DTensor) else output
+            output = output.to(self.dtype).contiguous()
+        elif isinstance(output, DTensor):
+            output = output.to_local()
+        if self.router_loss is None:
+            return output
+        # The routers saw this rank's tokens: under cp its head-tail share of the whole sequence's documents.
+        real = documents if self.cp_size == 1 else pad_and_shard(documents, cp_size=self.cp_size,
+                                                                 cp_rank=self.cp_rank)
+        own = self.router_loss.statistics(real)
+        if torch.is_grad_enabled() and not own.requires_grad:
+            own.requires_grad_()  # a stage without routers: the schedule expects a gradient for every output
+        return output, own if statistics is None else statistics + own
 
 
 @dataclass
@@ -126,6 +146,8 @@ class StudentPipeline:
         device: where the stage runs.
         schedule: one of `meshkd.core.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
         num_micro_batches: micro-batches per `step` (1F1B needs at least pp_size).
+        router_loss: an MoE student's `meshkd.recipe.router_loss.RouterLoss`, built on the whole model before
+            this splits it; its share of each micro-batch then reaches `loss_fn` (see `step`).
     """
 
     def __init__(
@@ -136,6 +158,7 @@ class StudentPipeline:
         device: torch.device | str,
         schedule: str,
         num_micro_batches: int,
+        router_loss=None,
     ):
         from meshkd.core.packing import attention_windows
 
@@ -172,8 +195,9 @@ class StudentPipeline:
         if self.cp_size > 1:
             # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
             enable_cp_attention(model, self.cp_group)
+        self.router_loss = router_loss
         stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, cp_size=self.cp_size,
-                             cp_rank=self.cp_rank)
+                             cp_rank=self.cp_rank, router_loss=router_loss)
         if self.is_last:
             weight = model.get_output_embeddings().weight
             self.vocab_size = weight.shape[0]  # global, also for a DTensor
@@ -207,9 +231,11 @@ class StudentPipeline:
                 share from `shard_student_batch` (then seq is the local length). Other keys are ignored.
             loss_fn: `loss_fn(index, logits) -> Tensor`, called on the last stage only, once per
                 micro-batch `index` (0-based, in order), with logits [rows, seq, vocab] (a DTensor
-                Shard(-1) under tp). It returns the scalar loss to backpropagate, already normalized over
-                the optimizer step and multiplied by `student_loss_scale(setup)`; gradients are not
-                rescaled here.
+                Shard(-1) under tp); with a `router_loss`, `loss_fn(index, logits, router)` where `router`
+                is this rank's share of the micro-batch's router loss (the whole of it without cp, else the
+                cp ranks' shares add up to it), to add to the loss. It returns the scalar loss to
+                backpropagate, already normalized over the optimizer step and multiplied by
+                `student_loss_scale(setup)`; gradients are not rescaled here.
         """
         if len(micro_batches) != self.num_micro_batches:
             raise ValueError(
@@ -260,9 +286,14 @@ class StudentPipeline:
             request.wait()
         local.add_(received)
 
-    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss the torch schedule calls on the last stage: (local logits, [index]) -> loss_fn(...)."""
-        return self._loss_fn(int(target.reshape(-1)[0]), self._logits(output))
+    def _schedule_loss(self, output: torch.Tensor | tuple, target: torch.Tensor) -> torch.Tensor:
+        """The loss the torch schedule calls on the last stage: (local logits [, router statistics], [index])
+        -> loss_fn(...)."""
+        index = int(target.reshape(-1)[0])
+        if self.router_loss is None:
+            return self._loss_fn(index, self._logits(output))
+        logits, statistics = output
+        return self._loss_fn(index, self._logits(logits), self.router_loss.local_loss(statistics, group=self.cp_group))
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -276,7 +307,9 @@ class StudentPipeline:
         input_ids, position_ids, documents = self._inputs([micro_batch])
         runner = self._runner(*micro_batch["input_ids"].shape, train=False)
         output = self._run(runner, input_ids, position_ids, documents, return_outputs=True)
-        return self._logits(output) if self.is_last else None
+        if not self.is_last:
+            return None
+        return self._logits(output if self.router_loss is None else output[0])
 
     # -- export ----------------------------------------------------------------------------------------
 
@@ -348,15 +381,14 @@ class StudentPipeline:
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
         hidden = meta(rows, length, self.hidden_size)
-        stage = PipelineStage(
-            self.stage_model,
-            self.pp_rank,
-            self.pp_size,
-            self.device,
-            input_args=meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden,
-            output_args=meta(rows, length, self.local_vocab_size) if self.is_last else hidden,
-            group=self.pp_group,
-        )
+        inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
+        outputs = meta(rows, length, self.local_vocab_size) if self.is_last else hidden
+        if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)
+            statistics = meta(2, self.router_loss.num_experts + 1, dtype=torch.float32)
+            inputs = (inputs,) if self.is_first else (inputs, statistics)
+            outputs = (outputs, statistics)
+        stage = PipelineStage(self.stage_model, self.pp_rank, self.pp_size, self.device, input_args=inputs,
+                              output_args=outputs, group=self.pp_group)
         if train:
             cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             schedule = cls(stage, self.num_micro_batches, loss_fn=self._schedule_loss, scale_grads=False)

@@ -390,9 +390,6 @@ def validate(config: KDRecipeConfig) -> None:
     router = kd.router_aux_loss_coef
     if router is not None and not (router >= 0 and math.isfinite(router)):
         raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
-    if router and config.distributed.pp_size * config.distributed.cp_size > 1:
-        raise ConfigError(f"kd.router_aux_loss_coef ({router}): the router loss is computed for students without "
-                          "pipeline and context parallel only (the default, null, leaves it out for them)")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
     if config.dataset.on_bad_file not in ("error", "skip"):

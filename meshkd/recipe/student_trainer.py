@@ -138,12 +138,11 @@ class StudentTrainer:
         else:
             self.teacher = TeacherClient(bridge)
         self._teacher = None
-        # Hooks on the routers the model declares; pipeline and context parallel students go without (see config).
-        self.router_loss = None if setup.pp_size * setup.cp_size > 1 else RouterLoss.for_student(
-            self._model, config.kd.router_aux_loss_coef)
+        # Hooks on the routers the model declares, on the whole model: pipeline stages keep theirs.
+        self.router_loss = RouterLoss.for_student(self._model, config.kd.router_aux_loss_coef)
         if setup.pp_size > 1:
             self.pipeline = StudentPipeline(self._model, setup, device=self.device, schedule=setup.pp_schedule,
-                                            num_micro_batches=self.num_micro_batches)
+                                            num_micro_batches=self.num_micro_batches, router_loss=self.router_loss)
             self.model = self.pipeline.stage_model
         else:
             self.pipeline = None
@@ -469,8 +468,8 @@ class StudentTrainer:
                          norm: float, router: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """(the loss to backpropagate, its loss / ce_loss / kd_loss values) of one micro-batch.
 
-        `router`: an MoE student's load-balancing loss of this micro-batch; the objective adds
-        `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank."""
+        `router`: an MoE student's load-balancing loss of this micro-batch (under cp this rank's share); the
+        objective adds `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank."""
         kd_cfg = self.config.kd
         labels = micro_batch["labels"]
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
@@ -512,8 +511,10 @@ class StudentTrainer:
             router = None
             with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
                 logits = self._student_logits(micro_batch)
-            if self.router_loss:
-                router = self.router_loss.value(micro_batch["attention_mask"])
+            if self.router_loss:  # under cp, this rank's share
+                cp_group = self.setup.device_mesh.get_group("cp") if self.setup.cp_size > 1 else None
+                router = self.router_loss.local_loss(self.router_loss.statistics(micro_batch["attention_mask"]),
+                                                     group=cp_group)
             loss, values = self.micro_batch_loss(logits, micro_batch, teacher_logits, max(num_valid, 1.0), router)
             loss.backward()
             records.append(values)
@@ -530,9 +531,9 @@ class StudentTrainer:
         micro_batches, teacher_logits = zip(*pairs)
         by_index: dict[int, dict[str, float]] = {}
 
-        def loss_fn(index: int, logits: torch.Tensor) -> torch.Tensor:
+        def loss_fn(index: int, logits: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
             loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], teacher_logits[index],
-                                                          max(num_valid, 1.0))
+                                                          max(num_valid, 1.0), router)
             return loss
 
         self.pipeline.step(list(micro_batches), loss_fn)

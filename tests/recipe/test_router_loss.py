@@ -31,9 +31,17 @@ def test_the_router_loss_is_the_models_own_on_real_tokens(family):
     with router.recording():
         model(input_ids=ids, attention_mask=mask, position_ids=positions)
     want = plain(input_ids=ids, attention_mask=mask, position_ids=positions, output_router_logits=True).aux_loss
-    torch.testing.assert_close(router.value(mask), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(router.local_loss(router.statistics(mask)), want, rtol=1e-6, atol=0)
     # Two documents in one row count the same tokens as one: the document indices only mark real tokens.
-    torch.testing.assert_close(router.value(mask * torch.tensor([[1] * 4 + [2] * 5, [1] * 9])), want)
+    torch.testing.assert_close(router.local_loss(router.statistics(mask * torch.tensor([[1] * 4 + [2] * 5, [1] * 9]))),
+                               want)
+    # Layers split over pipeline stages: the statistics of the parts add up to the whole, value and gradient.
+    logits = tuple(layer.detach().requires_grad_() for layer in router._logits)
+    whole = router.local_loss(router.statistics(mask, logits))
+    parts = router.local_loss(router.statistics(mask, logits[:1]) + router.statistics(mask, logits[1:]))
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=0)
+    for a, b in zip(torch.autograd.grad(whole, logits), torch.autograd.grad(parts, logits)):
+        torch.testing.assert_close(a, b)
     with torch.no_grad():  # outside `recording` nothing is kept
         model(input_ids=ids, attention_mask=mask, position_ids=positions)
     assert router._recorded is None
@@ -48,9 +56,9 @@ def test_a_dense_student_has_none_and_asking_for_one_names_the_key():
         RouterLoss.for_student(dense, 0.1)
 
 
-def moe_student_config(tmp_path, coefficient: float | None = 0.05) -> dict:
+def moe_student_config(tmp_path, coefficient: float | None = 0.05, family: str = "qwen3_moe") -> dict:
     config = base_config(tmp_path)
-    config["model"]["random_init"].update(model_type="qwen3_moe", **MOE["qwen3_moe"])
+    config["model"]["random_init"].update(model_type=family, **MOE[family])
     config["kd"]["router_aux_loss_coef"] = coefficient
     config["checkpoint"] = {"enabled": True, "save_hf": True}  # the trained student, exported
     return config
@@ -87,3 +95,24 @@ def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
     assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
     off = with_layout(moe_student_config(tmp_path / "off", 0.0), {"dp_size": 1}, None)
     assert all("router_loss" not in r for r in train_in_world(1, off))
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("family", list(MOE))
+def test_pipelined_and_context_parallel_students_train_the_same_router_loss(tmp_path, family):
+    """The default coefficient (the model config's): each stage and cp shard adds its part of the loss."""
+    base = moe_student_config(tmp_path, None, family)
+    base["step_scheduler"]["max_steps"] = 3
+    base["checkpoint"] = {"enabled": False}
+    single = with_layout(base, {"dp_size": 1}, None)
+    reference = [r for r in train_in_world(1, single) if r["kind"] == "train"]
+    assert all(r["router_loss"] > 0 for r in reference)
+    layouts = (("pp2", {"dp_size": 1, "pp_size": 2}, None), ("cp2", {"dp_size": 1, "cp_size": 2}, None))
+    for name, student, teacher in layouts:
+        config = with_layout(base, student, teacher)
+        config["logging"]["run_dir"] = str(tmp_path / name)
+        records = [r for r in train_in_world(2, config) if r["kind"] == "train"]
+        assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
+        assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+        routed = [r["router_loss"] for r in records]
+        assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
