@@ -2,9 +2,10 @@
 
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
-Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`), in that order. The
+Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `step`), in that
+order. The
 JSON file is rewritten after each section, so an interrupted run keeps what it measured. A section whose
-prerequisites are missing (the demo teacher for `modes`, Linux's peak-memory counters for `memory` and
+prerequisites are missing (the demo teacher for `modes` and `step`, Linux's peak-memory counters for `memory` and
 `loading`, transformers for `modes` and `cache`) is skipped with a note saying what to install; a section
 that fails is recorded with its error and the others still run (the exit status is then 1).
 """
@@ -21,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading")
+SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "step")
 # Sections measured together: the three world sections share one world.
-_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",))
+_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("step",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    if section in ("modes", "cache") and importlib.util.find_spec("transformers") is None:
+    if section in ("modes", "cache", "step") and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
-    if section == "modes":
+    if section in ("modes", "step"):
         from meshkd.recipe import models
 
         try:
@@ -51,6 +52,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import loading
 
         return loading.run_section(quick)
+    if names == ["step"]:
+        from meshkd.bench import step
+
+        return step.run_section(quick)
     from meshkd.bench import transport
 
     return transport.run(names, quick)
