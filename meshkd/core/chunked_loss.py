@@ -19,6 +19,9 @@ from torch.autograd.function import once_differentiable
 
 # Vocab entries per slice where a chunk's temporaries are taken column-wise (bounds them to [c, _COLUMNS]).
 _COLUMNS = 8192
+# Entries of a block of whole rows in which `kd_chunk` makes its temporaries: as many as [c, _COLUMNS] holds
+# at c = 1024 (32 MiB in float32), so that each elementwise step is large enough to be worth its threads.
+_BLOCK_ENTRIES = 1 << 23
 
 # (student rows [c, v], teacher rows [c, v] / a tuple of per-token fields / None, labels [c], valid [c])
 #   -> (loss sum, d sum / d student)
@@ -38,17 +41,18 @@ class _AttachGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, loss: Tensor, grad: Tensor) -> Tensor:
-        ctx.save_for_backward(grad)
+    def forward(ctx, logits: Tensor, loss: Tensor, grad: Tensor, normalizer: Tensor) -> Tensor:
+        ctx.save_for_backward(grad, normalizer)
         return loss.clone()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None, None]:
-        (grad,) = ctx.saved_tensors
-        # In place, so backward holds one [tokens, vocab] buffer, not two. A second backward through the
-        # same graph (retain_graph=True) fails loudly on the saved tensor's version counter.
-        return grad.mul_(grad_output), None, None
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
+        grad, normalizer = ctx.saved_tensors
+        # In place, so backward holds one [tokens, vocab] buffer, not two; the token normalizer is applied
+        # here, in the same pass. A second backward through the same graph (retain_graph=True) fails
+        # loudly on the saved tensor's version counter.
+        return grad.mul_(grad_output / normalizer), None, None, None
 
 
 def chunked(
@@ -83,7 +87,8 @@ def chunked(
 
     with torch.no_grad():
         total = torch.zeros((), dtype=compute_dtype, device=student.device)
-        grad = torch.empty_like(rows) if needs_grad else None
+        one_chunk = chunk_size >= num_tokens  # its gradient is the whole one: no copy into a buffer
+        grad = torch.empty_like(rows) if needs_grad and not one_chunk else None
         for start in range(0, num_tokens, chunk_size):
             chunk = slice(start, start + chunk_size)
             if isinstance(teacher_rows, tuple):
@@ -92,15 +97,18 @@ def chunked(
                 t = None if teacher_rows is None else teacher_rows[chunk]
             loss_sum, chunk_grad = chunk_fn(rows[chunk], t, flat_labels[chunk], valid[chunk])
             total += loss_sum
-            if grad is not None:
-                grad[chunk] = chunk_grad.div_(normalizer)
+            if needs_grad:
+                if one_chunk:
+                    grad = chunk_grad.to(rows.dtype)
+                else:
+                    grad[chunk] = chunk_grad
         if partial_over is not None:
             # Each rank summed its vocab slice's share of every token's loss; one scalar completes them all.
             dist.all_reduce(total, group=partial_over)
         loss = total * scale / normalizer
-    if grad is None:
+    if not needs_grad:
         return loss
-    return _AttachGrad.apply(student, loss, grad.view(student.shape))
+    return _AttachGrad.apply(student, loss, grad.view(student.shape), normalizer)
 
 
 def kd_chunk(
@@ -108,25 +116,22 @@ def kd_chunk(
 ) -> tuple[Tensor, Tensor]:
     """Local share of sum_tokens KL for one chunk [c, v], and T^2 * d KL / d student = T * (p_s - p_t).
 
-    Two [c, v] blocks live at a time: log p_s, which becomes the gradient, and log p_t, which becomes p_t.
-    Everything else is done in slices of `_COLUMNS` vocab entries, so the chunk's working memory is about
-    twice its logits.
+    Two [c, v] blocks live at a time: log p_s, which becomes the gradient, and log p_t. The KL terms and
+    the gradient are made block of rows by block of rows (`_BLOCK_ENTRIES`), so the chunk's working memory
+    is about twice its logits. On a whole vocabulary both log-softmaxes are torch's fused kernel.
     """
-    compute_dtype = result_dtype(student, teacher)
-    # copy=True: the in-place steps below must never write into the caller's logits.
-    log_p_s = student.to(compute_dtype, copy=True).div_(temperature)
-    log_p_t = teacher.to(compute_dtype, copy=True).div_(temperature)
-    _log_softmax_([log_p_s, log_p_t], group)
-    invalid = ~valid[:, None]
-    kl_sum = log_p_s.new_zeros(())
-    for start in range(0, log_p_s.shape[-1], _COLUMNS):
-        columns = slice(start, start + _COLUMNS)
-        p_t = log_p_t[:, columns].exp().masked_fill_(invalid, 0.0)
-        # Zero where p_t == 0 (0 log 0 = 0), which also clears an ignored row's NaN.
-        kl_sum += torch.where(p_t > 0, p_t * (log_p_t[:, columns] - log_p_s[:, columns]), 0.0).sum()
-    p_t = log_p_t.exp_().masked_fill_(invalid, 0.0)
-    grad = log_p_s.exp_().sub_(p_t).mul_(temperature).masked_fill_(invalid, 0.0)
-    return kl_sum, grad
+    log_p_s, log_p_t = _log_softmaxes(student, teacher, temperature, group)
+    kl_rows = log_p_s.new_zeros(log_p_s.shape[0])
+    block = max(1, _BLOCK_ENTRIES // max(log_p_s.shape[-1], 1))
+    for start in range(0, log_p_s.shape[0], block):
+        rows = slice(start, start + block)
+        p_t = log_p_t[rows].exp()
+        # Zero where p_t == 0 (0 log 0 = 0): the teacher's -inf logits add nothing.
+        kl_rows[rows] = torch.where(p_t > 0, p_t * (log_p_t[rows] - log_p_s[rows]), 0.0).sum(-1)
+        log_p_s[rows].exp_().sub_(p_t)
+    grad = log_p_s if temperature == 1 else log_p_s.mul_(temperature)
+    grad[~valid] = 0.0  # ignored tokens: no gradient (and no NaN from a degenerate row)
+    return torch.where(valid, kl_rows, 0.0).sum(), grad
 
 
 def student_weighted_chunk(
@@ -141,10 +146,7 @@ def student_weighted_chunk(
     respect to q). E_q[g] needs the whole vocabulary: one SUM all-reduce per chunk on a vocab shard. Reverse
     KL is infinite where the teacher gives a token probability 0 that the student does not.
     """
-    compute_dtype = result_dtype(student, teacher)
-    log_q = student.to(compute_dtype, copy=True).div_(temperature)
-    log_p = teacher.to(compute_dtype, copy=True).div_(temperature)
-    _log_softmax_([log_q, log_p], group)
+    log_q, log_p = _log_softmaxes(student, teacher, temperature, group)
     q = log_q.exp()
     if divergence == "reverse_kl":
         g = log_q - log_p
@@ -267,6 +269,26 @@ def ce_chunk(
     if local_vocab > 0:
         grad.scatter_add_(-1, index, -owned.to(grad.dtype)[:, None])
     return loss_sum, grad
+
+
+def _log_softmaxes(student: Tensor, teacher: Tensor, temperature: float,
+                   group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """log softmax(x / T) [c, v] of the student's and the teacher's rows, new tensors in their common dtype.
+
+    On a whole vocabulary torch's own fused kernel makes each in one pass over the rows; on a vocab shard
+    (`group`) the row maxima and sums of both are all-reduced together (`_log_softmax_`).
+    """
+    compute_dtype = result_dtype(student, teacher)
+    if group is None:
+        return tuple(torch.log_softmax(x.to(compute_dtype) / temperature if temperature != 1 else x, -1,
+                                       dtype=compute_dtype) for x in (student, teacher))
+    # copy=True: the in-place steps must never write into the caller's logits.
+    scaled = [x.to(compute_dtype, copy=True) for x in (student, teacher)]
+    if temperature != 1:
+        for x in scaled:
+            x.div_(temperature)
+    _log_softmax_(scaled, group)
+    return scaled[0], scaled[1]
 
 
 def _log_softmax_(xs: list[Tensor], group: dist.ProcessGroup | None) -> None:

@@ -475,8 +475,11 @@ class StudentTrainer:
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
         ce = cross_entropy_loss(logits, labels, ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
                                 chunk_size=kd_cfg.chunk_size) if kd_cfg.kd_ratio < 1 else None
+        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
+        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
         kd = kd_loss_encoded(kd_logits, teacher_logits, labels, temperature=kd_cfg.temperature,
-                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm, chunk_size=kd_cfg.chunk_size,
+                             ignore_index=kd_cfg.ignore_index, num_valid_tokens=norm,
+                             chunk_size=kd_cfg.chunk_size or max(labels.numel(), 1),
                              divergence=kd_cfg.divergence, jsd_beta=kd_cfg.jsd_beta) if kd_cfg.kd_ratio > 0 else None
         loss = kd_objective(ce, kd, kd_cfg.kd_ratio)
         values = {"ce_loss": float(ce.detach()) if ce is not None else 0.0,
