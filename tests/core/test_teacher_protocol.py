@@ -9,6 +9,7 @@ one request ahead, and raises a teacher's refusal on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from meshkd.core.teacher_protocol import (
     TeacherRequest,
     TeacherServer,
 )
+from tests.collectives import audited_collectives
 from tests.core.test_bridge import logits_for, make_bridge
 from tests.trees import assert_same_tree
 from tests.world import world_test
@@ -179,6 +181,36 @@ def check_prefetcher_raises_teacher_errors_and_closes_cleanly():
     bridge.synchronize()
 
 
+def check_while_prefetching_no_group_is_used_from_two_threads():
+    # The prefetcher's rule: its thread issues the bridge's collectives, in the synchronous loop's order, and
+    # no other; the caller's own (an all-reduce over the student group per item, as at a step boundary) are
+    # on other groups. Every tensor is on the bridge's device. Two fresh bridges: the same route history.
+    bridges = [make_bridge({"dp_size": 3}, {"dp_size": 2}) for _ in range(2)]
+    count = 4
+    if bridges[0].is_teacher:
+        assert serve(bridges[0]) == count and serve(bridges[1]) == count
+        return
+    with audited_collectives(bridges[0].device) as synchronous:
+        client = TeacherClient(bridges[0])
+        for index in range(count):
+            client.exchange(request_batch(index))
+    client.close()
+    bridge, caller = bridges[1], threading.get_ident()
+    with audited_collectives(bridge.device) as calls:
+        with TeacherPrefetcher(bridge, range(count), batch_fn=request_batch) as prefetcher:
+            for _ in prefetcher:
+                dist.all_reduce(torch.ones(1), group=bridge.student_group)
+    bridge.broadcast_command(STOP_TEACHER)
+
+    def ranks(group) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group))
+
+    ahead = [call for call in calls if call.thread != caller]
+    own = [call for call in calls if call.thread == caller]
+    assert [(c.name, ranks(c.group)) for c in ahead] == [(c.name, ranks(c.group)) for c in synchronous]
+    assert own and not {id(c.group) for c in ahead} & {id(c.group) for c in own}
+
+
 test_five_rank_world = world_test(
     WORLD,
     [
@@ -186,5 +218,6 @@ test_five_rank_world = world_test(
         check_a_failing_teacher_forward_reaches_the_student_and_the_next_request_works,
         check_prefetcher_yields_the_synchronous_sequence_one_ahead,
         check_prefetcher_raises_teacher_errors_and_closes_cleanly,
+        check_while_prefetching_no_group_is_used_from_two_threads,
     ],
 )
