@@ -2,18 +2,24 @@
 
 A bf16 student (and teacher) trains through a checkpoint, is stopped, resumed and exported; the resumed
 steps follow the uninterrupted run. In fp32 the GPU's curve matches the CPU's for the same config. Each run
-is a real `meshkd train` (torch's launcher, one worker, NCCL on cuda:0).
+is a real `meshkd train` (torch's launcher, one worker, NCCL on cuda:0). A last run counts the host syncs of
+each training step (torch.cuda's sync debug mode) and prints where they come from (`-s` shows it).
 """
 
+import json
 import math
 import subprocess
 import sys
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from meshkd.core.local_world import spawn_world
+from meshkd.recipe.config import config_from_dict
 from meshkd.recipe.metrics import read_metrics
 from tests.gpu import CUDA
 from tests.tiny import base_config
@@ -75,3 +81,41 @@ def test_the_fp32_curve_on_the_gpu_is_the_cpus(tmp_path):
     on_cpu = train(one_gpu(tmp_path, "cpu", dtype="float32", device="cpu"))
     assert len(on_gpu) == len(on_cpu) > 0
     torch.testing.assert_close(losses(on_gpu), losses(on_cpu), rtol=5e-3, atol=1e-4)
+
+
+def count_host_syncs(rank: int, config: dict, out: str) -> None:
+    """Train `config` on this one-rank NCCL world, counting each training step's host syncs by source line."""
+    from meshkd.recipe.run import KDRecipe
+
+    recipe, per_step = KDRecipe(config_from_dict(config)), []
+    try:
+        recipe.setup()
+        step = recipe.role.train_step
+
+        def counted(feed):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    return step(feed)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                per_step.append(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                        if "synchronizing" in str(w.message)))
+
+        recipe.role.train_step = counted
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    Path(out).write_text(json.dumps([dict(counts) for counts in per_step]))
+
+
+def test_host_syncs_per_training_step_are_counted(tmp_path):
+    config = one_gpu(tmp_path, "syncs", dtype="bfloat16")
+    out = tmp_path / "syncs.json"
+    assert spawn_world(1, count_host_syncs, (config, str(out)), backend="nccl", timeout_s=120, deadline_s=600) is None
+    per_step = [Counter(counts) for counts in json.loads(out.read_text())]
+    assert len(per_step) == config["step_scheduler"]["max_steps"]
+    total = sum(per_step[1:], Counter())  # step 1 warms up
+    print(f"host syncs per training step (steps 2-{len(per_step)}): "
+          f"{[sum(counts.values()) for counts in per_step[1:]]}; by source: {total.most_common(12)}")
