@@ -263,7 +263,9 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
 
     `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
-    model is gathered from the stages and written from an empty shell of its config), else None.
+    model is gathered from the stages and written from an empty shell of its config), else None. Without
+    pipeline parallel the whole model is gathered to global rank 0 only, the rank that writes it, so the
+    other ranks never hold a full copy.
     """
     from transformers import AutoModelForCausalLM
 
@@ -272,7 +274,7 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     from meshkd.recipe.models import save_hf_model
 
     if pipeline is None:
-        state_dict, shell = gather_full_state_dict(model), getattr(model, "module", model)
+        state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
         state_dict = pipeline.full_state_dict()
         with torch.device("meta"):
