@@ -115,3 +115,21 @@ def test_losses_and_gradients_on_the_device_match_the_cpu(dtype, chunk_size):
         (loss_cpu, grad_cpu), (loss_device, grad_device) = results["cpu"], results["cuda"]
         close(loss_device, loss_cpu, torch.float32)
         close(grad_device, grad_cpu, dtype)
+
+
+def test_the_students_sampler_draws_on_the_device_each_row_as_if_alone():
+    from meshkd.core.packing import configure_packing
+    from meshkd.recipe.on_policy import ModelGenerate, SamplingSettings
+    from tests.tiny import tiny_llama_model
+
+    model = configure_packing(tiny_llama_model(vocab=258, seed=4)).to(DEVICE)
+    settings = SamplingSettings(max_new_tokens=6, temperature=1.0, top_p=0.9, stop_tokens=())
+
+    def sample(prompts, seeds):
+        return ModelGenerate(model, settings, pad_token_id=257, device=DEVICE).sample(prompts, seeds)
+
+    prompts = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10]), torch.tensor([11, 12, 13])]
+    together = sample(prompts, [1, 2, 3])
+    alone = [sample([prompt], [seed])[0] for prompt, seed in zip(prompts, [1, 2, 3])]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone)) and all(len(c) == 6 for c in together)
+    assert all(torch.equal(a, b) for a, b in zip(together, sample(prompts, [1, 2, 3])))  # seeded: repeatable
