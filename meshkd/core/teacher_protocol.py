@@ -194,15 +194,15 @@ class TeacherPrefetcher:
     exactly as in the synchronous loop. Groups of the two threads progress independently of each other.
 
     On CUDA the requests run on a stream of their own (NCCL launches a blocking collective on the caller's
-    current stream): the bridge's collectives then never queue behind the training kernels, nor training's
-    behind them (one stream shared by two communicators deadlocks when two ranks queue their operations in
-    different orders), and the request's `.item()` calls wait for the bridge's work only. Events hand the
-    results over: a request's stream first waits for what the caller had queued when its item was drawn
-    (an item may hold tensors the caller made, completions say), and the caller's current stream waits for
-    the request's event before it gets the item and its logits; the tensors crossing streams are recorded
-    on the stream that uses them (`record_stream`), so the caching allocator does not reuse their memory
-    too early. Kernels of two communicators running concurrently is what NCCL allows but does not
-    guarantee for every launch configuration. On the CPU none of this applies.
+    current stream): the bridge's collectives then never queue behind the training kernels the caller
+    issues meanwhile, nor training's behind them (one stream shared by two communicators deadlocks when two
+    ranks queue their operations in different orders), and the request's `.item()` calls do not wait for
+    that training. Events hand the results over: a request's stream first waits for what the caller had
+    queued when its item was drawn (an item may hold tensors the caller made, completions say), and the
+    caller's current stream waits for the request's event before it gets the item and its logits; the
+    tensors crossing streams are recorded on the stream that uses them (`record_stream`), so the caching
+    allocator does not reuse their memory too early. Kernels of two communicators running concurrently is
+    what NCCL allows but does not guarantee for every launch configuration. On the CPU none of this applies.
 
     Args:
         bridge: the bridge the teacher loop serves; claimed by the prefetcher until it is closed.
