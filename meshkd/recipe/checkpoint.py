@@ -263,9 +263,7 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
 
     `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
-    model is gathered from the stages and written from an empty shell of its config), else None. Without
-    pipeline parallel the whole model is gathered to global rank 0 only, the rank that writes it, so the
-    other ranks never hold a full copy.
+    model is gathered from the stages and written from an empty shell of its config), else None.
     """
     from transformers import AutoModelForCausalLM
 
@@ -274,6 +272,7 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     from meshkd.recipe.models import save_hf_model
 
     if pipeline is None:
+        # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
         state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
         state_dict = pipeline.full_state_dict()
