@@ -55,6 +55,99 @@ def test_a_local_teacher_answers_in_place_and_in_order():
     teacher.close()
 
 
+class FakeCudaStreams:
+    """torch.cuda's streams and events as recorders (no GPU here): which stream each step runs on, in order."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.default = self.Stream("caller")
+        self._local = threading.local()
+        self._events = 0
+        streams = self
+
+        class Event:
+            def record(self, stream) -> None:
+                streams._events += 1
+                self.name = f"event{streams._events}"
+                streams.log.append((stream.name, "records", self.name))
+
+        self.Event = Event
+        for name, value in {"Stream": lambda device=None: self.Stream("own"), "Event": Event,
+                            "current_stream": self.current_stream, "stream": self.stream,
+                            "set_device": lambda device: None}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def Stream(self, name: str):  # noqa: N802 - stands in for the class torch.cuda.Stream
+        log = self.log
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                log.append((self.name, "waits for", other.name))
+
+            def wait_event(self, event) -> None:
+                log.append((self.name, "waits for", event.name))
+
+        stream = Stream()
+        stream.name = name
+        return stream
+
+    def current_stream(self, device=None):
+        return getattr(self._local, "stream", self.default)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            del self._local.stream
+
+
+class FakeCudaBridge:
+    """A one-rank student side of a bridge on "cuda" whose collectives are recorded on the current stream."""
+
+    def __init__(self, streams: FakeCudaStreams) -> None:
+        self.streams, self.device, self.rank, self.student_ranks = streams, torch.device("cuda", 0), 0, [0]
+        self.is_student, self.receives_logits, self.num_waves, self.owner_thread = True, True, 1, None
+
+    @property
+    def claimed(self) -> bool:
+        return self.owner_thread is not None
+
+    def _record(self, what: str) -> None:
+        self.streams.log.append((self.streams.current_stream().name, what))
+
+    def broadcast_command(self, command=None, *, timeout=None) -> int:
+        self._record("command")
+        return command
+
+    def send_batch(self, wave: int, payload) -> None:
+        self._record(f"batch {payload}")
+
+    def send_logits(self, wave: int, logits) -> str:
+        self._record("logits")
+        return "answer"
+
+
+def test_on_cuda_the_prefetcher_runs_requests_on_its_own_stream_and_hands_over_by_events(monkeypatch):
+    streams = FakeCudaStreams(monkeypatch)
+    handed = []
+    with TeacherPrefetcher(FakeCudaBridge(streams), range(2)) as prefetcher:
+        for item, answer in prefetcher:
+            handed.append((item, answer, len(streams.log)))
+    log = streams.log
+    assert [item for item, _, _ in handed] == [0, 1] and all(answer == "answer" for _, answer, _ in handed)
+    for item, event in ((0, "event1"), (1, "event2")):
+        # On its own stream, after what the caller had queued; the caller's stream waits for the request's event.
+        request = [("own", "waits for", "caller"), ("own", "command"), ("own", f"batch {item}"), ("own", "logits"),
+                   ("own", "records", event)]
+        start = log.index(request[0], log.index(("own", "records", "event1")) + 1 if item else 0)
+        assert log[start : start + len(request)] == request, log
+        waited = log.index(("caller", "waits for", event))
+        assert waited > start + len(request) - 1 and waited < handed[item][2], log
+    assert not [entry for entry in log if entry[0] == "caller" and entry[1] != "waits for"]
+
+
 def protocol_batch(index: int) -> dict:
     return {"input_ids": torch.full((1, 3), index), "position_ids": torch.arange(3)[None],
             "attention_mask": torch.ones(1, 3, dtype=torch.int64)}
