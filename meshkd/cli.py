@@ -212,9 +212,11 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
         return _run_here(lambda: KDRecipe(config, resume=resume).run())
     from meshkd.recipe.preflight import preflight
+    from meshkd.recipe.run import check_gpu_count
 
     preflight(config)
     world_size = _world_size(required_world_size(config), nproc)
+    check_gpu_count(config, world_size)  # every process is started on this node
     return _launch(world_size, ["train", config_path, *_set_args(overrides), *(["--resume"] if resume else [])])
 
 
@@ -229,6 +231,7 @@ def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, sh
 
         return _run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
     from meshkd.recipe.preflight import preflight
+    from meshkd.recipe.run import check_gpu_count
 
     preflight(config, writing_cache=True)
     layout = config.teacher_layout
@@ -236,6 +239,7 @@ def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, sh
     needed = None if layout.dp_size is None else math.prod(sizes)
     dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
     world_size = _world_size(needed, nproc, dp_key)
+    check_gpu_count(config, world_size)
     extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
     return _launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 

@@ -356,7 +356,7 @@ class KDMeshBridge:
         word = torch.tensor([wire.SAME_SPEC if same else header.numel()], dtype=torch.int64, device=self.device)
         if state.speculating and state.inband:
             # The word rides at the end of the packed buffer (packing copies anyway); filler when the spec changed.
-            buffer = self._pool(route, "send").take(state.nbytes + _WORD_BYTES)
+            buffer = self._send_buffer(state.nbytes + _WORD_BYTES, route)
             if same:
                 wire.pack_leaves(tensors, self.device, out=buffer[: state.nbytes])
             buffer[state.nbytes :].view(torch.int64).copy_(word)
@@ -429,8 +429,14 @@ class KDMeshBridge:
     def _pack(self, tensors: list[torch.Tensor], route: Route) -> torch.Tensor:
         out = None
         if self.device.type == "cpu" and not wire.packs_in_place(tensors, self.device):
-            out = self._pool(route, "send").take(wire.receive_nbytes(wire.leaves_of(tensors)))
+            out = self._send_buffer(wire.receive_nbytes(wire.leaves_of(tensors)), route)
         return wire.pack_leaves(tensors, self.device, out=out)
+
+    def _send_buffer(self, nbytes: int, route: Route) -> torch.Tensor:
+        # Pooled CPU memory only when the bridge works on the CPU: an NCCL group takes device memory only.
+        if self.device.type == "cpu":
+            return self._pool(route, "send").take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _receive_buffer(self, nbytes: int, route: Route) -> torch.Tensor:
         if self.device.type == "cpu":

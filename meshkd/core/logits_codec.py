@@ -4,7 +4,8 @@ The teacher encodes (`encode_teacher_logits`), the bridge carries the result lik
 the student's KD loss consumes it as it arrives (`meshkd.core.loss.kd_loss_encoded`). Modes, with bytes per
 token at vocabulary V:
 
-- "full": the logits as they are, exact (4 V bytes in float32).
+- "full": the logits as the teacher computed them, exact, in the teacher's dtype (`teacher_model.dtype`):
+  4 V bytes in float32, 2 V for a bfloat16 or float16 teacher. The loss upcasts them to float32.
 - "full_bf16": the logits rounded to bfloat16 (2 V bytes, half of float32). The loss upcasts them to
   float32; rounding moves each logit by at most 2^-9 of its magnitude.
 - "topk": per token the k largest teacher log-probabilities at temperature T (float32), their vocab
@@ -79,7 +80,8 @@ def encode_teacher_logits(
         chunk_size: tokens encoded at a time in "topk" mode (bounds the float32 working memory).
 
     Returns:
-        full / full_bf16: {"mode", "logits": [..., vocab]} (float32 logits travel from their own memory).
+        full / full_bf16: {"mode", "logits": [..., vocab]}: `logits` itself for full (its dtype kept: the
+        teacher's), rounded to bfloat16 for full_bf16.
         topk: {"mode", "temperature", "log_probs": [..., k] float32, "indices": [..., k] int32,
         "tail_log_prob": [...] float32} and, with tail samples, "tail_indices": [..., m] int32 and
         "tail_log_probs": [..., m] float32. log_probs are sorted in decreasing order; tail_log_prob is the

@@ -19,6 +19,7 @@ a failure in one (the later waves' peers would otherwise wait forever).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -185,11 +186,23 @@ class TeacherPrefetcher:
     collectives a synchronous student issues, in the same order. The teacher loop is unchanged: it serves
     requests in order. The logits, and so the loss curve, are those of the synchronous loop.
 
-    Why it cannot deadlock: while the prefetcher runs only its thread issues the bridge's collectives (the
-    bridge refuses other threads), so every rank sees them in request order exactly as in the synchronous
-    loop. The caller's own collectives (data-parallel reductions, FSDP) are on other process groups, which
-    progress independently of the bridge's; under NCCL that relies on kernels of two communicators running
-    concurrently, which NCCL allows but does not guarantee for every launch configuration.
+    Why it cannot deadlock. The rule: no process group is used from two threads while the prefetcher runs.
+    Its thread is the only one to issue the bridge's collectives (the control group and the route groups;
+    the bridge refuses other threads), and it issues no other; the caller's own collectives (data-parallel
+    reductions, FSDP, the student group's agreements) are on other groups. So each group sees its
+    collectives in one thread's program order, the same on every rank: the bridge's in request order
+    exactly as in the synchronous loop. Groups of the two threads progress independently of each other.
+
+    On CUDA the requests run on a stream of their own (NCCL launches a blocking collective on the caller's
+    current stream): the bridge's collectives then never queue behind the training kernels the caller
+    issues meanwhile, nor training's behind them (one stream shared by two communicators deadlocks when two
+    ranks queue their operations in different orders), and the request's `.item()` calls do not wait for
+    that training. Events hand the results over: a request's stream first waits for what the caller had
+    queued when its item was drawn (an item may hold tensors the caller made, completions say), and the
+    caller's current stream waits for the request's event before it gets the item and its logits; the
+    tensors crossing streams are recorded on the stream that uses them (`record_stream`), so the caching
+    allocator does not reuse their memory too early. Kernels of two communicators running concurrently is
+    what NCCL allows but does not guarantee for every launch configuration. On the CPU none of this applies.
 
     Args:
         bridge: the bridge the teacher loop serves; claimed by the prefetcher until it is closed.
@@ -234,6 +247,11 @@ class TeacherPrefetcher:
         self._closing = False
         self._closed = False
         self.num_fetched = 0  # requests answered so far (the caller may not have taken them yet)
+        # CUDA only: the caller's stream at construction and the requests' own stream (see the docstring).
+        self._caller_stream = self._stream = None
+        if bridge.device.type == "cuda":
+            self._caller_stream = torch.cuda.current_stream(bridge.device)
+            self._stream = torch.cuda.Stream(bridge.device)
         self._thread = threading.Thread(target=self._run, name="meshkd-teacher-prefetch", daemon=True)
         self._thread.start()
         bridge.owner_thread = self._thread.ident
@@ -247,7 +265,13 @@ class TeacherPrefetcher:
         self._permits.release()
         kind, payload = self._ready.get()
         if kind == "item":
-            return payload
+            pair, ready = payload
+            if ready is not None:  # CUDA: what the request's stream did comes before the caller's use of it
+                stream = torch.cuda.current_stream(self.bridge.device)
+                stream.wait_event(ready)
+                for tensor in _cuda_tensors(pair):
+                    tensor.record_stream(stream)
+            return pair
         self.close()
         if kind == "error":
             raise payload
@@ -279,18 +303,42 @@ class TeacherPrefetcher:
 
     def _run(self) -> None:
         try:
-            if self.bridge.device.type == "cuda":
+            streamed = contextlib.nullcontext()
+            if self._stream is not None:
+                # Object collectives and new tensors take the current device, which is per thread.
                 torch.cuda.set_device(self.bridge.device)
-            while True:
-                self._permits.acquire()
-                if self._closing:
-                    return
-                item = next(self._items, self._END)
-                if item is self._END:
-                    self._ready.put(("end", None))
-                    return
-                logits = self._client.exchange(self._batch_fn(item))
-                self.num_fetched += 1
-                self._ready.put(("item", (item, logits)))
+                streamed = torch.cuda.stream(self._stream)
+            with streamed:
+                while True:
+                    self._permits.acquire()
+                    if self._closing:
+                        return
+                    item = next(self._items, self._END)
+                    if item is self._END:
+                        self._ready.put(("end", None))
+                        return
+                    payload = self._batch_fn(item)
+                    ready = None
+                    if self._stream is not None:
+                        self._stream.wait_stream(self._caller_stream)
+                        for tensor in _cuda_tensors(payload):
+                            tensor.record_stream(self._stream)
+                    logits = self._client.exchange(payload)
+                    if self._stream is not None:
+                        ready = torch.cuda.Event()
+                        ready.record(self._stream)
+                    self.num_fetched += 1
+                    self._ready.put(("item", ((item, logits), ready)))
         except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread, which raises it
             self._ready.put(("error", raised))
+
+
+def _cuda_tensors(value: Any) -> list[torch.Tensor]:
+    """The CUDA tensors of a nested value (dicts, lists, tuples), in traversal order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_cuda else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _cuda_tensors(item)]
+    return []

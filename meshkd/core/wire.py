@@ -254,7 +254,8 @@ def pack_leaves(tensors: list[torch.Tensor], device: torch.device, *, out: torch
     if out is None:
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
     elif out.dtype != torch.uint8 or out.shape != (total,) or out.device != device:
-        raise ValueError(f"out must be a uint8 buffer of {total} bytes on {device}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out must be a uint8 buffer of {total} bytes on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     else:
         buffer = out
     for tensor, offset in zip(tensors, offsets):

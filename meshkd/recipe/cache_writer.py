@@ -62,7 +62,9 @@ def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
     kd, sequence = config.kd, config.step_scheduler.sequence_length
     if split == "validation":
         return 4 * sequence
-    per_token = {"full": 4 * vocab_size, "full_bf16": 2 * vocab_size,
+    # `full` keeps the teacher's dtype (`meshkd.core.logits_codec`).
+    full_bytes = 4 if config.teacher_model.dtype == "float32" else 2
+    per_token = {"full": full_bytes * vocab_size, "full_bf16": 2 * vocab_size,
                  "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
     return per_token * sequence
 

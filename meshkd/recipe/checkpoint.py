@@ -272,7 +272,8 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     from meshkd.recipe.models import save_hf_model
 
     if pipeline is None:
-        state_dict, shell = gather_full_state_dict(model), getattr(model, "module", model)
+        # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
+        state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
         state_dict = pipeline.full_state_dict()
         with torch.device("meta"):

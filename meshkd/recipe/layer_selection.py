@@ -11,9 +11,10 @@ Ineffectiveness of the Deeper Layers"; ShortGPT's block influence, 1 - cosine, o
   important layers at 13.5.
 - `by: layer` drops the L - N layers that change their input least, each measured on its own (ShortGPT).
 It runs in one process before any worker starts (`meshkd train` and `meshkd prune` call it), loading the
-whole model to prune once. The choice, the ranking and what they were measured on go to
-RUN_DIR/layer_selection.json: a later run of the same request, model and calibration rows reuses it, and
-`--resume` always does, so a run's layers never change under it.
+whole model to prune once; on a GPU in a child process that exits when done, so that neither the model
+nor the CUDA context it needs stays on the launcher's GPU for the whole run. The choice, the ranking and
+what they were measured on go to RUN_DIR/layer_selection.json: a later run of the same request, model
+and calibration rows reuses it, and `--resume` always does, so a run's layers never change under it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ def calibration_rows(config: KDRecipeConfig, tokenizer) -> dict[str, torch.Tenso
     return train[: request(config)["calibration_rows"]]
 
 
+def _on_gpu(config: KDRecipeConfig) -> bool:
+    return torch.cuda.is_available() and config.device != "cpu"
+
+
+def measure_apart(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`measure` in a spawned process that exits when done: the model and the CUDA context go with it."""
+    import torch.multiprocessing as mp  # its pickler shares the rows' tensors with the child
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure, (config, rows))
+
+
 def measure(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Measure the `model` section's layers on the calibration `rows` and return the selection record."""
     asked = request(config)
@@ -130,7 +143,7 @@ def measure(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, 
     num_layers = len(models.decoder_layers(model))
     if asked["auto"] > num_layers:
         raise ConfigError(f"model.keep_layers.auto: {asked['auto']} is more than the model's {num_layers} layers")
-    if torch.cuda.is_available() and config.device != "cpu":
+    if _on_gpu(config):
         model.to("cuda")
     batches = [{key: value[i: i + _ROWS_PER_FORWARD] for key, value in rows.items()}
                for i in range(0, len(rows["input_ids"]), _ROWS_PER_FORWARD)]
@@ -188,7 +201,7 @@ def resolve(config: KDRecipeConfig, tokenizer, *, resume: bool = False, measure_
     if not measure_here:
         raise ConfigError(f"model.keep_layers: {config.model.keep_layers} is chosen by measuring the model in one "
                           f"process; {path} holds no choice for this run: run `meshkd prune CONFIG` first")
-    record = measure(config, rows)
+    record = measure_apart(config, rows) if _on_gpu(config) else measure(config, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(record, indent=1).encode())
     print(f"meshkd: {describe(record)}\nmeshkd: layer selection written to {path}", flush=True)

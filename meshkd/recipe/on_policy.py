@@ -178,12 +178,17 @@ class _RowSampler:
 
     def __init__(self, settings: SamplingSettings, seeds: list[int]) -> None:
         self.settings = settings
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.seeds = seeds
+        self.generators: list[torch.Generator] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if hasattr(scores, "full_tensor"):  # a tensor-parallel student's vocabulary-sharded scores
             scores = scores.full_tensor()
-        scores = scores.float().cpu()
+        scores = scores.float()
+        if self.generators is None:
+            # On the scores' device: no copy of [rows, vocab] scores to the host for every generated token. A
+            # GPU's generator draws other tokens than the CPU's for the same seed, the same ones every run.
+            self.generators = [torch.Generator(device=scores.device).manual_seed(seed) for seed in self.seeds]
         settings = self.settings
         if settings.temperature == 0:
             chosen = scores.argmax(-1)

@@ -42,13 +42,37 @@ from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
 
 
+def uses_cuda(config: KDRecipeConfig) -> bool:
+    """Whether the run's ranks use CUDA devices (`device: cuda`, or `auto` where CUDA is available)."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def check_gpu_count(config: KDRecipeConfig, local_processes: int) -> None:
+    """Refuse to run `local_processes` ranks of a CUDA run on a node that sees fewer GPUs.
+
+    One GPU per process: NCCL cannot run two ranks of a group on one GPU, and a rank without a GPU of its
+    own would fail later with "invalid device ordinal".
+    """
+    if not uses_cuda(config):
+        return
+    visible = torch.cuda.device_count()
+    if local_processes > visible:
+        raise ValueError(
+            f"this run needs {local_processes} processes on this node, one GPU each, but the node sees {visible} "
+            f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lay out fewer "
+            "ranks per node, or set device: cpu"
+        )
+
+
 def init_world(config: KDRecipeConfig) -> tuple[torch.device, bool]:
     """This rank's device, and whether the process group was created here (from torchrun's environment,
-    NCCL on CUDA, gloo on CPU, `collective_timeout_s`), so that the caller destroys it at the end."""
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    NCCL on CUDA, gloo on CPU, `collective_timeout_s`), so that the caller destroys it at the end.
+
+    A CUDA rank takes GPU LOCAL_RANK; a node with fewer GPUs than LOCAL_WORLD_SIZE is refused first."""
     device = torch.device("cpu")
-    if use_cuda:
+    if uses_cuda(config):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        check_gpu_count(config, max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if dist.is_initialized():
@@ -105,9 +129,10 @@ class KDRecipe:
 
     def _common_vocab_size(self, checked, rows: tuple[int, int]) -> int:
         """The vocabulary both models share; every rank learns both embedding sizes, so checks raise everywhere."""
-        sizes = torch.tensor(rows, dtype=torch.int64)
+        # On the role's device: a group made by init_process_group("nccl") takes CUDA tensors only.
+        sizes = torch.tensor(rows, dtype=torch.int64, device=self.device)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        student_rows, teacher_rows = int(sizes[0]), int(sizes[1])
+        student_rows, teacher_rows = sizes.tolist()
         with about("model.tokenizer / teacher_model.tokenizer"):
             vocab_size = models.common_vocab_size(checked.tokenizer, checked.teacher_tokenizer,
                                                   student_vocab_size=student_rows, teacher_vocab_size=teacher_rows)

@@ -49,7 +49,8 @@ class TeacherForward:
         kd = self.kd
         if mode == LABEL_LOG_PROBS:
             return label_log_probs(logits, batch["labels"], ignore_index=kd.ignore_index)
-        seeds = [self.seed + int(row.sum()) for row in batch["input_ids"]]
+        # One host sync for the whole batch, not one per row.
+        seeds = [self.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()]
         return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
 

@@ -20,6 +20,7 @@ from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 from meshkd.core.logits import cp_shard, materialize_teacher_logits
 from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.topology import create_kd_distributed_setups
+from tests.collectives import audited_collectives
 from tests.trees import assert_same_tree, sample_batch
 from tests.world import world_test
 
@@ -349,6 +350,42 @@ def check_encoded_logits_travel_as_sent():
                     assert_same_tree(arrived, encoded)
 
 
+def check_every_collective_of_the_bridge_is_given_tensors_on_its_device():
+    # Multi-tensor batches and top-k answers, repeated past the point where header and data travel together.
+    bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+    rank, replica = dist.get_rank(), my_student_replica(bridge)
+    encoded = encode_teacher_logits(torch.randn(2, 5, 30, generator=torch.Generator().manual_seed(2)), "topk", k=4,
+                                     tail_samples=2)
+    with audited_collectives(bridge.device) as calls:
+        for _ in range(6):
+            assert bridge.broadcast_command(RUN_TEACHER if rank == 0 else None) == RUN_TEACHER
+            for wave in range(bridge.num_waves):
+                bridge.send_batch(wave, sample_batch(replica) if bridge.is_student else None)
+                arrived = bridge.send_logits(wave, encoded if bridge.is_teacher else None)
+                if arrived is not None:
+                    assert_same_tree(arrived, encoded)
+        bridge.synchronize()
+    assert len(calls) > 6 * 3
+
+
+def check_a_bridge_on_a_device_sends_from_that_device_only():
+    # The CPU shows no CUDA device; the meta device stands in for one (the collectives are recorded, not run),
+    # so a send buffer taken from CPU memory whatever the device is found. Ranks 0 and 1 only send here.
+    bridge = make_bridge({"dp_size": 1}, {"dp_size": 4})
+    rank = dist.get_rank()
+    if rank not in (0, bridge.teacher_replicas[0].output_rank):
+        return
+    bridge.device = torch.device("meta")
+    encoded = encode_teacher_logits(torch.randn(2, 5, 30), "topk", k=4, tail_samples=2)
+    with audited_collectives(bridge.device, forward=False) as calls:
+        for _ in range(6):  # repeats 3 on carry the header word in the packed buffer
+            if rank == 0:
+                bridge.send_batch(0, sample_batch(0))
+            else:
+                bridge.send_logits(0, encoded)
+    assert [call.name for call in calls].count("broadcast") >= 6 + 3
+
+
 test_five_rank_world = world_test(
     WORLD,
     [
@@ -366,5 +403,7 @@ test_five_rank_world = world_test(
         check_changing_shapes_dtypes_and_errors_arrive_exactly,
         check_received_buffers_are_reused_only_once_released,
         check_encoded_logits_travel_as_sent,
+        check_every_collective_of_the_bridge_is_given_tensors_on_its_device,
+        check_a_bridge_on_a_device_sends_from_that_device_only,
     ],
 )

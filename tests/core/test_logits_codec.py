@@ -33,6 +33,9 @@ def test_full_modes_carry_the_logits():
     assert encoded_nbytes(full) == 2 * 3 * 40 * 4 and encoded_nbytes(half) == encoded_nbytes(full) // 2
     assert decode_teacher_logits(full) is full["logits"]
     assert decode_teacher_logits(half) is half["logits"]
+    # `full` keeps the teacher's dtype: a bfloat16 teacher's logits travel as bfloat16, 2 bytes each.
+    bf16 = encode_teacher_logits(logits.to(torch.bfloat16), "full")
+    assert bf16["logits"].dtype == torch.bfloat16 and encoded_nbytes(bf16) == encoded_nbytes(half)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.5])

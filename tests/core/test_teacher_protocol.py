@@ -9,6 +9,7 @@ one request ahead, and raises a teacher's refusal on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from meshkd.core.teacher_protocol import (
     TeacherRequest,
     TeacherServer,
 )
+from tests.collectives import audited_collectives
 from tests.core.test_bridge import logits_for, make_bridge
 from tests.trees import assert_same_tree
 from tests.world import world_test
@@ -51,6 +53,99 @@ def test_a_local_teacher_answers_in_place_and_in_order():
                                                                               "topk")))
     assert [item for item, _ in pairs] == [0, 1, 2] and len(asked) == 4
     teacher.close()
+
+
+class FakeCudaStreams:
+    """torch.cuda's streams and events as recorders (no GPU here): which stream each step runs on, in order."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.default = self.Stream("caller")
+        self._local = threading.local()
+        self._events = 0
+        streams = self
+
+        class Event:
+            def record(self, stream) -> None:
+                streams._events += 1
+                self.name = f"event{streams._events}"
+                streams.log.append((stream.name, "records", self.name))
+
+        self.Event = Event
+        for name, value in {"Stream": lambda device=None: self.Stream("own"), "Event": Event,
+                            "current_stream": self.current_stream, "stream": self.stream,
+                            "set_device": lambda device: None}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def Stream(self, name: str):  # noqa: N802 - stands in for the class torch.cuda.Stream
+        log = self.log
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                log.append((self.name, "waits for", other.name))
+
+            def wait_event(self, event) -> None:
+                log.append((self.name, "waits for", event.name))
+
+        stream = Stream()
+        stream.name = name
+        return stream
+
+    def current_stream(self, device=None):
+        return getattr(self._local, "stream", self.default)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            del self._local.stream
+
+
+class FakeCudaBridge:
+    """A one-rank student side of a bridge on "cuda" whose collectives are recorded on the current stream."""
+
+    def __init__(self, streams: FakeCudaStreams) -> None:
+        self.streams, self.device, self.rank, self.student_ranks = streams, torch.device("cuda", 0), 0, [0]
+        self.is_student, self.receives_logits, self.num_waves, self.owner_thread = True, True, 1, None
+
+    @property
+    def claimed(self) -> bool:
+        return self.owner_thread is not None
+
+    def _record(self, what: str) -> None:
+        self.streams.log.append((self.streams.current_stream().name, what))
+
+    def broadcast_command(self, command=None, *, timeout=None) -> int:
+        self._record("command")
+        return command
+
+    def send_batch(self, wave: int, payload) -> None:
+        self._record(f"batch {payload}")
+
+    def send_logits(self, wave: int, logits) -> str:
+        self._record("logits")
+        return "answer"
+
+
+def test_on_cuda_the_prefetcher_runs_requests_on_its_own_stream_and_hands_over_by_events(monkeypatch):
+    streams = FakeCudaStreams(monkeypatch)
+    handed = []
+    with TeacherPrefetcher(FakeCudaBridge(streams), range(2)) as prefetcher:
+        for item, answer in prefetcher:
+            handed.append((item, answer, len(streams.log)))
+    log = streams.log
+    assert [item for item, _, _ in handed] == [0, 1] and all(answer == "answer" for _, answer, _ in handed)
+    for item, event in ((0, "event1"), (1, "event2")):
+        # On its own stream, after what the caller had queued; the caller's stream waits for the request's event.
+        request = [("own", "waits for", "caller"), ("own", "command"), ("own", f"batch {item}"), ("own", "logits"),
+                   ("own", "records", event)]
+        start = log.index(request[0], log.index(("own", "records", "event1")) + 1 if item else 0)
+        assert log[start : start + len(request)] == request, log
+        waited = log.index(("caller", "waits for", event))
+        assert waited > start + len(request) - 1 and waited < handed[item][2], log
+    assert not [entry for entry in log if entry[0] == "caller" and entry[1] != "waits for"]
 
 
 def protocol_batch(index: int) -> dict:
@@ -179,6 +274,36 @@ def check_prefetcher_raises_teacher_errors_and_closes_cleanly():
     bridge.synchronize()
 
 
+def check_while_prefetching_no_group_is_used_from_two_threads():
+    # The prefetcher's rule: its thread issues the bridge's collectives, in the synchronous loop's order, and
+    # no other; the caller's own (an all-reduce over the student group per item, as at a step boundary) are
+    # on other groups. Every tensor is on the bridge's device. Two fresh bridges: the same route history.
+    bridges = [make_bridge({"dp_size": 3}, {"dp_size": 2}) for _ in range(2)]
+    count = 4
+    if bridges[0].is_teacher:
+        assert serve(bridges[0]) == count and serve(bridges[1]) == count
+        return
+    with audited_collectives(bridges[0].device) as synchronous:
+        client = TeacherClient(bridges[0])
+        for index in range(count):
+            client.exchange(request_batch(index))
+    client.close()
+    bridge, caller = bridges[1], threading.get_ident()
+    with audited_collectives(bridge.device) as calls:
+        with TeacherPrefetcher(bridge, range(count), batch_fn=request_batch) as prefetcher:
+            for _ in prefetcher:
+                dist.all_reduce(torch.ones(1), group=bridge.student_group)
+    bridge.broadcast_command(STOP_TEACHER)
+
+    def ranks(group) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group))
+
+    ahead = [call for call in calls if call.thread != caller]
+    own = [call for call in calls if call.thread == caller]
+    assert [(c.name, ranks(c.group)) for c in ahead] == [(c.name, ranks(c.group)) for c in synchronous]
+    assert own and not {id(c.group) for c in ahead} & {id(c.group) for c in own}
+
+
 test_five_rank_world = world_test(
     WORLD,
     [
@@ -186,5 +311,6 @@ test_five_rank_world = world_test(
         check_a_failing_teacher_forward_reaches_the_student_and_the_next_request_works,
         check_prefetcher_yields_the_synchronous_sequence_one_ahead,
         check_prefetcher_raises_teacher_errors_and_closes_cleanly,
+        check_while_prefetching_no_group_is_used_from_two_threads,
     ],
 )

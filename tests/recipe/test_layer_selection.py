@@ -54,6 +54,17 @@ def test_an_identity_layer_ranks_least_important_and_is_dropped_first(identity_m
     assert f"  {IDENTITY_LAYER}:0.000" in ranking and "keeping 4 of 5 layers" in ranking
 
 
+@pytest.mark.world  # starts a process
+def test_measured_in_a_child_process_the_record_is_the_same(tmp_path):
+    # What a GPU launcher does, so that the model and its CUDA context leave with the child.
+    _identity_layer_model(tmp_path / "model", FAMILIES["llama"])
+    config = _config(tmp_path, {"auto": 4, "by": "block"})
+    rows = layer_selection.calibration_rows(config, models.byte_tokenizer())
+    assert layer_selection.measure_apart(config, rows) == layer_selection.measure(config, rows)
+    with pytest.raises(ConfigError, match="more than the model's 5 layers"):  # its errors reach the parent
+        layer_selection.measure_apart(_config(tmp_path, {"auto": 6}), rows)
+
+
 def test_block_removal_drops_the_contiguous_block_whose_ends_are_closest():
     per_layer = [0.5, 0.1, 0.3, 0.2, 0.4]
     per_block = [0.9, 0.2, 0.6, 0.7]  # blocks of 2 starting at layers 0..3

@@ -1,0 +1,73 @@
+"""The recipe's start on CUDA, in one process without a GPU: what can be checked before any device is used.
+
+No GPU is needed: the GPU count is simulated (torch.cuda's device_count and is_available patched) and a
+device the CPU cannot show is stood in for by the meta device, with the collectives recorded instead of
+run (`tests.collectives`). The GPU suite (tests/gpu) runs the same paths on a real device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshkd import cli
+from meshkd.recipe.config import config_from_dict
+from meshkd.recipe.run import KDRecipe, check_gpu_count, init_world
+from tests.collectives import audited_collectives
+from tests.tiny import base_config
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine sees `set(count)` GPUs; set_device fails the test if it is reached."""
+    def set_count(count: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+    def no_set_device(device):
+        raise AssertionError(f"set_device({device}) was reached")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_set_device)
+    return set_count
+
+
+def test_more_local_ranks_than_visible_gpus_are_refused_with_the_counts(gpus, monkeypatch, tmp_path):
+    config = config_from_dict({**base_config(tmp_path), "device": "cuda"})
+    gpus(2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"needs 3 processes on this node, one GPU each, but the node sees 2 GPU"):
+        init_world(config)
+    check_gpu_count(config, 2)  # one GPU each: accepted
+    with pytest.raises(ValueError, match="needs 4 processes .* sees 2 GPU"):
+        check_gpu_count(config, 4)
+    gpus(0)  # device: cuda on a machine without one
+    with pytest.raises(ValueError, match="needs 1 processes on this node, one GPU each, but the node sees 0 GPU"):
+        check_gpu_count(config, 1)
+    # On the CPU (auto without CUDA, or device: cpu) there is no count to meet.
+    check_gpu_count(config_from_dict(base_config(tmp_path)), 8)
+    gpus(1)
+    check_gpu_count(config_from_dict({**base_config(tmp_path), "device": "cpu"}), 8)
+
+
+def test_meshkd_train_refuses_the_layout_before_starting_processes(gpus, monkeypatch, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    separate = {**base_config(tmp_path), "separate_meshes": True, "distributed": {"dp_size": 2},
+                "teacher_distributed": {"dp_size": 1}, "device": "auto"}
+    path.write_text(yaml.safe_dump(separate))
+    gpus(2)
+    monkeypatch.setattr(cli, "_launch", lambda *args: pytest.fail("processes were started"))
+    assert cli.main(["train", str(path)]) == 2
+    assert "needs 3 processes on this node, one GPU each, but the node sees 2 GPU(s)" in capsys.readouterr().err
+
+
+def test_the_vocabulary_sizes_are_all_reduced_on_the_role_device(tmp_path):
+    recipe = KDRecipe(config_from_dict(base_config(tmp_path)))
+    recipe.device = torch.device("meta")  # stands in for cuda: a CPU tensor would be found
+    with audited_collectives(recipe.device, forward=False) as calls:
+        with pytest.raises(NotImplementedError, match="meta"):  # a meta tensor has no values to read back
+            recipe._common_vocab_size(None, (262, -1))
+    assert [call.name for call in calls] == ["all_reduce"]
+
