@@ -19,9 +19,6 @@ from torch.autograd.function import once_differentiable
 
 # Vocab entries per slice where a chunk's temporaries are taken column-wise (bounds them to [c, _COLUMNS]).
 _COLUMNS = 8192
-# Entries of a block of whole rows in which `kd_chunk` makes its temporaries: as many as [c, _COLUMNS] holds
-# at c = 1024 (32 MiB in float32), so that each elementwise step is large enough to be worth its threads.
-_BLOCK_ENTRIES = 1 << 23
 
 # (student rows [c, v], teacher rows [c, v] / a tuple of per-token fields / None, labels [c], valid [c])
 #   -> (loss sum, d sum / d student)
@@ -117,12 +114,13 @@ def kd_chunk(
     """Local share of sum_tokens KL for one chunk [c, v], and T^2 * d KL / d student = T * (p_s - p_t).
 
     Two [c, v] blocks live at a time: log p_s, which becomes the gradient, and log p_t. The KL terms and
-    the gradient are made block of rows by block of rows (`_BLOCK_ENTRIES`), so the chunk's working memory
-    is about twice its logits. On a whole vocabulary both log-softmaxes are torch's fused kernel.
+    the gradient are made block of rows by block of rows, each of about [c, _COLUMNS] entries (whole rows:
+    each elementwise step is then one large operation, worth its threads), so the chunk's working memory is
+    about twice its logits. On a whole vocabulary both log-softmaxes are torch's fused kernel.
     """
     log_p_s, log_p_t = _log_softmaxes(student, teacher, temperature, group)
     kl_rows = log_p_s.new_zeros(log_p_s.shape[0])
-    block = max(1, _BLOCK_ENTRIES // max(log_p_s.shape[-1], 1))
+    block = max(1, log_p_s.shape[0] * _COLUMNS // max(log_p_s.shape[-1], 1))
     for start in range(0, log_p_s.shape[0], block):
         rows = slice(start, start + block)
         p_t = log_p_t[rows].exp()
