@@ -10,7 +10,9 @@ written with plain transformers and torch only: the student pruned with `nn.Modu
 `no_grad`, `log_softmax`, `kl_div` over the real tokens, backward, `clip_grad_norm_`, `AdamW.step`. Each runs
 in a fresh process, in turn (meshkd, hand loop, meshkd, ...), so they never share the cores; the figure is
 the median step time of each (the first step of a run left out: allocation and warm-up), and the ratio
-meshkd / hand loop. The hand loop's rows are unpacked runs of the same sources; both attend causally within
+meshkd / hand loop. A third side runs the same global batch in the demo's layout: 4 processes, the student
+on 2 ranks (FSDP2, 4 rows each) and the teacher on 2 others (separate meshes), the demo's chunks of 1024
+tokens. The hand loop's rows are unpacked runs of the same sources; both attend causally within
 a row, meshkd within each packed document (its 4D masks are part of its work).
 """
 
@@ -77,17 +79,20 @@ def hand_loop(teacher_dir: str, steps: int) -> list[float]:
     return times
 
 
-def _meshkd_config(teacher_dir: str, run_dir: Path, steps: int) -> dict:
+def _meshkd_config(teacher_dir: str, run_dir: Path, steps: int, demo_layout: bool) -> dict:
     stdlib = sysconfig.get_paths()["stdlib"]
+    layout = {"separate_meshes": False, "distributed": {"dp_size": 1}}
+    if demo_layout:
+        layout = {"separate_meshes": True, "distributed": {"dp_size": 2}, "teacher_distributed": {"dp_size": 2}}
     return {
         "model": {"path": teacher_dir, "keep_layers": KEEP_LAYERS},
         "teacher_model": {"path": teacher_dir},
-        "separate_meshes": False,
-        "distributed": {"dp_size": 1},
-        "kd": {"kd_ratio": 1.0, "temperature": 1.0},
+        **layout,
+        "kd": {"kd_ratio": 1.0, "temperature": 1.0, "chunk_size": 1024 if demo_layout else None},
         "dataset": {"paths": [f"{stdlib}/*.py"], "val_fraction": 0.05, "max_documents": 160,
                     "max_document_chars": 6000, "seed": 0},
-        "step_scheduler": {"max_steps": steps, "global_batch_size": ROWS, "local_batch_size": ROWS,
+        "step_scheduler": {"max_steps": steps, "global_batch_size": ROWS, "local_batch_size": ROWS // 2 if demo_layout
+                           else ROWS,
                            "sequence_length": SEQUENCE, "val_batches": 1},
         "optimizer": {"lr": LR, "weight_decay": 0.0, "max_grad_norm": 1.0},
         "lr_scheduler": {"warmup_steps": 0},
@@ -96,12 +101,12 @@ def _meshkd_config(teacher_dir: str, run_dir: Path, steps: int) -> dict:
     }
 
 
-def _meshkd_steps(teacher_dir: str, directory: Path, steps: int, round_index: int) -> list[float]:
+def _meshkd_steps(teacher_dir: str, directory: Path, steps: int, name: str) -> list[float]:
     import yaml
 
-    run_dir = directory / f"meshkd_{round_index}"
-    config = directory / f"meshkd_{round_index}.yaml"
-    config.write_text(yaml.safe_dump(_meshkd_config(teacher_dir, run_dir, steps)))
+    run_dir = directory / name
+    config = directory / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(_meshkd_config(teacher_dir, run_dir, steps, name.startswith("demo"))))
     subprocess.run([sys.executable, "-m", "meshkd", "train", str(config)], check=True, capture_output=True,
                    text=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -115,24 +120,29 @@ def _hand_steps(teacher_dir: str, steps: int) -> list[float]:
 
 
 def run_section(quick: bool) -> dict:
-    """{"step": results}, printed when measured; `quick`: 2 rounds of 4 steps each side (else 3 of 7)."""
+    """{"step": results}, printed when measured; `quick`: 2 rounds of 4 steps of each side (else 3 of 7)."""
     from meshkd.recipe.models import converted_gguf, demo_teacher_source
 
     settings = _settings(quick)
     source = demo_teacher_source()
     teacher_dir = str(converted_gguf(source["path"], source["gguf_file"]))
-    meshkd_times, hand_times = [], []
+    times: dict[str, list[float]] = {"meshkd": [], "hand_loop": [], "demo_layout": []}
     with tempfile.TemporaryDirectory() as directory:
         for round_index in range(settings["rounds"]):
-            meshkd_times += _meshkd_steps(teacher_dir, Path(directory), settings["steps"], round_index)[1:]
-            hand_times += _hand_steps(teacher_dir, settings["steps"])[1:]
-    meshkd_s, hand_s = statistics.median(meshkd_times), statistics.median(hand_times)
+            steps = settings["steps"]
+            times["meshkd"] += _meshkd_steps(teacher_dir, Path(directory), steps, f"one_{round_index}")[1:]
+            times["hand_loop"] += _hand_steps(teacher_dir, steps)[1:]
+            times["demo_layout"] += _meshkd_steps(teacher_dir, Path(directory), steps, f"demo_{round_index}")[1:]
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    hand_s = medians["hand_loop"]
     result = {"rows": ROWS, "sequence": SEQUENCE, "student_layers": len(KEEP_LAYERS), **settings,
-              "meshkd_s": meshkd_s, "hand_loop_s": hand_s, "ratio": meshkd_s / hand_s,
-              "meshkd_steps_s": meshkd_times, "hand_loop_steps_s": hand_times}
-    print(f"one-process step, demo teacher + 8-layer student, {ROWS} x {SEQUENCE} tokens, fp32: meshkd train "
-          f"{meshkd_s:.2f} s, hand-written loop {hand_s:.2f} s, ratio {meshkd_s / hand_s:.2f} (medians of "
-          f"{len(meshkd_times)} steps each; goal <= 1.0)", flush=True)
+              **{f"{name}_s": value for name, value in medians.items()},
+              "ratio": medians["meshkd"] / hand_s, "demo_layout_ratio": medians["demo_layout"] / hand_s,
+              **{f"{name}_steps_s": values for name, values in times.items()}}
+    print(f"step of {ROWS} x {SEQUENCE} tokens, demo teacher + 8-layer student, fp32 (medians of "
+          f"{len(times['meshkd'])} steps each): hand-written loop {hand_s:.2f} s; meshkd train in one process "
+          f"{medians['meshkd']:.2f} s, ratio {result['ratio']:.2f} (goal <= 1.0); in the demo's 4-process layout "
+          f"{medians['demo_layout']:.2f} s, ratio {result['demo_layout_ratio']:.2f}", flush=True)
     return {"step": result}
 
 
