@@ -2,11 +2,12 @@
 
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
-Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`), in that order. The
-JSON file is rewritten after each section, so an interrupted run keeps what it measured. A section whose
-prerequisites are missing (the demo teacher for `modes`, Linux's peak-memory counters for `memory` and
-`loading`, transformers for `modes` and `cache`) is skipped with a note saying what to install; a section
-that fails is recorded with its error and the others still run (the exit status is then 1).
+Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`), in that
+order. The JSON file is rewritten after each section, so an interrupted run keeps what it measured. A
+section whose prerequisites are missing (the demo teacher for `modes`, Linux's peak-memory counters for
+`memory`, `loading` and `precision` on the CPU, transformers for `modes`, `cache` and `precision`) is
+skipped with a note saying what to install; a section that fails is recorded with its error and the others
+still run (the exit status is then 1).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading")
+SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision")
 # Sections measured together: the three world sections share one world.
-_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",))
+_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    if section in ("modes", "cache") and importlib.util.find_spec("transformers") is None:
+    if section in ("modes", "cache", "precision") and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section == "modes":
         from meshkd.recipe import models
@@ -37,7 +38,8 @@ def missing_prerequisite(section: str) -> str | None:
             models.demo_teacher_source()
         except ImportError as error:
             return f"needs the demo teacher ({error})"
-    if section in ("memory", "loading") and not Path("/proc/self/clear_refs").exists():
+    on_cpu = section == "precision" and not torch.cuda.is_available()
+    if (section in ("memory", "loading") or on_cpu) and not Path("/proc/self/clear_refs").exists():
         return "needs Linux's per-process peak-memory counter (/proc/self/clear_refs)"
     return None
 
@@ -51,6 +53,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import loading
 
         return loading.run_section(quick)
+    if names == ["precision"]:
+        from meshkd.bench import precision
+
+        return precision.run_section(quick)
     from meshkd.bench import transport
 
     return transport.run(names, quick)
