@@ -2,9 +2,10 @@
 
     meshkd bench --only precision [--quick] [--json OUT]
 
-The same work for each: a random Llama (hidden 512, 8 layers, vocabulary 32000, untied: 59 M parameters;
-hidden 256, 4 layers, vocabulary 8192 with --quick) trains 8 steps (5 with --quick) of 2 rows of 512
-tokens (256) with AdamW, CE loss, gradient clipping, laid out by `parallelize_student` on one rank as
+The same work for each: a random Llama (hidden 512, 8 layers, vocabulary 32000, untied: 56 M parameters;
+hidden 256, 4 layers, vocabulary 8192, 7 M, with --quick) trains 4 steps of one row of 128 tokens (64)
+with AdamW, CE loss, gradient clipping (few tokens: the weights and optimizer states, which the precision
+changes, dominate the peak), laid out by `parallelize_student` on one rank as
 `meshkd train` lays out a one-process student: float32 (`model.dtype: float32`), mixed (`bfloat16`: float32
 master weights and optimizer states, forward under autocast) and pure (`bfloat16` with
 `pure_half_precision`). Each runs in a fresh process, so that its peak is its own: VmHWM above the import
@@ -57,10 +58,10 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str) -> None:
     model = load_causal_lm(random_init=random_init, dtype=parameter_dtype).to(device).train()
     model = parallelize_student(model, setup, compute_dtype=getattr(torch, compute_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    rows, length = 2, (256 if quick else 512)
+    rows, length = 1, (64 if quick else 128)
     generator = torch.Generator().manual_seed(0)
     times, state_bytes = [], 0
-    for _ in range(5 if quick else 8):
+    for _ in range(4):
         tokens = torch.randint(0, random_init["vocab_size"], (rows, length + 1), generator=generator).to(device)
         started = time.perf_counter()
         logits = model(input_ids=tokens[:, :-1]).logits
@@ -79,7 +80,7 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     Path(out, "result.json").write_text(json.dumps({
         "step_time_s": statistics.median(times[2:]), "peak_mib": peak_mib, "parameters": parameters,
-        "state_bytes_per_parameter": state_bytes / parameters, "final_loss": float(loss)}))
+        "state_bytes_per_parameter": state_bytes / parameters, "final_loss": loss.item()}))
 
 
 def run_section(quick: bool) -> dict:

@@ -1,16 +1,18 @@
 """Mixed precision for the student: half-precision compute on float32 master weights.
 
-Design (as torchtitan, FSDP2 and the HF Trainer's bf16 mode). The student's parameters stay float32, so
-its gradients and optimizer states are float32 too and an update much smaller than a weight still moves
-it; the configured dtype is the compute dtype. The layouts (`parallelize_student`, `StudentPipeline`) apply it:
+Design (FSDP2's `MixedPrecisionPolicy` as torchtitan uses it, autocast as the HF Trainer's bf16 mode). The
+student's parameters stay float32, so its gradients and optimizer states are float32 too and an update much
+smaller than a weight still moves it; the configured dtype is the compute dtype. The layouts
+(`parallelize_student`, `StudentPipeline`) apply it:
 - the laid-out model's forward runs under `torch.autocast(compute dtype)` on every layout (one process,
   DDP, TP, CP, PP, FSDP2): matmuls in the compute dtype, float32 where autocast and the model keep it
   (norms, softmax). Only the forward: backward runs each op in the dtype its forward chose, as autocast
-  wants, and the gradients reach the float32 parameters as float32;
+  wants, and the gradients reach the float32 parameters as float32. Layouts without FSDP2 have no other
+  way to compute in bfloat16 on float32 weights; on FSDP2 it covers what FSDP2 does not cast (parameters
+  it leaves alone: experts spread over the dp ranks);
 - FSDP2 / HSDP also gathers the parameters in the compute dtype (half the all-gather bytes) and
   reduce-scatters gradients in float32: `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`. DDP
-  all-reduces the float32 gradients its parameters have. Parameters FSDP2 leaves alone (experts spread
-  over the dp ranks) stay float32 and meet the compute dtype through autocast.
+  all-reduces the float32 gradients its parameters have.
 Pure half-precision parameters (`model.pure_half_precision`) skip all this; `rounded_update_share` says
 how much of such a model an update of a given size cannot move.
 """
