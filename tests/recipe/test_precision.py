@@ -43,6 +43,7 @@ class Train:
 
         from meshkd.parallel.data_parallel import gather_full_state_dict
         from meshkd.recipe.run import KDRecipe
+        from meshkd.recipe.student_trainer import StudentTrainer
 
         recipe = KDRecipe(config_from_dict(self.config), resume=self.resume)
         stderr = io.StringIO()
@@ -51,8 +52,10 @@ class Train:
                 recipe.setup()
                 recipe.train()
             role = recipe.role
+            if not isinstance(role, StudentTrainer):
+                return  # a teacher rank; the student ranks come first, rank 0 is one
             state = role.pipeline.full_state_dict() if role.pipeline else gather_full_state_dict(role.model)
-            optimizer_states = {value.dtype for state in role.optimizer.state.values() for key, value in state.items()
+            optimizer_states = {value.dtype for states in role.optimizer.state.values() for key, value in states.items()
                                 if key != "step" and torch.is_tensor(value)}
             result = {"parameters": sorted({str(p.dtype) for p in role.model.parameters()}),
                       "optimizer_states": sorted(str(dtype) for dtype in optimizer_states),
@@ -67,11 +70,12 @@ class Train:
 
 
 def student_config(root: Path, name: str, layout: dict, *, dtype: str, pure: bool = False, lr: float = SMALL_LR,
-                   steps: int = SMALL_LR_STEPS) -> dict:
-    """The tiny recipe on shared meshes (the teacher on the student's ranks), at a constant `lr`, with
+                   steps: int = SMALL_LR_STEPS, teacher: dict | None = None) -> dict:
+    """The tiny recipe, the teacher on the student's ranks (or on its own with the layout `teacher`), at a
+    constant `lr`, with
     examples/hf_gpu.yaml's weight decay: every weight takes an update, embedding rows of bytes the corpus
     lacks (no gradient) included."""
-    config = with_layout(base_config(root), layout, None)
+    config = with_layout(base_config(root), layout, teacher)
     config["model"].update(dtype=dtype, pure_half_precision=pure)
     config["optimizer"].update(lr=lr, weight_decay=0.01)
     config["lr_scheduler"] = {"warmup_steps": 0, "decay": "constant"}
@@ -80,10 +84,15 @@ def student_config(root: Path, name: str, layout: dict, *, dtype: str, pure: boo
     return config
 
 
-def small_lr_runs(root: Path, layout: dict) -> list[Train]:
-    return [Train(dtype if not pure else "pure_bfloat16", student_config(root, "pure" if pure else dtype, layout,
-                                                                         dtype=dtype, pure=pure))
-            for dtype, pure in (("float32", False), ("bfloat16", False), ("bfloat16", True))]
+def small_lr_runs(root: Path, layout: dict, teacher: dict | None = None, model: dict | None = None) -> list[Train]:
+    """Float32, bfloat16 and pure bfloat16 at the small lr; `model`: random_init keys to change."""
+    runs = []
+    for name, dtype, pure in (("float32", "float32", False), ("bfloat16", "bfloat16", False),
+                              ("pure", "bfloat16", True)):
+        config = student_config(root, name, layout, dtype=dtype, pure=pure, teacher=teacher)
+        config["model"]["random_init"].update(model or {})
+        runs.append(Train(name, config))
+    return runs
 
 
 def result(root: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -91,11 +100,14 @@ def result(root: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt")
 
 
-def initial_weights(config: dict) -> dict[str, torch.Tensor]:
-    """The student as the run loaded it: random init in its parameters' dtype."""
+def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The student as the run in `run_dir` loaded it (its resolved config.yaml): random init in its
+    parameters' dtype."""
+    import yaml
+
     from meshkd.recipe.models import load_causal_lm
 
-    section = config_from_dict(config).model
+    section = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())).model
     return load_causal_lm(random_init=section.random_init, seed=section.seed,
                           dtype=section.parameter_dtype()).state_dict()
 
@@ -114,8 +126,7 @@ def train_in_world(world_size: int, checks: list[Train]) -> None:
 def assert_bfloat16_moves_what_float32_moves(root: Path) -> dict[str, float]:
     """The three small-lr runs under `root`: mixed bfloat16 moves the weights float32 moves, on float32
     parameters and optimizer states; pure bfloat16 leaves most unmoved and says so at start."""
-    config = student_config(root, "float32", {"dp_size": 1}, dtype="float32")
-    initial = initial_weights(config)
+    initial = initial_weights(root / "float32")
     shares = {}
     fp32_result, fp32_weights = result(root, "float32")
     fp32_moved = moved(initial, fp32_weights)
@@ -131,7 +142,7 @@ def assert_bfloat16_moves_what_float32_moves(root: Path) -> dict[str, float]:
     assert min(shares["float32"], shares["bfloat16"], shares["bfloat16 of float32's"]) > 0.9999, shares
 
     pure_result, pure_weights = result(root, "pure")
-    pure_initial = initial_weights(student_config(root, "pure", {"dp_size": 1}, dtype="bfloat16", pure=True))
+    pure_initial = initial_weights(root / "pure")
     assert pure_result["parameters"] == ["torch.bfloat16"] and pure_result["optimizer_states"] == ["torch.bfloat16"]
     shares["pure bfloat16 of float32's"] = float((moved(pure_initial, pure_weights) & fp32_moved).sum()
                                                  / fp32_moved.sum())
@@ -141,12 +152,17 @@ def assert_bfloat16_moves_what_float32_moves(root: Path) -> dict[str, float]:
     return shares
 
 
-LAYOUTS = {
-    "ddp": (2, {"dp_size": 2, "strategy": "ddp"}),
-    "tp2": (2, {"dp_size": 1, "tp_size": 2}),
-    "pp2": (2, {"dp_size": 1, "pp_size": 2}),
-    "cp2": (2, {"dp_size": 1, "cp_size": 2}),  # FSDP2 over the flattened (dp_shard, cp) axis
+LAYOUTS = {  # name: world size, student layout, teacher layout (None: the student's ranks and layout)
+    "ddp": (2, {"dp_size": 2, "strategy": "ddp"}, None),
+    "tp2": (2, {"dp_size": 1, "tp_size": 2}, None),
+    "pp2": (2, {"dp_size": 1, "pp_size": 2}, None),
+    "cp2": (2, {"dp_size": 1, "cp_size": 2}, None),  # FSDP2 over the flattened (dp_shard, cp) axis
+    # An MoE student, whole experts over its two dp ranks (FSDP2 leaves them float32, autocast casts them);
+    # the dense teacher on a rank of its own.
+    "moe_ep2_over_dp": (3, {"dp_size": 2, "ep_size": 2}, {"dp_size": 1}),
 }
+MOE = {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16}
 
 
 def curve(run_dir: Path) -> list[float]:
@@ -186,8 +202,8 @@ def test_one_process_bfloat16_moves_every_weight_float32_moves_and_follows_its_c
 @pytest.mark.world
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bfloat16_moves_every_weight_float32_moves(layout, tmp_path):
-    world_size, section = LAYOUTS[layout]
-    train_in_world(world_size, small_lr_runs(tmp_path, section))
+    world_size, section, teacher = LAYOUTS[layout]
+    train_in_world(world_size, small_lr_runs(tmp_path, section, teacher, MOE if layout.startswith("moe") else None))
     print(assert_bfloat16_moves_what_float32_moves(tmp_path))
 
 
