@@ -1,9 +1,10 @@
 """Mixed precision (`meshkd.parallel.mixed_precision`): a bfloat16 student computes in bfloat16 on float32
 master weights and optimizer states, on every layout; pure bfloat16 only through `model.pure_half_precision`.
 
-One world per layout (one process, DDP, FSDP2, TP, CP, PP) trains the tiny student three times at lr 1e-5
-(float32, bfloat16, pure bfloat16) and the test compares the weights each run moved; the one-process world
-also compares 20-step curves and the export, the FSDP2 world also stops and resumes a run.
+One world per layout (one process, DDP, FSDP2, TP, CP, PP, PP + FSDP2, an MoE student with experts over
+dp) trains the tiny student three times at lr 1e-5 (float32, bfloat16, pure bfloat16) and the test compares
+the weights each run moved; the one-process world also compares 20-step curves and the export, the FSDP2
+world also stops and resumes a run.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ LAYOUTS = {  # name: world size, student layout, teacher layout (None: the stude
     "ddp": (2, {"dp_size": 2, "strategy": "ddp"}, None),
     "tp2": (2, {"dp_size": 1, "tp_size": 2}, None),
     "pp2": (2, {"dp_size": 1, "pp_size": 2}, None),
+    "pp2_fsdp2": (4, {"dp_size": 2, "pp_size": 2}, None),  # each stage under FSDP2's policy
     "cp2": (2, {"dp_size": 1, "cp_size": 2}, None),  # FSDP2 over the flattened (dp_shard, cp) axis
     # An MoE student, whole experts over its two dp ranks (FSDP2 leaves them float32, autocast casts them);
     # the dense teacher on a rank of its own.
