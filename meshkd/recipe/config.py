@@ -497,8 +497,6 @@ def _check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None
         raise ConfigError("teacher_model.pure_half_precision: the teacher runs forward only and keeps "
                           "teacher_model.dtype as its weights' dtype; the key is for the student")
     if student.dtype == "float16":
-        # float16 gradients underflow (below 6e-8) and its activations overflow (above 65504) unless the
-        # loss is scaled dynamically, which meshkd does not do; bfloat16 has float32's range.
         raise ConfigError("model.dtype float16: a float16 student needs dynamic loss scaling, which meshkd does "
                           "not do (its gradients underflow below 6e-8 and its activations overflow above 65504); "
                           "use bfloat16, which has float32's range at the same memory")
