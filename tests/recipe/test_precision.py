@@ -138,7 +138,7 @@ def assert_bfloat16_moves_what_float32_moves(root: Path) -> dict[str, float]:
     shares["float32"] = float(fp32_moved.float().mean())
     shares["bfloat16"] = float(mixed_moved.float().mean())
     shares["bfloat16 of float32's"] = float((mixed_moved & fp32_moved).sum() / fp32_moved.sum())
-    # Every weight moves in both, but for one or two of the 70k (a different one in each run: where the
+    # Every weight moves in both, but for one or two of the 35k (a different one in each run: where the
     # Adam step and the decay cancel, in float32 arithmetic in both).
     assert min(shares["float32"], shares["bfloat16"], shares["bfloat16 of float32's"]) > 0.9999, shares
 
