@@ -2,12 +2,12 @@
 
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
-Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `step`), in that
-order. The
-JSON file is rewritten after each section, so an interrupted run keeps what it measured. A section whose
-prerequisites are missing (the demo teacher for `modes` and `step`, Linux's peak-memory counters for `memory` and
-`loading`, transformers for `modes` and `cache`) is skipped with a note saying what to install; a section
-that fails is recorded with its error and the others still run (the exit status is then 1).
+Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
+`step`), in that order. The JSON file is rewritten after each section, so an interrupted run keeps what it
+measured. A section whose prerequisites are missing (the demo teacher for `modes` and `step`, Linux's
+peak-memory counters for `memory`, `loading` and `precision` on the CPU, transformers for `modes`, `cache`,
+`precision` and `step`) is skipped with a note saying what to install; a section that fails is recorded
+with its error and the others still run (the exit status is then 1).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "step")
+SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step")
 # Sections measured together: the three world sections share one world.
-_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("step",))
+_GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
+           ("step",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    if section in ("modes", "cache", "step") and importlib.util.find_spec("transformers") is None:
+    if section in ("modes", "cache", "precision", "step") and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step"):
         from meshkd.recipe import models
@@ -38,7 +39,8 @@ def missing_prerequisite(section: str) -> str | None:
             models.demo_teacher_source()
         except ImportError as error:
             return f"needs the demo teacher ({error})"
-    if section in ("memory", "loading") and not Path("/proc/self/clear_refs").exists():
+    on_cpu = section == "precision" and not torch.cuda.is_available()
+    if (section in ("memory", "loading") or on_cpu) and not Path("/proc/self/clear_refs").exists():
         return "needs Linux's per-process peak-memory counter (/proc/self/clear_refs)"
     return None
 
@@ -52,6 +54,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import loading
 
         return loading.run_section(quick)
+    if names == ["precision"]:
+        from meshkd.bench import precision
+
+        return precision.run_section(quick)
     if names == ["step"]:
         from meshkd.bench import step
 

@@ -5,7 +5,8 @@
 vocab-parallel; MoE experts whole over the tp ranks with ep_size = tp_size, or over the dp_shard ranks with
 tp_size 1 and ep_size = dp_shard_size, left out of FSDP2), then context parallel
 (`meshkd.parallel.context_parallel`), then FSDP2 per decoder layer and on the root over `dp_shard` (HSDP
-over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp". A pipelined
+over (dp_replicate, dp_shard) when dp_replicate > 1), or DDP over `dp` with strategy "ddp". A compute
+dtype other than the parameters' adds mixed precision (`meshkd.parallel.mixed_precision`). A pipelined
 student is laid out by `meshkd.parallel.student_pipeline` with the same pieces.
 """
 
@@ -23,11 +24,13 @@ from torch.distributed.tensor import DTensor
 from meshkd.core.agreement import group_device
 from meshkd.core.topology import DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import STUDENT_CP_AXIS, check_student_cp, enable_student_cp
+from meshkd.parallel.mixed_precision import autocast_forward, fsdp_policy, is_mixed
 from meshkd.parallel.stages import decoder_of
 from meshkd.parallel.tensor_parallel import apply_expert_parallel, apply_tensor_parallel
 
 
-def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
+def parallelize_student(model: nn.Module, setup: DistributedSetup, *,
+                        compute_dtype: torch.dtype | None = None) -> nn.Module:
     """Lay the student out over `setup`: TP, then CP, then FSDP2 (or DDP); returns the model to train.
 
     Args:
@@ -35,6 +38,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
             cp_size > 1 it must already consume NEAT-packed batches (`meshkd.core.packing.configure_packing`,
             sdpa or eager attention): its `attention_mask` is read as document indices.
         setup: the student's `DistributedSetup` (this rank must be a member).
+        compute_dtype: the dtype to compute in, when it is not the parameters' (float32 master weights):
+            the forward runs under autocast, and FSDP2 gathers in it and reduces gradients in float32.
 
     Returns:
         `model` itself for strategy "fsdp2" (changed in place; its logits are a DTensor Shard(-1) on the
@@ -71,6 +76,9 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
         experts = _spread_experts_over_dp(model, setup, mesh)
     if setup.cp_size > 1:
         enable_student_cp(model, mesh)
+    policy = fsdp_policy(model, compute_dtype)
+    if is_mixed(model, compute_dtype):
+        autocast_forward(model, compute_dtype, mesh.device_type)
     if setup.dp_size * setup.cp_size == 1:
         return model
     if setup.strategy == "ddp":
@@ -88,8 +96,8 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup) -> nn.Module:
     # Per-layer groups first, then the root (embedding, norm, lm_head), so each layer's parameters are
     # gathered just before it runs and freed after.
     for layer in decoder_of(model).layers:
-        fully_shard(layer, mesh=dp_mesh, ignored_params=set(experts))
-    fully_shard(model, mesh=dp_mesh, ignored_params=set(experts))
+        fully_shard(layer, mesh=dp_mesh, ignored_params=set(experts), **policy)
+    fully_shard(model, mesh=dp_mesh, ignored_params=set(experts), **policy)
     return model
 
 

@@ -30,6 +30,11 @@ its local vocab shard (a plain tensor) and the loss gets the DTensor Shard(-1) b
 schedule are built per micro-batch shape and kind (training, evaluation) and reused. Gradients are not
 rescaled (`scale_grads=False`): the caller's loss is normalized over the whole optimizer step and already
 multiplied by `student_loss_scale(setup)`.
+
+Mixed precision (a compute dtype other than the parameters', `meshkd.parallel.mixed_precision`): each
+stage's forward runs under autocast and FSDP2 gathers in the compute dtype, as `parallelize_student`
+does; hidden states travel between stages in the parameters' dtype (a float32 residual stream is not
+rounded at a stage boundary) and the last stage's logits in the compute dtype.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from meshkd.parallel.context_parallel import (
     positions_and_documents,
 )
 from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
+from meshkd.parallel.mixed_precision import autocast_forward, fsdp_policy, is_mixed
 from meshkd.parallel.sharded_loading import is_empty
 from meshkd.parallel.stages import ModelStage, decoder_of, is_pass_through, is_tied
 from meshkd.parallel.tensor_parallel import apply_tensor_parallel
@@ -77,8 +83,8 @@ class _StageModule(nn.Module):
     """
 
     def __init__(
-        self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, cp_size: int = 1,
-        cp_rank: int = 0, router_loss=None,
+        self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, logits_dtype: torch.dtype,
+        cp_size: int = 1, cp_rank: int = 0, router_loss=None,
     ):
         super().__init__()
         for name, child in stage.model.named_children():
@@ -86,7 +92,7 @@ class _StageModule(nn.Module):
         self.stage = stage  # a plain object: the model is reached through it, its children are registered above
         self.config = stage.model.config
         self.windows = windows
-        self.dtype = dtype
+        self.dtype, self.logits_dtype = dtype, logits_dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.router_loss = router_loss
 
@@ -101,8 +107,9 @@ class _StageModule(nn.Module):
         if not self.stage.is_last:
             # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
             output = output.to(self.dtype).contiguous()
-        elif isinstance(output, DTensor):
-            output = output.to_local()
+        else:
+            # The schedule checks the logits against the static metadata too.
+            output = (output.to_local() if isinstance(output, DTensor) else output).to(self.logits_dtype)
         if self.router_loss is None:
             return output
         # The routers saw this rank's tokens: under cp its head-tail share of the whole sequence's documents.
@@ -148,6 +155,8 @@ class StudentPipeline:
         num_micro_batches: micro-batches per `step` (1F1B needs at least pp_size).
         router_loss: an MoE student's `meshkd.recipe.router_loss.RouterLoss`, built on the whole model before
             this splits it; its share of each micro-batch then reaches `loss_fn` (see `step`).
+        compute_dtype: the dtype to compute in when it is not the parameters' (float32 master weights):
+            mixed precision, as in `parallelize_student`.
     """
 
     def __init__(
@@ -159,6 +168,7 @@ class StudentPipeline:
         schedule: str,
         num_micro_batches: int,
         router_loss=None,
+        compute_dtype: torch.dtype | None = None,
     ):
         from meshkd.core.packing import attention_windows
 
@@ -185,6 +195,8 @@ class StudentPipeline:
 
         # Pipeline split first, so that TP and FSDP only touch what this stage keeps.
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        mixed = is_mixed(model, compute_dtype)
+        policy = fsdp_policy(model, compute_dtype)
         self.hidden_size = model.config.hidden_size
         tied = is_tied(model)
         model_stage = ModelStage(model, pp_size=self.pp_size, pp_rank=self.pp_rank)
@@ -196,14 +208,17 @@ class StudentPipeline:
             # Gathered-K/V attention, differentiable (as parallelize_student's CP): the stage builds the mask.
             enable_cp_attention(model, self.cp_group)
         self.router_loss = router_loss
-        stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, cp_size=self.cp_size,
-                             cp_rank=self.cp_rank, router_loss=router_loss)
+        self.logits_dtype = compute_dtype if mixed else self.dtype
+        stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, logits_dtype=self.logits_dtype,
+                             cp_size=self.cp_size, cp_rank=self.cp_rank, router_loss=router_loss)
+        if mixed:
+            autocast_forward(stage, compute_dtype, self.device)
         if self.is_last:
             weight = model.get_output_embeddings().weight
             self.vocab_size = weight.shape[0]  # global, also for a DTensor
             self.local_vocab_size = weight.to_local().shape[0] if isinstance(weight, DTensor) else self.vocab_size
         if setup.dp_size * setup.cp_size > 1:
-            _apply_fsdp(stage, setup, mesh)
+            _apply_fsdp(stage, setup, mesh, policy)
         self.stage_model = stage
         # Tied input/output embeddings: the first stage's embedding and the last stage's head hold copies of
         # one matrix, kept equal by summing their gradients after every step (as Megatron does); the same
@@ -382,7 +397,7 @@ class StudentPipeline:
 
         hidden = meta(rows, length, self.hidden_size)
         inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
-        outputs = meta(rows, length, self.local_vocab_size) if self.is_last else hidden
+        outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if self.is_last else hidden
         if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)
             statistics = meta(2, self.router_loss.num_experts + 1, dtype=torch.float32)
             inputs = (inputs,) if self.is_first else (inputs, statistics)
@@ -446,8 +461,9 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")
 
 
-def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
-    """FSDP2 per decoder layer, then on the stage root, over dp_shard (HSDP with dp_replicate > 1)."""
+def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh, policy: dict) -> None:
+    """FSDP2 per decoder layer, then on the stage root, over dp_shard (HSDP with dp_replicate > 1); `policy`:
+    `meshkd.parallel.mixed_precision.fsdp_policy`'s."""
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = student_fsdp_mesh(setup, mesh)
@@ -455,5 +471,5 @@ def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh) -> None:
     # micro-batch would gather them again. The schedule reshards after the last backward.
     for layer in decoder_of(stage.stage.model).layers:
         if not is_pass_through(layer):
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False, **policy)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, **policy)

@@ -9,8 +9,10 @@ killed mid-save leaves the previous checkpoint as the latest and the partial one
 (`latest_checkpoint` counts only `step_N` directories holding meta.json); partial directories left over
 are removed at the next start (`remove_partials`). `resume_latest` checks the newest checkpoint against
 its manifest (every rank a share of the files) and falls back to the newest intact one, saying so. The
-data position is the step itself: batches are a pure function of (seed, step). `export_hf` writes the
-final student as an HF directory, refusing tensors that are not finite.
+data position is the step itself: batches are a pure function of (seed, step). The model's state is its
+parameters as they train: a mixed-precision student's float32 master weights, with float32 optimizer
+states, so a resumed run repeats the uninterrupted one. `export_hf` writes the final student as an HF
+directory in the dtype asked for (the configured one), refusing tensors that are not finite.
 """
 
 from __future__ import annotations
@@ -259,11 +261,13 @@ def nonfinite_tensor(state_dict: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, group: dist.ProcessGroup | None) -> Path:
+def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, group: dist.ProcessGroup | None,
+              dtype: torch.dtype | None = None) -> Path:
     """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
 
     `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
     model is gathered from the stages and written from an empty shell of its config), else None.
+    `dtype`: the floating-point tensors' dtype in the files (None: the parameters').
     """
     from transformers import AutoModelForCausalLM
 
@@ -278,6 +282,9 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
         state_dict = pipeline.full_state_dict()
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(model.config)
+    if dtype is not None:
+        state_dict = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                      for name, tensor in state_dict.items()}
     problem = nonfinite_tensor(state_dict) if is_logging_rank() else None
     failure = first_failure(problem, group, device=group_device(group)) if dist.get_world_size(group) > 1 else None
     if problem is not None or failure is not None:

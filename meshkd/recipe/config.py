@@ -57,9 +57,18 @@ class ModelConfig:
     # important (meshkd.recipe.layer_selection; optional by: block | layer, calibration_rows).
     keep_layers: list[int] | dict | None = None
     tokenizer: str | None = None  # None: the model's own; "byte": meshkd's offline byte tokenizer
+    # The teacher's weights dtype; the student's compute dtype (its master weights stay float32, see below).
     dtype: str = "float32"
+    # Student only: its parameters and optimizer states in `dtype` itself, no float32 master weights (about 8
+    # bytes a parameter with AdamW instead of 16; updates below half a bfloat16 step of a weight round away).
+    pure_half_precision: bool = False
     seed: int = 0
     attn_implementation: str | None = None  # sdpa | eager; None: sdpa where the model supports it, else eager
+
+    def parameter_dtype(self) -> str:
+        """A student's parameters' (and so its gradients' and optimizer states') dtype: float32 master weights
+        under a half-precision `dtype`, which is then the compute dtype; `dtype` itself with pure_half_precision."""
+        return self.dtype if self.pure_half_precision else "float32"
 
 
 @dataclass
@@ -373,6 +382,7 @@ def validate(config: KDRecipeConfig) -> None:
         if model.attn_implementation not in (None, "sdpa", "eager"):
             raise ConfigError(f"{label}.attn_implementation: {model.attn_implementation!r} is not supported; "
                               "use sdpa or eager")
+    _check_student_precision(config.model, config.teacher_model)
     kd = config.kd
     if not 0.0 <= kd.kd_ratio <= 1.0:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
@@ -477,6 +487,19 @@ def _check_on_policy(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
                           f"model on each rank's own prompts, which pipeline and context parallel students do not "
                           f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+
+
+def _check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None:
+    if teacher.pure_half_precision:
+        raise ConfigError("teacher_model.pure_half_precision: the teacher runs forward only and keeps "
+                          "teacher_model.dtype as its weights' dtype; the key is for the student")
+    if student.dtype == "float16":
+        raise ConfigError("model.dtype float16: a float16 student needs dynamic loss scaling, which meshkd does "
+                          "not do (its gradients underflow below 6e-8 and its activations overflow above 65504); "
+                          "use bfloat16, which has float32's range at the same memory")
+    if student.pure_half_precision and student.dtype != "bfloat16":
+        raise ConfigError(f"model.pure_half_precision keeps the parameters in model.dtype, which must then be "
+                          f"bfloat16; got {student.dtype!r}")
 
 
 def _check_layer_selection(label: str, selection: dict) -> None:

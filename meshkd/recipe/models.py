@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import inspect
 import io
+import json
 import operator
 import os
 import re
@@ -267,7 +268,8 @@ def save_hf_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike[str], 
 
     `state_dict` replaces the module's own tensors, e.g. a full state dict gathered from FSDP shards (plain
     tensors, not DTensors); its keys must be the model's. With tied embeddings the output head is written
-    once, as transformers expects. Models loaded from GGUF by other means than `load_causal_lm` still carry
+    once, as transformers expects, and the config names the dtype of the tensors written (a float32 model
+    exported in bfloat16 says bfloat16). Models loaded from GGUF by other means than `load_causal_lm` still carry
     transformers' GGUF quantizer, which refuses to save; when their weights are plain dense tensors it is
     detached for the duration of the save. Returns the directory.
     """
@@ -275,8 +277,16 @@ def save_hf_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike[str], 
     out.mkdir(parents=True, exist_ok=True)
     if state_dict is not None:
         state_dict = _checked_state_dict(model, state_dict)
+    # Read first: save_pretrained empties the dict it is given.
+    dtypes = {tensor.dtype for tensor in (state_dict or {}).values() if tensor.is_floating_point()}
     with _without_dense_gguf_quantizer(model):
         model.save_pretrained(str(out), state_dict=state_dict)
+    if len(dtypes) == 1:
+        # save_pretrained records the module's parameters' dtype, not that of the tensors it was given.
+        config_file = out / "config.json"
+        written = json.loads(config_file.read_text())
+        written["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+        config_file.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

@@ -23,6 +23,7 @@ through `broadcast_tensors_from_last_stage`), so every rank logs, clips and chec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -50,6 +51,7 @@ from meshkd.parallel.data_parallel import (
     scale_expert_gradients,
     student_loss_scale,
 )
+from meshkd.parallel.mixed_precision import rounded_update_share
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
@@ -57,6 +59,7 @@ from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
+from meshkd.recipe.models import resolve_dtype
 from meshkd.recipe.on_policy import StudentCompletions, build_prompt_set, is_on_policy, row_seed
 from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
 from meshkd.recipe.router_loss import RouterLoss
@@ -94,12 +97,14 @@ class StudentTrainer:
         """This rank's models and data (the teacher too on shared meshes)."""
         config, steps = self.config, self.config.step_scheduler
         self.tokenizer = checked.tokenizer
-        # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out.
+        # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
+        # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
+        section = dataclasses.replace(config.model, dtype=config.model.parameter_dtype())
         with about("model"):
             if self.setup.strategy == "fsdp2":
-                self._model, self._checkpoint = load_section_model_for_layout(config.model)
+                self._model, self._checkpoint = load_section_model_for_layout(section)
             else:
-                self._model, self._checkpoint = load_section_model(config.model), None
+                self._model, self._checkpoint = load_section_model(section), None
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
         with about("dataset"):
@@ -140,16 +145,18 @@ class StudentTrainer:
         self._teacher = None
         # Hooks on the routers the model declares, on the whole model: pipeline stages keep theirs.
         self.router_loss = RouterLoss.for_student(self._model, config.kd.router_aux_loss_coef)
+        compute_dtype = resolve_dtype(config.model.dtype)
         if setup.pp_size > 1:
             self.pipeline = StudentPipeline(self._model, setup, device=self.device, schedule=setup.pp_schedule,
-                                            num_micro_batches=self.num_micro_batches, router_loss=self.router_loss)
+                                            num_micro_batches=self.num_micro_batches, router_loss=self.router_loss,
+                                            compute_dtype=compute_dtype)
             self.model = self.pipeline.stage_model
         else:
             self.pipeline = None
             # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
             if not is_empty(self._model):  # else `load_shards` gives it storage on the device
                 self._model.to(self.device)
-            self.model = parallelize_student(self._model, setup)
+            self.model = parallelize_student(self._model, setup, compute_dtype=compute_dtype)
         if self._checkpoint is not None:
             with about("model"):
                 load_shards(self.model, self._checkpoint, device=self.device)
@@ -162,6 +169,19 @@ class StudentTrainer:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, config.lr_scheduler.factor(config.step_scheduler.max_steps))
+        if config.model.pure_half_precision:
+            self._warn_rounded_updates()
+
+    def _warn_rounded_updates(self) -> None:
+        """Say how much of a pure half-precision student an update of the peak lr cannot move."""
+        lr, dtype = self.config.optimizer.lr, self.config.model.dtype
+        share = rounded_update_share(self.model.parameters(), lr, group=self.student_group)
+        if share > 0:
+            warn0(f"model.pure_half_precision: the weights and optimizer states are {dtype}; an update of the "
+                  f"peak lr {lr:g} (an Adam step's size) is below half a {dtype} step for {share:.1%} of the "
+                  f"loaded weights and rounds away, so they do not learn. Without the key the student keeps "
+                  f"float32 master weights and computes in {dtype} (about 16 bytes a parameter with AdamW, "
+                  f"against 8)")
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
@@ -671,7 +691,8 @@ class StudentTrainer:
     def export_hf(self) -> Path:
         """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student."""
         return ckpt.export_hf(self.run_dir / "hf_student", model=self.model, pipeline=self.pipeline,
-                              tokenizer=self.tokenizer, group=self.student_group)
+                              tokenizer=self.tokenizer, group=self.student_group,
+                              dtype=resolve_dtype(self.config.model.dtype))
 
     def close(self) -> None:
         if self.metrics is not None:
