@@ -94,6 +94,14 @@ def _end_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def threads_per_process(nproc: int) -> str:
+    """OMP_NUM_THREADS for each of `nproc` local processes: the user's, else the cores shared among them.
+
+    torchrun's default is one thread each, which leaves a single process computing on one core of many.
+    """
+    return os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+
+
 def _launch(nproc: int, args: list[str]) -> int:
     """Run `python -m meshkd ARGS` on `nproc` local processes under torch.distributed.run.
 
@@ -108,7 +116,7 @@ def _launch(nproc: int, args: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
         stop_file = Path(scratch, "stop")
         command = [sys.executable, "-c", _LAUNCHER, "--standalone", f"--nproc-per-node={nproc}", "-m", "meshkd", *args]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, OMP_NUM_THREADS=threads_per_process(nproc))
         env[STOP_FILE_ENV] = str(stop_file)
         env[WARNED_ENV] = json.dumps(warned)  # the preflight's warnings, said once here
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)

@@ -92,3 +92,13 @@ def test_cli_converts_a_gguf_teacher_once_and_its_workers_load_the_directory(tmp
     saved = yaml.safe_load(Path(config["logging"]["run_dir"], "config.yaml").read_text())["teacher_model"]
     assert Path(saved["path"]).parent == tmp_path / "cache" and saved["gguf_file"] is None
     assert (Path(saved["path"]) / "model.safetensors").is_file()
+
+
+def test_local_processes_share_the_cores_and_the_users_thread_count_wins(monkeypatch):
+    from meshkd.cli import threads_per_process
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [threads_per_process(n) for n in (1, 2, 3, 8, 16)] == ["8", "4", "2", "1", "1"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_process(1) == "3"
