@@ -2,8 +2,10 @@
 
 Design. The student trains against a `TeacherSource`: `request(batch, logits_transport)` returns the
 teacher's logits for that micro-batch in the asked encoding (`meshkd.core.logits_codec`), or None on ranks
-that compute no loss (pipeline stages before a student's last), and `prefetch(items, ...)` yields
-`(item, logits)` pairs, possibly fetched ahead. Two sources exist:
+that compute no loss (pipeline stages before a student's last), and `prefetch(items, ...)` returns a
+`TeacherFeed` of `(item, logits)` pairs, possibly fetched ahead: an iterator to use in a `with` block, so
+that whatever fetches ahead is stopped in one place, with one rule for how long to wait after an error.
+Two sources exist:
 
 - `LocalTeacher`: the teacher runs on the student's own ranks (shared meshes); a request is a call.
 - `TeacherClient`: the teacher runs on its own ranks, driven through `KDMeshBridge`. One request is
@@ -64,6 +66,44 @@ class TeacherRequest:
         return cls(batch=value["batch"], logits_transport=value["logits_transport"])
 
 
+class TeacherFeed:
+    """(item, teacher answer) pairs in order, from `TeacherSource.prefetch`: use it in a `with` block.
+
+    Leaving the block closes the feed. Normally that waits for a request in flight (a prefetching feed's
+    teacher answers it, its answer is dropped). After an error it waits at most `FAILURE_WAIT_S`: the
+    request may wait on peers that are stuck elsewhere, and the error at hand is the one to report; a feed
+    that could not close in time leaves its thread to the process exit (and its bridge claimed).
+
+    Args:
+        pairs: the pairs, computed lazily or fetched ahead.
+        close: stops whatever fetches ahead; takes a timeout in seconds (None: wait) and returns whether it
+            stopped. Default: nothing to stop.
+    """
+
+    FAILURE_WAIT_S = 5.0
+
+    def __init__(self, pairs: Iterable[tuple[Any, Encoded | None]], *,
+                 close: Callable[[float | None], bool] | None = None) -> None:
+        self._pairs = iter(pairs)
+        self._close = close
+
+    def __iter__(self) -> Iterator[tuple[Any, Encoded | None]]:
+        return self
+
+    def __next__(self) -> tuple[Any, Encoded | None]:
+        return next(self._pairs)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop fetching ahead, waiting at most `timeout` seconds (None: until done); whether it stopped."""
+        return self._close(timeout) if self._close is not None else True
+
+    def __enter__(self) -> TeacherFeed:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(timeout=self.FAILURE_WAIT_S if kind is not None else None)
+
+
 class TeacherSource(Protocol):
     """Where a student's teacher logits come from."""
 
@@ -71,7 +111,7 @@ class TeacherSource(Protocol):
         """The encoded teacher logits of this rank's micro-batch (None on ranks that compute no loss)."""
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
-                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
+                 depth: int = 1) -> TeacherFeed:
         """(item, logits of `batch_fn(item)`) for every item in order; may fetch up to `depth` items ahead."""
 
     def close(self) -> None:
@@ -88,8 +128,8 @@ class LocalTeacher:
         return self._forward(TeacherRequest(batch, logits_transport))
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
-                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
-        return ((item, self._forward(batch_fn(item))) for item in items)
+                 depth: int = 1) -> TeacherFeed:
+        return TeacherFeed((item, self._forward(batch_fn(item))) for item in items)
 
     def close(self) -> None:
         pass
@@ -129,10 +169,10 @@ class TeacherClient:
         return received
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
-                 depth: int = 1) -> Iterator[tuple[Any, Encoded | None]]:
+                 depth: int = 1) -> TeacherFeed:
         """Depth 0 asks on demand on the caller's thread; otherwise a `TeacherPrefetcher` asks ahead."""
         if depth == 0:
-            return ((item, self.exchange(batch_fn(item).to_wire())) for item in items)
+            return TeacherFeed((item, self.exchange(batch_fn(item).to_wire())) for item in items)
         return TeacherPrefetcher(self.bridge, items, depth=depth, batch_fn=lambda item: batch_fn(item).to_wire())
 
     def close(self, timeout: datetime.timedelta | None = None) -> None:
@@ -178,7 +218,7 @@ class TeacherServer:
         return served
 
 
-class TeacherPrefetcher:
+class TeacherPrefetcher(TeacherFeed):
     """Fetch teacher logits for upcoming micro-batches on a background thread while the caller trains.
 
     The student side of the teacher loop, double-buffered: while the caller trains on micro-batch i, a
@@ -216,9 +256,9 @@ class TeacherPrefetcher:
     Iterating yields `(item, teacher_logits)` in order, teacher_logits as `send_logits` returns them (a
     tensor, or an encoded dict; None on pipeline stages before a student's last). An error on the
     background thread (a teacher that sent an error, a timeout) is raised by the iteration, on the
-    caller's thread. Exhausting the items or calling `close()` (also on leaving a `with` block) ends the
-    thread: a request in flight completes (the teacher answers it; its logits are dropped), no new one
-    starts, and the bridge is released, so the caller can then send STOP_TEACHER itself.
+    caller's thread. Exhausting the items or calling `close()` (also on leaving a `with` block, see
+    `TeacherFeed`) ends the thread: a request in flight completes (the teacher answers it; its logits are
+    dropped), no new one starts, and the bridge is released, so the caller can then send STOP_TEACHER itself.
     """
 
     _END = object()
@@ -294,12 +334,6 @@ class TeacherPrefetcher:
         self._closed = True
         self.bridge.owner_thread = None
         return True
-
-    def __enter__(self) -> TeacherPrefetcher:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def _run(self) -> None:
         try:

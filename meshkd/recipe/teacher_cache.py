@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
-from meshkd.core.teacher_protocol import Batch, Encoded, TeacherRequest
+from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
 from meshkd.recipe import data, documents, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.files import file_sha256, write_atomically
@@ -310,8 +310,18 @@ class CachedTeacher:
         return {**fields, **answer}
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
-                 depth: int = 1) -> Iterator[tuple[Any, Encoded]]:
+                 depth: int = 1) -> TeacherFeed:
         """(item, cached answer) in order; with `depth` > 0 the next answers are read on a background thread."""
+        pairs = self._read_ahead(items, batch_fn, depth)
+
+        def close(timeout: float | None) -> bool:  # local reads: they end soon, whatever the timeout
+            pairs.close()
+            return True
+
+        return TeacherFeed(pairs, close=close)
+
+    def _read_ahead(self, items: Iterable[Any], batch_fn: Callable[[Any], TeacherRequest],
+                    depth: int) -> Iterator[tuple[Any, Encoded]]:
         if depth == 0:
             yield from ((item, self.request(request.batch, request.logits_transport))
                         for item in items for request in (batch_fn(item),))
