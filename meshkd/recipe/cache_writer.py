@@ -202,7 +202,7 @@ class CacheWriter:
                             dynamic_ncols=True)
         started, computed = time.perf_counter(), 0
         for first in range(0, len(todo), len(replicas)):
-            if self._stop_agreed():
+            if self.stop.agreed(None, device=self.device):  # all stop after the same round
                 print0(f"meshkd cache-teacher: stopped on {self.stop.reason()} with {first} of {len(todo)} shards "
                        "written; run it again to continue")
                 return False
@@ -218,12 +218,6 @@ class CacheWriter:
         if progress is not None:
             progress.close()
         return True
-
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (one all-reduce, so all stop after the same round)."""
-        flag = torch.tensor([int(self.stop.requested())], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
                hashes: dict) -> None:

@@ -142,6 +142,13 @@ class StopRequest:
     def reason(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else "a stop request"
 
+    def agreed(self, group: dist.ProcessGroup | None, *, device: torch.device) -> bool:
+        """Whether any rank of `group` (None: the world) was asked to stop: one all-reduce, so that all stop
+        at the same point."""
+        flag = torch.tensor([int(self.requested())], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
 
 class FaultWatch:
     """Agreement on setup failures and naming of lost peers for one rank of a run (see the module docstring).
