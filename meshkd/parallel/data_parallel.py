@@ -12,6 +12,7 @@ student is laid out by `meshkd.parallel.student_pipeline` with the same pieces.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -169,6 +170,32 @@ def student_loss_scale(setup: DistributedSetup) -> int:
     Without a wrapper (dp_size = cp_size = 1) the factor is 1.
     """
     return setup.dp_size * setup.cp_size
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, *, enabled: bool):
+    """Forward and backward inside reduce gradients over the data-parallel ranks only when `enabled`.
+
+    For gradient accumulation: a step syncs after its last micro-batch only, so the reduction traffic does
+    not grow with the number of micro-batches (DDP `no_sync`; FSDP2 `set_requires_gradient_sync`, which
+    keeps the unsharded gradients until then, as torch documents). A no-op for a student without a wrapper.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:

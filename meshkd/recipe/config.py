@@ -62,6 +62,9 @@ class ModelConfig:
     # Student only: its parameters and optimizer states in `dtype` itself, no float32 master weights (about 8
     # bytes a parameter with AdamW instead of 16; updates below half a bfloat16 step of a weight round away).
     pure_half_precision: bool = False
+    # Student only: recompute each decoder layer's activations in backward instead of keeping them (the
+    # model's own activation checkpointing; about a third more compute for memory of one layer at a time).
+    activation_checkpointing: bool = False
     seed: int = 0
     attn_implementation: str | None = None  # sdpa | eager; None: sdpa where the model supports it, else eager
 
@@ -122,6 +125,16 @@ class KDConfig:
     # dense student); 0: off (meshkd.recipe.router_loss)
     router_aux_loss_coef: float | None = None
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
+
+    @property
+    def evaluates_samples(self) -> bool:
+        """Whether evaluations score the student's completions (`generation.evaluate`; None: on-policy runs)."""
+        return self.generation.evaluate if self.generation.evaluate is not None else self.mode == "on_policy"
+
+    @property
+    def generates(self) -> bool:
+        """Whether the student completes prompts: to train on them (on-policy), or to evaluate them."""
+        return self.mode == "on_policy" or self.evaluates_samples
 
 
 @dataclass
@@ -493,6 +506,9 @@ def _check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None
     if teacher.pure_half_precision:
         raise ConfigError("teacher_model.pure_half_precision: the teacher runs forward only and keeps "
                           "teacher_model.dtype as its weights' dtype; the key is for the student")
+    if teacher.activation_checkpointing:
+        raise ConfigError("teacher_model.activation_checkpointing: the teacher runs forward only and keeps no "
+                          "activations for a backward; the key is for the student")
     if student.dtype == "float16":
         raise ConfigError("model.dtype float16: a float16 student needs dynamic loss scaling, which meshkd does "
                           "not do (its gradients underflow below 6e-8 and its activations overflow above 65504); "

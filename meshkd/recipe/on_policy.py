@@ -10,7 +10,7 @@ step's micro-batches is made of the student's own completions; the rest stays da
    tokens only: prompt and padding never count in the loss.
 4. The teacher scores the rows through the teacher protocol like any micro-batch (any transport), while the
    student generates the next micro-batch; the student trains on them once the step's are all generated,
-   so every completion of a step comes from the weights of that step.
+   so every completion of a step comes from the weights of that step (`OnPolicyStep`).
 
 Reproducible and layout-free: every row samples with its own generator, seeded by (generation seed, step,
 the row's place in the global batch), so the completions depend neither on the data-parallel layout nor on
@@ -30,13 +30,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Iterator
+import queue
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
 from meshkd.recipe.data import PackedDataset, build_run_datasets, padding_rows
+from meshkd.recipe.train_step import TrainStep, sum_over_ranks, valid_tokens
 
 
 def row_seed(seed: int, step: int, row: int) -> int:
@@ -257,6 +261,67 @@ class StudentCompletions:
                                 pad_token_id=self.pad_token_id)
         real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
         return ({key: value.to(self.device) for key, value in rows.items()}, sum(map(len, real)), len(real))
+
+
+class OnPolicyStep:
+    """One on-policy step: the student completes the prompts of the step's on-policy micro-batches, the
+    teacher scores each as soon as it is made (while the student completes the next), then the step trains.
+
+    Completions of the whole step come before any update: all are drawn from the step's weights. A
+    micro-batch reaches the teacher once it is made; its step's valid-token count, known only when all are
+    made, goes with each pair the training step draws.
+
+    Args:
+        train_step: the step that trains on the pairs (`meshkd.recipe.train_step.TrainStep`).
+        teacher: the run's teacher source.
+        completions: makes the student's `StudentCompletions` with its current weights.
+    """
+
+    def __init__(self, config, *, train_step: TrainStep, teacher: TeacherSource,
+                 completions: Callable[[], StudentCompletions]) -> None:
+        self.kd, self.train_step, self.teacher, self.completions = config.kd, train_step, teacher, completions
+        self.setup = train_step.setup
+
+    def __call__(self, text: list[dict], prompts: list[dict], *, step: int, skipped_steps: int) -> dict[str, float]:
+        """Train step `step` (0-based) of the micro-batches `text`, each on-policy one replaced by the student's
+        completions of the same place's `prompts` micro-batch; the step's metrics with the generation's."""
+        kd, count = self.kd, len(text)
+        dp_rank = self.setup.dp_mesh.get_local_rank()
+        made: queue.SimpleQueue = queue.SimpleQueue()
+
+        def requests() -> Iterator[dict]:  # the micro-batches as they are made; None: generation failed
+            for _ in range(count):
+                micro_batch = made.get()
+                if micro_batch is None:
+                    return
+                yield micro_batch
+
+        completer, rows, figures = self.completions(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
+        feed = self.teacher.prefetch(requests(), depth=count,
+                                     batch_fn=lambda micro_batch: TeacherRequest(micro_batch, kd.logits_transport))
+        with feed:
+            started = time.perf_counter()
+            try:
+                for index, micro_batch in enumerate(text):
+                    if is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
+                        size = prompts[index]["input_ids"].shape[0]
+                        first = (dp_rank * count + index) * size  # the rows' place in the global batch
+                        seeds = [row_seed(kd.generation.seed, step, first + row) for row in range(size)]
+                        micro_batch, tokens, completed = completer.rows(prompts[index], seeds)
+                        figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
+                    rows.append(micro_batch)
+                    made.put(micro_batch)
+            finally:
+                made.put(None)  # past the last request, or in place of the ones a failure left unmade
+            generation_s = time.perf_counter() - started
+            valid = valid_tokens(rows, ignore_index=kd.ignore_index)
+            metrics = self.train_step((({"micro_batch": micro_batch, "step_valid": valid}, answer)
+                                       for micro_batch, answer in feed), skipped_steps=skipped_steps)
+        tokens, completions = sum_over_ranks(figures[:2], self.setup, device=self.train_step.device)
+        metrics.update(generated_tokens=tokens, mean_completion_length=tokens / max(completions, 1.0),
+                       on_policy_share=figures[2] / count, generation_s=generation_s,
+                       generation_tokens_per_s=tokens / generation_s if figures[2] else 0.0)
+        return metrics
 
 
 def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[PackedDataset, PackedDataset]:

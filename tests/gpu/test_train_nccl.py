@@ -90,20 +90,20 @@ def count_host_syncs(rank: int, config: dict, out: str) -> None:
     recipe, per_step = KDRecipe(config_from_dict(config)), []
     try:
         recipe.setup()
-        step = recipe.role.train_step
+        step = recipe.role.step
 
-        def counted(feed):
+        def counted(feed, **kwargs):
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    return step(feed)
+                    return step(feed, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
                 per_step.append(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
                                         if "synchronizing" in str(w.message)))
 
-        recipe.role.train_step = counted
+        recipe.role.step = counted
         recipe.train()
     finally:
         recipe.cleanup()

@@ -770,18 +770,18 @@ class SkipNonFiniteSteps:
         import torch.distributed as dist
 
         from meshkd.recipe.run import KDRecipe
-        from meshkd.recipe.student_trainer import StudentTrainer
+        from meshkd.recipe.train_step import TrainStep
 
-        micro_batch_loss, calls = StudentTrainer.micro_batch_loss, []
+        micro_batch_loss, calls = TrainStep.micro_batch_loss, []
         nan_steps = {2}
 
-        def poisoned(trainer, *args):
+        def poisoned(step_of, *args):
             calls.append(args)
-            loss, values = micro_batch_loss(trainer, *args)
-            step = (len(calls) - 1) // trainer.num_micro_batches + 1
+            loss, values = micro_batch_loss(step_of, *args)
+            step = (len(calls) - 1) // step_of.num_micro_batches + 1
             return (loss * float("nan"), values) if step in nan_steps else (loss, values)
 
-        StudentTrainer.micro_batch_loss = poisoned
+        TrainStep.micro_batch_loss = poisoned
         try:
             again = copy.deepcopy(self.config)
             again["logging"]["run_dir"] += "_again"
@@ -801,7 +801,7 @@ class SkipNonFiniteSteps:
                                                  r"kd.max_skipped_steps allows"):
                 recipe.run()
         finally:
-            StudentTrainer.micro_batch_loss = micro_batch_loss
+            TrainStep.micro_batch_loss = micro_batch_loss
 
 
 class SignalOneStudentRank:
@@ -854,10 +854,10 @@ class FailOnStudentRankOne:
 
         from meshkd.recipe.faults import PeerLostError
         from meshkd.recipe.run import KDRecipe
-        from meshkd.recipe.student_trainer import StudentTrainer
+        from meshkd.recipe.train_step import TrainStep
 
         recipe = KDRecipe(config_from_dict(self.config))
-        owner = self.owner or StudentTrainer
+        owner = self.owner or TrainStep
         original, calls = getattr(owner, self.method), []
 
         def failing(instance, *args):

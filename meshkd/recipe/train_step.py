@@ -1,0 +1,265 @@
+"""One optimizer step of the student, from the step's micro-batches and their teacher answers.
+
+`TrainStep` holds what a step works with (the model, optimizer and lr schedule, the layout, the
+objective's settings) and no state of the run: calling it takes the step's `num_micro_batches` pairs
+(item, teacher answer) from a feed, lazily, so that the teacher may still be answering the next while one
+trains, and returns the step's metrics. The data path of a micro-batch:
+
+    shard (this cp rank's head-tail share of the batch and of the answer)
+      -> the student's logits (the model, or `StudentPipeline`, whose schedule runs a whole step at once)
+      -> micro_batch_loss -> backward (gradient sync on the step's last micro-batch only)
+    then, once per step: clip -> the non-finite rule -> optimizer and lr step -> metrics summed over ranks
+
+An item is `{"micro_batch": ..., "step_valid": ...}`: the micro-batch on the device and the local number of
+valid tokens of its whole step (all its micro-batches on this rank), known before its first backward.
+
+Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
+valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
+average gradients over dp ranks, so the loss is multiplied by dp before backward to turn that average
+into the sum the normalization asks for. The curve then equals a single-process run on the same global
+batch.
+
+The step's loss values stay on the device until the step ends: one all-reduce gathers them with the
+ranks' shares, so the step waits on the device only for the valid-token count and the gradient norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
+from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
+from meshkd.core.topology import DistributedSetup
+from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
+from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
+from meshkd.parallel.student_pipeline import StudentPipeline
+from meshkd.recipe.config import ConfigError, KDConfig
+from meshkd.recipe.metrics import warn0
+from meshkd.recipe.router_loss import RouterLoss
+
+Pair = tuple[dict, "dict | None"]
+
+
+def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, *, device: torch.device,
+                   and_cp: bool = False) -> list[float]:
+    """Sum over data-parallel ranks; `and_cp` also over context-parallel ranks (per-rank token shares)."""
+    tensor = torch.as_tensor(values, dtype=torch.float64).to(device)
+    dist.all_reduce(tensor, group=setup.dp_mesh.get_group())
+    if and_cp and setup.cp_size > 1:
+        dist.all_reduce(tensor, group=setup.device_mesh.get_group("cp"))
+    return tensor.tolist()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """`model.activation_checkpointing`: each decoder layer recomputes its activations in backward.
+
+    The model's own (transformers' per-layer checkpointing), non-reentrant so that it composes with FSDP2,
+    tensor parallel and pipeline stages; set before any layout, on the module tree every layout keeps."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.activation_checkpointing: {type(model).__name__} has no activation "
+                          f"checkpointing of its own in transformers; set the key to false")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def micro_batches(batch: dict, *, size: int, device: torch.device) -> list[dict]:
+    """A rank's batch cut into micro-batches of `size` rows, on `device`."""
+    return [{key: value[i : i + size].to(device) for key, value in batch.items()}
+            for i in range(0, batch["input_ids"].shape[0], size)]
+
+
+def step_items(step_micro_batches: list[dict], *, ignore_index: int) -> Iterator[dict]:
+    """The items of one step (see the module docstring): each micro-batch with the step's valid-token count."""
+    valid = valid_tokens(step_micro_batches, ignore_index=ignore_index)
+    return ({"micro_batch": micro_batch, "step_valid": valid} for micro_batch in step_micro_batches)
+
+
+def valid_tokens(micro_batches: list[dict], *, ignore_index: int) -> int:
+    """The number of labels that count in the loss, over `micro_batches`."""
+    return int(sum((micro_batch["labels"] != ignore_index).sum() for micro_batch in micro_batches))
+
+
+def shard(micro_batch: dict, answer: dict | None, setup: DistributedSetup, *,
+          ignore_index: int) -> tuple[dict, dict | None]:
+    """This cp rank's head-tail share of a micro-batch and of its encoded teacher answer (identity without cp)."""
+    if setup.cp_size == 1:
+        return micro_batch, answer
+    local, _ = shard_student_batch(micro_batch, setup, ignore_index=ignore_index)
+    if answer is not None:
+        # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
+        answer = {key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor) and value.ndim >= 2
+                  else value for key, value in answer.items()}
+    return local, answer
+
+
+def student_logits(model: torch.nn.Module, pipeline: StudentPipeline | None, micro_batch: dict) -> torch.Tensor | None:
+    """The student's logits [batch, sequence, vocab] of a micro-batch; a pipelined student's forward only,
+    None before the last stage."""
+    if pipeline is not None:
+        return pipeline.forward(micro_batch)
+    return model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                 attention_mask=micro_batch["attention_mask"]).logits
+
+
+class TrainStep:
+    """One optimizer step: `step(feed, skipped_steps=...)` -> the step's metrics (see the module docstring).
+
+    Args:
+        model: the laid-out student (a pipelined student's stage model).
+        pipeline: the student's pipeline, or None.
+        optimizer, scheduler: the optimizer and its lr schedule, stepped once per call.
+        setup: the student's layout.
+        kd: the objective's settings (`kd_ratio`, temperature, divergence, non-finite rule, ...).
+        vocab_size: the vocabulary the teacher's answers cover (the student's logits are cut to it for KD).
+        num_micro_batches: micro-batches per step on this rank.
+        max_grad_norm: clip threshold (None: no clipping; the norm is still measured).
+        router_loss: an MoE student's router loss, or None.
+        watch: `FaultWatch.watch`, around each wait for the teacher's answer.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, setup: DistributedSetup, kd: KDConfig,
+                 vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
+                 router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device) -> None:
+        self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
+        self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
+        self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
+        self.router_loss, self.watch = router_loss, watch
+        self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
+
+    def __call__(self, feed: Iterator[Pair], *, skipped_steps: int) -> dict[str, float]:
+        """Train on the next `num_micro_batches` pairs of `feed`; `skipped_steps`: non-finite steps skipped
+        so far (`kd.max_skipped_steps` bounds them). The metrics' "skipped" says whether this one was."""
+        pairs = _StepPairs(feed, self)
+        if self.pipeline is None:
+            records = self._plain(pairs)
+        else:
+            records = self._pipelined(list(pairs), norm=max(pairs.num_valid, 1.0))
+        return self._finish(records, pairs.wait_s, pairs.num_valid, skipped_steps=skipped_steps)
+
+    def _plain(self, pairs: _StepPairs) -> list[dict[str, torch.Tensor]]:
+        records = []
+        for index, (micro_batch, answer) in enumerate(pairs):
+            # Gradients are reduced over the data-parallel ranks once, after the step's last micro-batch.
+            with gradient_sync(self.model, enabled=index == self.num_micro_batches - 1):
+                router = None
+                with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
+                    logits = student_logits(self.model, None, micro_batch)
+                if self.router_loss:  # under cp, this rank's share
+                    statistics = self.router_loss.statistics(micro_batch["attention_mask"])
+                    router = self.router_loss.local_loss(statistics, group=self._cp_group)
+                loss, values = self.micro_batch_loss(logits, micro_batch, answer, max(pairs.num_valid, 1.0), router)
+                loss.backward()
+            records.append(values)
+        return records
+
+    def _pipelined(self, pairs: list[Pair], *, norm: float) -> list[dict]:
+        """The schedule runs every micro-batch of the step at once; only the last stage computes losses, and
+        every stage gets their values from it, so all log, clip and checkpoint alike."""
+        micro_batches, answers = zip(*pairs)
+        by_index: dict[int, dict] = {}
+
+        def loss_fn(index: int, logits: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
+            loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], answers[index], norm, router)
+            return loss
+
+        self.pipeline.step(list(micro_batches), loss_fn)
+        return broadcast_loss_metrics_from_last_stage(
+            [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
+
+    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: dict | None, norm: float,
+                         router: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
+
+        `norm`: the step's global number of valid tokens. `router`: an MoE student's load-balancing loss of
+        this micro-batch (under cp this rank's share); the objective adds `router_loss.coefficient` times
+        its mean over the step's micro-batches on every dp rank."""
+        kd = self.kd
+        labels = micro_batch["labels"]
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        ce = cross_entropy_loss(logits, labels, ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                                chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
+        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
+        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
+        kd_loss = kd_loss_encoded(kd_logits, answer, labels, temperature=kd.temperature,
+                                  ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                                  chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
+                                  jsd_beta=kd.jsd_beta) if kd.kd_ratio > 0 else None
+        loss = kd_objective(ce, kd_loss, kd.kd_ratio)
+        zero = torch.zeros((), device=logits.device)
+        values = {"ce_loss": ce.detach() if ce is not None else zero,
+                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero}
+        if router is not None:
+            share = router / (self.num_micro_batches * self.setup.dp_size)  # of the mean over the step's
+            loss = loss + self.router_loss.coefficient * share
+            values["router_loss"] = share.detach()
+        values["loss"] = loss.detach()
+        # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
+        return loss * student_loss_scale(self.setup), values
+
+    def _finish(self, records: list[dict], wait_s: float, num_valid: float, *, skipped_steps: int) -> dict:
+        """Clip, apply the non-finite rule, step the optimizer and the schedule; the metrics summed over dp and cp."""
+        stages = self.setup.pp_group if self.pipeline is not None else None
+        copies = self.pipeline.tied_copies if self.pipeline is not None else ()
+        scale_expert_gradients(self.model)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm, stages_group=stages, uncounted=copies)
+        keys = ("loss", "ce_loss", "kd_loss") + (("router_loss",) if self.router_loss else ())
+        totals = torch.stack([torch.stack([torch.as_tensor(record[key], dtype=torch.float64).to(self.device)
+                                           for key in keys]) for record in records]).sum(0)
+        summed = sum_over_ranks(totals, self.setup, device=self.device, and_cp=True)
+        finite = all(math.isfinite(value) for value in (*summed, grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            # The same sums on every student rank: all skip, or all stop, before the weights take the update.
+            check_nonfinite(self.kd, step=self.scheduler.last_epoch + 1, summed=summed, grad_norm=grad_norm,
+                            skipped_steps=skipped_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {**dict(zip(keys, summed)), "lr": lr, "grad_norm": grad_norm, "num_tokens": num_valid,
+                "teacher_wait_s": wait_s, "skipped": not finite}
+
+
+class _StepPairs:
+    """The step's (micro-batch, answer) pairs drawn from a feed as the step asks for them, cp-sharded.
+
+    Drawing the first also sums its step's valid tokens over the dp ranks (`num_valid`), which every
+    micro-batch's loss divides by; `wait_s` adds up the time spent waiting for the teacher."""
+
+    def __init__(self, feed: Iterator[Pair], step: TrainStep) -> None:
+        self._feed, self._step = feed, step
+        self.wait_s, self.num_valid = 0.0, 0.0
+
+    def __iter__(self) -> Iterator[Pair]:
+        step = self._step
+        for index in range(step.num_micro_batches):
+            started = time.perf_counter()
+            with step.watch("the teacher request", "teacher"):
+                item, answer = next(self._feed)
+            self.wait_s += time.perf_counter() - started
+            if index == 0:
+                (self.num_valid,) = sum_over_ranks([item["step_valid"]], step.setup, device=step.device)
+            yield shard(item["micro_batch"], answer, step.setup, ignore_index=step.kd.ignore_index)
+
+
+def check_nonfinite(kd: KDConfig, *, step: int, summed: list[float], grad_norm: float, skipped_steps: int) -> None:
+    """The non-finite rule: return to skip this step's update (`kd.on_nonfinite: skip_step`, at most
+    `kd.max_skipped_steps` times in all), else raise ValueError naming the step and the values."""
+    values = f"loss {summed[0]}, ce_loss {summed[1]}, kd_loss {summed[2]}, grad_norm {grad_norm}"
+    if kd.on_nonfinite == "skip_step" and skipped_steps < kd.max_skipped_steps:
+        warn0(f"step {step}: the loss or its gradient is not finite ({values}); step skipped, no update "
+              f"({skipped_steps + 1} of at most kd.max_skipped_steps={kd.max_skipped_steps})")
+        return
+    skipped = f" after {skipped_steps} skipped step(s), the most kd.max_skipped_steps allows" if (
+        kd.on_nonfinite == "skip_step") else ""
+    raise ValueError(
+        f"step {step}: the loss or its gradient is not finite ({values}); training stopped before this "
+        f"update{skipped}. Lower optimizer.lr, check the data, or resume from the last checkpoint"
+    )
