@@ -328,15 +328,24 @@ class StudentPipeline:
 
     # -- export ----------------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The complete HF-named state dict (all stages, unsharded, on the CPU) on every rank of the pipeline.
+    def full_state_dict(self, *, first_stage_only: bool = False) -> dict[str, torch.Tensor]:
+        """The complete HF-named state dict (all stages, unsharded, on the CPU) on every rank of the pipeline (see
+        `first_stage_only`).
 
         Collective over the whole setup: every rank gathers its stage over tp and dp, then the stages are
-        exchanged over pp. Holds the whole model in host memory on every rank; meant for export.
+        exchanged over pp. Holds the whole model in host memory on every rank; meant for export. With
+        `first_stage_only` the stages are gathered to the first stage's ranks only (the rank that writes an
+        export is one of them); the others get an empty dict and hold no more than their own stage.
         """
         state = gather_full_state_dict(self.stage_model)
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.pp_size
-        dist.all_gather_object(parts, state, group=self.pp_group)
+        if first_stage_only:
+            first = dist.get_global_rank(self.pp_group, 0)
+            dist.gather_object(state, parts if self.is_first else None, dst=first, group=self.pp_group)
+            if not self.is_first:
+                return {}
+        else:
+            dist.all_gather_object(parts, state, group=self.pp_group)
         merged: dict[str, torch.Tensor] = {}
         for part in parts:  # stage order: embedding, layers in order, norm, lm_head (the HF order)
             merged.update(part)

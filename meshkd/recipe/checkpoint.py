@@ -279,7 +279,7 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
         # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
         state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
-        state_dict = pipeline.full_state_dict()
+        state_dict = pipeline.full_state_dict(first_stage_only=True)  # global rank 0 holds the first stage
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(model.config)
     if dtype is not None:

@@ -176,6 +176,10 @@ def run_pipeline(setup: DistributedSetup, schedule: str, *, tie: bool = False) -
     errors["export"] = max(assert_close(state[key], value, f"exported {key}") for key, value in ref_state.items())
     fresh = tiny_llama(seed=1, tie=tie)
     fresh.load_state_dict(state)  # strict: loads into a fresh model
+    # Gathered for the export's writer: the first stage's ranks hold it all, the others nothing.
+    first_only = pipe.full_state_dict(first_stage_only=True)
+    assert list(first_only) == (list(state) if pipe.is_first else [])
+    assert all(torch.equal(first_only[key], state[key]) for key in first_only)
 
     # (f) a second step after evaluation, with the gradients of step 1 kept: they accumulate.
     reference.backward()
