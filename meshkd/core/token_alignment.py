@@ -1,0 +1,553 @@
+"""Token alignment: pair two tokenizations of the same text by UTF-8 byte offsets, and pack both sides.
+
+Design. Every token carries a byte span [start, end) in its document's UTF-8 text; special tokens (BOS,
+EOS) carry an empty span at the byte where they sit. A byte position is a cut of one side when no token
+of that side spans across it; the common cuts of both sides split the document into the finest groups
+(student tokens i..j, teacher tokens k..l) that cover the same bytes. Groups are monotone, every byte
+lies in exactly one group, and a group never crosses a document. Empty-span tokens at a group boundary
+form a boundary group of their own (EOS with EOS; a BOS that one side alone has is a group with no token
+on the other side); one strictly inside a group joins it. Offsets, not decoded strings, are compared, so
+multibyte characters, whitespace runs and one-sided specials need no special case.
+
+`encode_with_byte_spans` turns a fast tokenizer's character offsets into byte spans: a character split
+over several byte tokens is split by the tokens' own bytes when they are known (byte-level BPE), else the
+tokens share its span (and so one group); bytes no token covers (trimmed or dropped whitespace) go to the
+following token. `pack_aligned` packs both sides NEAT-style (`meshkd.core.packing`), same documents in the
+same rows, each side with its own sequence length; a document too long for a row is cut at a common cut
+so both sides restart together. `AlignedGroups` holds, per loss group, the flat positions of the logits
+that predict the group's first and last token on each side (`meshkd.core.cross_tokenizer_loss`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+"""Label of positions without a target, as in `meshkd.recipe.data`."""
+
+
+@dataclass(frozen=True)
+class TokenSpans:
+    """One document's tokens with their UTF-8 byte spans: `ids[i]` covers bytes [starts[i], ends[i]).
+
+    `num_bytes` is the length of the document's UTF-8 text; an empty span (start == end) marks a token that
+    covers no text (BOS, EOS). Validated by `check_token_spans`.
+    """
+
+    ids: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    num_bytes: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Groups of one document: group g holds student tokens [student_bounds[g], student_bounds[g + 1]),
+    teacher tokens [teacher_bounds[g], teacher_bounds[g + 1]) and bytes [byte_bounds[g], byte_bounds[g + 1]).
+
+    Each bounds tuple has num_groups + 1 non-decreasing entries from 0 to the side's token count (or the
+    document's byte count), so groups are contiguous on both sides and cover every token and byte once.
+    A group with an empty byte range is a boundary group of empty-span tokens; it may lack one side.
+    """
+
+    student_bounds: tuple[int, ...]
+    teacher_bounds: tuple[int, ...]
+    byte_bounds: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.byte_bounds) - 1
+
+
+def check_token_spans(spans: TokenSpans, name: str = "tokens") -> None:
+    """ValueError naming the first token whose span is outside the text or out of order.
+
+    Spans must lie in [0, num_bytes] with start <= end, and both starts and ends must be non-decreasing in
+    token order (an empty-span token sits between the tokens ending at or before it and those starting at
+    or after it).
+    """
+    n = len(spans.ids)
+    if len(spans.starts) != n or len(spans.ends) != n:
+        raise ValueError(f"{name}: {n} ids but {len(spans.starts)} starts and {len(spans.ends)} ends")
+    if spans.num_bytes < 0:
+        raise ValueError(f"{name}: num_bytes must be >= 0, got {spans.num_bytes}")
+    previous_start = previous_end = 0
+    for i, (start, end) in enumerate(zip(spans.starts, spans.ends)):
+        if not 0 <= start <= end <= spans.num_bytes:
+            raise ValueError(
+                f"{name}: token {i} (id {spans.ids[i]}) has byte span [{start}, {end}), which is not inside the "
+                f"text's {spans.num_bytes} bytes with start <= end"
+            )
+        if start < previous_start or end < previous_end:
+            raise ValueError(
+                f"{name}: token {i} (id {spans.ids[i]}) spans [{start}, {end}) but token {i - 1} spans "
+                f"[{spans.starts[i - 1]}, {spans.ends[i - 1]}): spans must be in text order"
+            )
+        previous_start, previous_end = start, end
+
+
+def _cuts(spans: TokenSpans) -> list[bool]:
+    """cut[b] for b in 0..num_bytes: no token of this side spans across byte position b."""
+    depth = [0] * (spans.num_bytes + 2)
+    for start, end in zip(spans.starts, spans.ends):
+        if end - start > 1:  # interior positions start + 1 .. end - 1
+            depth[start + 1] += 1
+            depth[end] -= 1
+    cuts, inside = [], 0
+    for b in range(spans.num_bytes + 1):
+        inside += depth[b]
+        cuts.append(inside == 0)
+    return cuts
+
+
+def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
+    """The finest monotone grouping of two tokenizations of one text that pairs equal byte ranges.
+
+    Raises ValueError when the two sides disagree on the text's length or a side's spans are invalid
+    (`check_token_spans`).
+    """
+    check_token_spans(student, "student tokens")
+    check_token_spans(teacher, "teacher tokens")
+    if student.num_bytes != teacher.num_bytes:
+        raise ValueError(
+            f"student and teacher tokens describe texts of different lengths ({student.num_bytes} and "
+            f"{teacher.num_bytes} bytes): align tokenizations of the same document"
+        )
+    num_bytes = student.num_bytes
+    sides = (student, teacher)
+    student_cuts, teacher_cuts = _cuts(student), _cuts(teacher)
+    common = [b for b in range(num_bytes + 1) if student_cuts[b] and teacher_cuts[b]]
+    # A byte range that one side covers with no token of its own (a gap in its spans) cannot stand alone:
+    # it joins the previous range (the next one at the start of the text).
+    num_segments = len(common) - 1
+    has_text = [[False] * num_segments for _ in sides]
+    for side, flags in zip(sides, has_text):
+        for start, end in zip(side.starts, side.ends):
+            if start < end:
+                flags[_segment(common, start)] = True
+    ends: list[int] = []
+    for segment in range(num_segments):
+        if all(flags[segment] for flags in has_text) or not ends and segment == num_segments - 1:
+            ends.append(common[segment + 1])
+        elif ends:
+            ends[-1] = common[segment + 1]
+    text_bounds = [0, *ends]
+    # Each token goes to a (group, slot): slot 0 = the boundary group before text range r, 1 = text range r.
+    # Text range r spans [text_bounds[r], text_bounds[r + 1]); boundary r sits at byte text_bounds[r].
+    boundary_index = {byte: r for r, byte in enumerate(text_bounds)}
+
+    def key(start: int, end: int) -> tuple[int, int]:
+        if start == end and start in boundary_index:
+            return boundary_index[start], 0
+        return _segment(text_bounds, start), 1
+
+    keys = [[key(s, e) for s, e in zip(side.starts, side.ends)] for side in sides]
+    num_text = len(text_bounds) - 1
+    slots = sorted({k for side_keys in keys for k in side_keys} | {(r, 1) for r in range(num_text)})
+    bounds: list[list[int]] = [[0], [0]]
+    byte_bounds = [0]
+    for slot in slots:
+        r, is_text = slot
+        for side_index, side_keys in enumerate(keys):
+            count = bounds[side_index][-1]
+            while count < len(side_keys) and side_keys[count] == slot:
+                count += 1
+            bounds[side_index].append(count)
+        byte_bounds.append(text_bounds[r + 1] if is_text else text_bounds[r])
+    for side_index, side in enumerate(sides):
+        assert bounds[side_index][-1] == len(side.ids), "tokens out of group order despite validated spans"
+    return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
+
+
+def _segment(bounds: list[int], byte: int) -> int:
+    """Index r of the range [bounds[r], bounds[r + 1]) holding `byte` (the last range for the end)."""
+    lo, hi = 0, len(bounds) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bounds[mid] <= byte:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """The UTF-8 bytes each vocabulary entry stands for, by id (None for special tokens).
+
+    Read from the backend's own conventions (its serialized JSON): byte-level BPE spells bytes in GPT-2's
+    alphabet ("Ġhello" is b" hello", and a token may hold part of a character); SentencePiece-style models
+    write spaces as "▁" and unknown bytes as "<0xNN>"; WordPiece marks word-inner pieces with a prefix
+    ("##llo" is b"llo") and drops spaces, so its word-initial pieces carry none. Anything else is the
+    token's own string. `tokenizer` is a transformers fast tokenizer; ids run over `len(tokenizer)`.
+    """
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    kinds = _component_types(backend.get("decoder")) | _component_types(backend.get("pre_tokenizer"))
+    model = backend.get("model") or {}
+    byte_level = "ByteLevel" in kinds
+    metaspace = "Metaspace" in kinds or _replaces_metaspace(backend.get("decoder"))
+    wordpiece_prefix = model.get("continuing_subword_prefix") if model.get("type") == "WordPiece" else None
+    alphabet = {symbol: byte for byte, symbol in enumerate(_byte_alphabet())}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False)
+    }
+    table: list[bytes | None] = []
+    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special or token is None:
+            table.append(None)
+        elif byte_level and all(symbol in alphabet for symbol in token):
+            table.append(bytes(alphabet[symbol] for symbol in token))
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">") and model.get("byte_fallback"):
+            table.append(bytes([int(token[3:5], 16)]))
+        elif metaspace:
+            table.append(token.replace("\u2581", " ").encode())
+        elif wordpiece_prefix and token.startswith(wordpiece_prefix) and len(token) > len(wordpiece_prefix):
+            table.append(token[len(wordpiece_prefix) :].encode())
+        else:
+            table.append(token.encode())
+    return table
+
+
+def _component_types(component) -> set[str]:
+    """Types of a serialized normalizer / pre-tokenizer / decoder, looking inside Sequence components."""
+    if not isinstance(component, dict):
+        return set()
+    types = {component.get("type")}
+    for key in ("decoders", "pretokenizers"):
+        for inner in component.get(key) or []:
+            types |= _component_types(inner)
+    return types
+
+
+def _replaces_metaspace(decoder) -> bool:
+    """Whether a (Sequence) decoder replaces U+2581 by a space, as converted SentencePiece tokenizers do."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "Replace" and "\u2581" in json.dumps(decoder.get("pattern"), ensure_ascii=False):
+        return True
+    return any(_replaces_metaspace(inner) for inner in decoder.get("decoders") or [])
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 byte values, indexed by byte (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    spelling = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in spelling:
+            spelling[byte] = chr(256 + shifted)
+            shifted += 1
+    return [spelling[byte] for byte in range(256)]
+
+
+def encode_with_byte_spans(
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    add_bos: bool = False,
+    add_eos: bool = True,
+    byte_table: Sequence[bytes | None] | None = None,
+) -> list[TokenSpans]:
+    """Tokenize documents without the tokenizer's own special tokens and give every token its byte span.
+
+    Character offsets (the fast tokenizer's offset mapping) become UTF-8 byte offsets. Several tokens on
+    one character (a multibyte character split by byte-level BPE) get consecutive pieces of its bytes when
+    their own bytes (`byte_table`, default `token_bytes(tokenizer)`) add up to it, else its whole span
+    each. Bytes that no token covers go to the next token (the last one takes trailing bytes), so a side
+    tiles its text. BOS (when `add_bos`) and EOS (when `add_eos` and the tokenizer has one, as
+    `meshkd.recipe.data` does) are added with empty spans at the text's start and end.
+
+    Raises:
+        ValueError: `add_bos` for a tokenizer without a BOS token, or a tokenizer without offset mappings.
+    """
+    if add_bos and tokenizer.bos_token_id is None:
+        raise ValueError(f"add_bos=True but the tokenizer {type(tokenizer).__name__} has no bos_token")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer: byte spans need its offset mapping "
+            f"(load it with use_fast=True)"
+        )
+    table = token_bytes(tokenizer) if byte_table is None else byte_table
+    encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    documents = []
+    for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):
+        data = text.encode()
+        char_to_byte = [0]
+        for character in text:
+            char_to_byte.append(char_to_byte[-1] + len(character.encode()))
+        starts = [char_to_byte[start] for start, _ in offsets]
+        ends = [char_to_byte[end] for _, end in offsets]
+        _split_shared_characters(ids, starts, ends, table, data)
+        _fill_gaps(starts, ends, len(data))
+        ids = list(ids)
+        if add_bos:
+            ids, starts, ends = [tokenizer.bos_token_id, *ids], [0, *starts], [0, *ends]
+        if add_eos and tokenizer.eos_token_id is not None:
+            ids, starts, ends = [*ids, tokenizer.eos_token_id], [*starts, len(data)], [*ends, len(data)]
+        documents.append(TokenSpans(tuple(ids), tuple(starts), tuple(ends), len(data)))
+    return documents
+
+
+def _split_shared_characters(ids, starts: list[int], ends: list[int], table, data: bytes) -> None:
+    """Give runs of tokens sharing one span consecutive pieces of it when their bytes spell it exactly."""
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and (starts[j], ends[j]) == (starts[i], ends[i]):
+            j += 1
+        if j - i > 1 and starts[i] < ends[i]:
+            pieces = [table[ids[k]] if 0 <= ids[k] < len(table) else None for k in range(i, j)]
+            if all(piece is not None for piece in pieces) and b"".join(pieces) == data[starts[i] : ends[i]]:
+                position = starts[i]
+                for k, piece in zip(range(i, j), pieces):
+                    starts[k], ends[k] = position, position + len(piece)
+                    position += len(piece)
+        i = j
+
+
+def _fill_gaps(starts: list[int], ends: list[int], num_bytes: int) -> None:
+    """Make a side tile its text: a gap goes to the token after it, trailing bytes to the last text token.
+
+    Tokens the tokenizer reports with no text of their own stay empty, at the end of what precedes them.
+    """
+    covered = previous_start = 0
+    last_text = None
+    for k in range(len(starts)):
+        if starts[k] < ends[k]:
+            # Offsets out of order (rare normalizers) are widened into overlap, which keeps them in one group.
+            starts[k] = max(min(starts[k], covered), previous_start)
+            ends[k] = covered = max(covered, ends[k])
+            previous_start = starts[k]
+            last_text = k
+        else:
+            starts[k] = ends[k] = covered
+            previous_start = covered
+    if last_text is not None:
+        ends[last_text] = num_bytes
+        for k in range(last_text + 1, len(starts)):
+            starts[k] = ends[k] = num_bytes
+
+
+@dataclass(frozen=True)
+class AlignedGroups:
+    """The loss groups of an aligned batch, in row-major order: every field is an int64 tensor [groups].
+
+    A loss group has tokens on both sides and, on both, a logit that predicts its first token within the
+    same document. `student_first` / `student_last` are the flat positions (row * student sequence length
+    + column, i.e. indices into logits flattened to [tokens, vocab]) of the student logits predicting the
+    group's first and last token; the group's targets are the labels at positions first..last. Likewise
+    `teacher_first` / `teacher_last` in the teacher's packing. `num_bytes` is the text the group covers
+    (0 for a boundary group such as EOS with EOS); `row` is the group's row on both sides.
+    """
+
+    student_first: Tensor
+    student_last: Tensor
+    teacher_first: Tensor
+    teacher_last: Tensor
+    num_bytes: Tensor
+    row: Tensor
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+
+@dataclass(frozen=True)
+class AlignedBatch:
+    """Both sides of a text batch, packed into the same rows, and their loss groups.
+
+    `student` and `teacher` are batch dicts in the layout of `meshkd.recipe.data` (`input_ids`, `labels`,
+    `position_ids`, `attention_mask`, each int64 [rows, that side's sequence length]). `*_target_bytes`
+    [rows, sequence length] hold the UTF-8 bytes of the token each position's label names (0 where the
+    label is ignored or names a special token), for bits per byte.
+    """
+
+    student: dict[str, Tensor]
+    teacher: dict[str, Tensor]
+    groups: AlignedGroups
+    student_target_bytes: Tensor
+    teacher_target_bytes: Tensor
+
+
+def pack_aligned(
+    texts: Sequence[str],
+    student_tokenizer,
+    teacher_tokenizer,
+    *,
+    student_sequence_length: int,
+    teacher_sequence_length: int,
+    student_add_bos: bool = False,
+    teacher_add_bos: bool = False,
+    pack: bool = True,
+) -> AlignedBatch:
+    """Tokenize documents with both tokenizers (`encode_with_byte_spans`), align and pack them.
+
+    See `pack_aligned_documents`; pad ids are each tokenizer's pad token, else its EOS, else 0.
+    """
+    student = encode_with_byte_spans(student_tokenizer, texts, add_bos=student_add_bos)
+    teacher = encode_with_byte_spans(teacher_tokenizer, texts, add_bos=teacher_add_bos)
+    return pack_aligned_documents(
+        student, teacher,
+        student_sequence_length=student_sequence_length, teacher_sequence_length=teacher_sequence_length,
+        student_pad_id=_pad_id(student_tokenizer), teacher_pad_id=_pad_id(teacher_tokenizer), pack=pack,
+    )  # fmt: skip
+
+
+def _pad_id(tokenizer) -> int:
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+@dataclass
+class _Piece:
+    document: int
+    groups: range  # group indices of the document's alignment
+    student: range  # token indices of the document
+    teacher: range
+
+
+def pack_aligned_documents(
+    student_documents: Sequence[TokenSpans],
+    teacher_documents: Sequence[TokenSpans],
+    *,
+    student_sequence_length: int,
+    teacher_sequence_length: int,
+    student_pad_id: int = 0,
+    teacher_pad_id: int = 0,
+    pack: bool = True,
+) -> AlignedBatch:
+    """Align each document's two tokenizations and pack both sides NEAT-style into the same rows.
+
+    A document whose tokens do not fit a row on either side is cut at group boundaries into the longest
+    pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
+    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides (a scan
+    over the open rows: meant for a batch of documents, not a corpus at once); `pack=False` puts each
+    piece in a row of its own. Documents with no token on either side are skipped.
+
+    Raises:
+        ValueError: mismatched document counts, a sequence length below 2, invalid spans (named by
+            document and side), or a single group longer than a row.
+    """
+    if len(student_documents) != len(teacher_documents):
+        raise ValueError(
+            f"{len(student_documents)} student documents but {len(teacher_documents)} teacher documents: "
+            f"give both tokenizations of every document"
+        )
+    lengths = {"student_sequence_length": student_sequence_length, "teacher_sequence_length": teacher_sequence_length}
+    for name, value in lengths.items():
+        if value < 2:
+            raise ValueError(f"{name} must be at least 2 tokens, got {value}")
+    alignments = []
+    for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
+        try:
+            alignments.append(align_token_spans(student, teacher))
+        except ValueError as error:
+            raise ValueError(f"document {index}: {error}") from error
+
+    pieces = []
+    for index, alignment in enumerate(alignments):
+        pieces.extend(_cut(index, alignment, student_sequence_length, teacher_sequence_length))
+    rows, offsets = _place(pieces, student_sequence_length, teacher_sequence_length, pack)
+    num_rows = max(rows, default=-1) + 1
+
+    sides = (
+        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, "student_bounds"),
+        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, "teacher_bounds"),
+    )
+    batches, target_bytes = [], []
+    for side_index, (documents, length, pad_id, tokens_of, _) in enumerate(sides):
+        batch = {
+            "input_ids": torch.full((num_rows, length), pad_id, dtype=torch.int64),
+            "labels": torch.full((num_rows, length), IGNORE_INDEX, dtype=torch.int64),
+            "position_ids": torch.zeros((num_rows, length), dtype=torch.int64),
+            "attention_mask": torch.zeros((num_rows, length), dtype=torch.int64),
+        }
+        nbytes = torch.zeros((num_rows, length), dtype=torch.int64)
+        pieces_in_row = [0] * num_rows
+        for piece, row, offset in zip(pieces, rows, offsets):
+            pieces_in_row[row] += 1
+            document = documents[piece.document]
+            tokens = tokens_of(piece)
+            start = offset[side_index]
+            columns = slice(start, start + len(tokens))
+            ids = torch.tensor(document.ids[tokens.start : tokens.stop], dtype=torch.int64)
+            batch["input_ids"][row, columns] = ids
+            batch["labels"][row, start : start + len(tokens) - 1] = ids[1:]
+            batch["position_ids"][row, columns] = torch.arange(len(tokens))
+            batch["attention_mask"][row, columns] = pieces_in_row[row]
+            sizes = [document.ends[k] - document.starts[k] for k in tokens]
+            nbytes[row, start : start + len(tokens) - 1] = torch.tensor(sizes[1:], dtype=torch.int64)
+        batches.append(batch)
+        target_bytes.append(nbytes)
+
+    fields: dict[str, list[int]] = {name: [] for name in AlignedGroups.__dataclass_fields__}
+    for piece, row, (student_offset, teacher_offset) in zip(pieces, rows, offsets):
+        alignment = alignments[piece.document]
+        for g in piece.groups:
+            s0 = alignment.student_bounds[g] - piece.student.start
+            s1 = alignment.student_bounds[g + 1] - piece.student.start
+            t0 = alignment.teacher_bounds[g] - piece.teacher.start
+            t1 = alignment.teacher_bounds[g + 1] - piece.teacher.start
+            if s0 < 1 or t0 < 1 or s1 == s0 or t1 == t0:
+                continue  # no token on one side, or no logit predicting its first token in this piece
+            fields["student_first"].append(row * student_sequence_length + student_offset + s0 - 1)
+            fields["student_last"].append(row * student_sequence_length + student_offset + s1 - 2)
+            fields["teacher_first"].append(row * teacher_sequence_length + teacher_offset + t0 - 1)
+            fields["teacher_last"].append(row * teacher_sequence_length + teacher_offset + t1 - 2)
+            fields["num_bytes"].append(alignment.byte_bounds[g + 1] - alignment.byte_bounds[g])
+            fields["row"].append(row)
+    order = sorted(range(len(fields["row"])), key=fields["student_first"].__getitem__)
+    groups = AlignedGroups(**{
+        name: torch.tensor([values[i] for i in order], dtype=torch.int64) for name, values in fields.items()
+    })  # fmt: skip
+    return AlignedBatch(batches[0], batches[1], groups, target_bytes[0], target_bytes[1])
+
+
+def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
+    """The document as pieces of whole groups, each as long as fits a row on both sides."""
+    sb, tb = alignment.student_bounds, alignment.teacher_bounds
+    if sb[-1] == 0 and tb[-1] == 0:
+        return []
+    pieces = []
+    first = 0
+    for g in range(alignment.num_groups):
+        too_long = sb[g + 1] - sb[g] > student_length or tb[g + 1] - tb[g] > teacher_length
+        if too_long:
+            raise ValueError(
+                f"document {document}: group {g} (bytes {alignment.byte_bounds[g]}..{alignment.byte_bounds[g + 1]}) "
+                f"has {sb[g + 1] - sb[g]} student and {tb[g + 1] - tb[g]} teacher tokens, more than a row holds "
+                f"({student_length} and {teacher_length}); use longer rows"
+            )
+        if sb[g + 1] - sb[first] > student_length or tb[g + 1] - tb[first] > teacher_length:
+            pieces.append(_Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
+            first = g
+    last = alignment.num_groups
+    pieces.append(_Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
+    return pieces
+
+
+def _place(pieces: list[_Piece], student_length: int, teacher_length: int, pack: bool):
+    """Row and (student, teacher) column offset of each piece: first fit on both sides at once."""
+    free: list[list[int]] = []
+    rows, offsets = [], []
+    for piece in pieces:
+        need = (len(piece.student), len(piece.teacher))
+        row = None
+        if pack:
+            row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
+        if row is None:
+            free.append([student_length, teacher_length])
+            row = len(free) - 1
+        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
+        free[row][0] -= need[0]
+        free[row][1] -= need[1]
+        rows.append(row)
+    return rows, offsets
