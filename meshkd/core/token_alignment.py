@@ -259,10 +259,10 @@ def encode_with_byte_spans(
 
     Character offsets (the fast tokenizer's offset mapping) become UTF-8 byte offsets. Several tokens on
     one character (a multibyte character split by byte-level BPE) get consecutive pieces of its bytes when
-    their own bytes (`byte_table`, default `token_bytes(tokenizer)`) add up to it, else its whole span
-    each. Bytes that no token covers go to the next token (the last one takes trailing bytes), so a side
-    tiles its text. BOS (when `add_bos`) and EOS (when `add_eos` and the tokenizer has one, as
-    `meshkd.recipe.data` does) are added with empty spans at the text's start and end.
+    their own bytes (`byte_table`, default `token_bytes(tokenizer)`) spell it, else keep their overlapping
+    spans (and so share a group). Bytes that no token covers go to the next token (the last one takes
+    trailing bytes), so a side tiles its text. BOS (when `add_bos`) and EOS (when `add_eos` and the
+    tokenizer has one, as `meshkd.recipe.data` does) are added with empty spans at the text's start and end.
 
     Raises:
         ValueError: `add_bos` for a tokenizer without a BOS token, or a tokenizer without offset mappings.
@@ -296,15 +296,21 @@ def encode_with_byte_spans(
 
 
 def _split_shared_characters(ids, starts: list[int], ends: list[int], table, data: bytes) -> None:
-    """Give runs of tokens sharing one span consecutive pieces of it when their bytes spell it exactly."""
+    """Give overlapping tokens (parts of one character) consecutive byte pieces when their bytes spell it.
+
+    A run of tokens whose spans overlap (byte-level BPE reports every part of a character with the whole
+    character's offsets, and a token holding " " plus the first bytes of an emoji with both) is split by
+    the tokens' own bytes when they concatenate to exactly the run's text; otherwise it keeps its spans.
+    """
     i = 0
     while i < len(ids):
-        j = i + 1
-        while j < len(ids) and (starts[j], ends[j]) == (starts[i], ends[i]):
+        j, end = i + 1, ends[i]
+        while j < len(ids) and starts[j] < end and starts[i] < ends[i]:
+            end = max(end, ends[j])
             j += 1
-        if j - i > 1 and starts[i] < ends[i]:
+        if j - i > 1:
             pieces = [table[ids[k]] if 0 <= ids[k] < len(table) else None for k in range(i, j)]
-            if all(piece is not None for piece in pieces) and b"".join(pieces) == data[starts[i] : ends[i]]:
+            if all(piece is not None for piece in pieces) and b"".join(pieces) == data[starts[i] : end]:
                 position = starts[i]
                 for k, piece in zip(range(i, j), pieces):
                     starts[k], ends[k] = position, position + len(piece)
@@ -364,8 +370,9 @@ class AlignedBatch:
 
     `student` and `teacher` are batch dicts in the layout of `meshkd.recipe.data` (`input_ids`, `labels`,
     `position_ids`, `attention_mask`, each int64 [rows, that side's sequence length]). `*_target_bytes`
-    [rows, sequence length] hold the UTF-8 bytes of the token each position's label names (0 where the
-    label is ignored or names a special token), for bits per byte.
+    [rows, sequence length] hold the UTF-8 bytes the token each position's label names adds to the text
+    (0 where the label is ignored or names a special token; tokens sharing a character count it once), for
+    bits per byte.
     """
 
     student: dict[str, Tensor]
@@ -483,7 +490,7 @@ def pack_aligned_documents(
             batch["labels"][row, start : start + len(tokens) - 1] = ids[1:]
             batch["position_ids"][row, columns] = torch.arange(len(tokens))
             batch["attention_mask"][row, columns] = pieces_in_row[row]
-            sizes = [document.ends[k] - document.starts[k] for k in tokens]
+            sizes = _new_bytes(document, tokens)
             nbytes[row, start : start + len(tokens) - 1] = torch.tensor(sizes[1:], dtype=torch.int64)
         batches.append(batch)
         target_bytes.append(nbytes)
@@ -509,6 +516,16 @@ def pack_aligned_documents(
         name: torch.tensor([values[i] for i in order], dtype=torch.int64) for name, values in fields.items()
     })  # fmt: skip
     return AlignedBatch(batches[0], batches[1], groups, target_bytes[0], target_bytes[1])
+
+
+def _new_bytes(document: TokenSpans, tokens: range) -> list[int]:
+    """Bytes each token adds to those before it, so tokens sharing a character count it once."""
+    covered = document.starts[tokens.start] if len(tokens) else 0
+    sizes = []
+    for k in tokens:
+        sizes.append(max(0, document.ends[k] - max(document.starts[k], covered)))
+        covered = max(covered, document.ends[k])
+    return sizes
 
 
 def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
