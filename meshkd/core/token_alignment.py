@@ -5,9 +5,10 @@ EOS) carry an empty span at the byte where they sit. A byte position is a cut of
 of that side spans across it; the common cuts of both sides split the document into the finest groups
 (student tokens i..j, teacher tokens k..l) that cover the same bytes. Groups are monotone, every byte
 lies in exactly one group, and a group never crosses a document. Empty-span tokens at a group boundary
-form a boundary group of their own (EOS with EOS; a BOS that one side alone has is a group with no token
-on the other side); one strictly inside a group joins it. Offsets, not decoded strings, are compared, so
-multibyte characters, whitespace runs and one-sided specials need no special case.
+form a boundary group of their own (EOS with EOS, paired in order when both sides have as many; a BOS
+that one side alone has is a group with no token on the other side); one strictly inside a group joins
+it. Offsets, not decoded strings, are compared, so multibyte characters, whitespace runs and one-sided
+specials need no special case.
 
 `encode_with_byte_spans` turns a fast tokenizer's character offsets into byte spans: a character split
 over several byte tokens is split by the tokens' own bytes when they are known (byte-level BPE), else the
@@ -156,12 +157,18 @@ def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
     byte_bounds = [0]
     for slot in slots:
         r, is_text = slot
+        counts = []
         for side_index, side_keys in enumerate(keys):
             count = bounds[side_index][-1]
             while count < len(side_keys) and side_keys[count] == slot:
                 count += 1
-            bounds[side_index].append(count)
-        byte_bounds.append(text_bounds[r + 1] if is_text else text_bounds[r])
+            counts.append(count - bounds[side_index][-1])
+        # Empty-span tokens at one boundary pair up in order when both sides have as many (BOS with BOS).
+        split = counts[0] if not is_text and counts[0] == counts[1] else 1
+        for _ in range(split):
+            for side_index in range(2):
+                bounds[side_index].append(bounds[side_index][-1] + counts[side_index] // split)
+            byte_bounds.append(text_bounds[r + 1] if is_text else text_bounds[r])
     for side_index, side in enumerate(sides):
         assert bounds[side_index][-1] == len(side.ids), "tokens out of group order despite validated spans"
     return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
@@ -300,7 +307,8 @@ def _split_shared_characters(ids, starts: list[int], ends: list[int], table, dat
 
     A run of tokens whose spans overlap (byte-level BPE reports every part of a character with the whole
     character's offsets, and a token holding " " plus the first bytes of an emoji with both) is split by
-    the tokens' own bytes when they concatenate to exactly the run's text; otherwise it keeps its spans.
+    the tokens' own bytes when they concatenate to exactly the run's text (leading space tokens that the text
+    lacks, SentencePiece's dummy prefix, becoming empty); otherwise it keeps its spans.
     """
     i = 0
     while i < len(ids):
@@ -310,11 +318,20 @@ def _split_shared_characters(ids, starts: list[int], ends: list[int], table, dat
             j += 1
         if j - i > 1:
             pieces = [table[ids[k]] if 0 <= ids[k] < len(table) else None for k in range(i, j)]
-            if all(piece is not None for piece in pieces) and b"".join(pieces) == data[starts[i] : end]:
-                position = starts[i]
-                for k, piece in zip(range(i, j), pieces):
-                    starts[k], ends[k] = position, position + len(piece)
-                    position += len(piece)
+            if all(piece is not None for piece in pieces):
+                # SentencePiece's dummy prefix: a leading "▁" token shares the first character's offsets but
+                # stands for no text; it becomes an empty-span token in front of it.
+                skip = 0
+                while skip < len(pieces) - 1 and pieces[skip].strip(b" ") == b"" and not data[starts[i]:end].startswith(
+                    b"".join(pieces[: skip + 1])
+                ):
+                    skip += 1
+                if b"".join(pieces[skip:]) == data[starts[i] : end]:
+                    position = starts[i]
+                    for k, piece in zip(range(i, j), pieces):
+                        length = 0 if k - i < skip else len(piece)
+                        starts[k], ends[k] = position, position + length
+                        position += length
         i = j
 
 
