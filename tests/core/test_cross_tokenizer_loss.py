@@ -85,6 +85,34 @@ def test_projection_with_one_tokenizer_is_kd_loss(divergence, temperature):
     assert float((grad - expected_grad).abs().max()) <= 1e-6
 
 
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_one_tokenizer_with_bos_reduces_every_path_to_kd_loss(name):
+    tokenizer = TOKENIZERS[name]()
+    bos = tokenizer.bos_token_id is not None
+    documents = ["héllo wörld 😀  東京", "  a\tb  ", "naïve café " * 3, "x", "🇫🇷👍🏽\n\n"]
+    batch = pack_aligned(documents, tokenizer, tokenizer, student_sequence_length=24, teacher_sequence_length=24,
+                         student_add_bos=bos, teacher_add_bos=bos)
+    labels = batch.student["labels"].reshape(-1)
+    groups = batch.groups
+    assert torch.equal(groups.student_first, (labels != IGNORE_INDEX).nonzero()[:, 0])
+    vocabulary_map = build_vocabulary_map(tokenizer, tokenizer)
+    generator = torch.Generator().manual_seed(5)
+    student = torch.randn(len(labels), len(tokenizer), generator=generator, dtype=torch.float64)
+    teacher = torch.randn(len(labels), len(tokenizer), generator=generator, dtype=torch.float64)
+    expected, expected_grad = _value_and_grad(lambda s: kd_loss(s, teacher, labels), student)
+    teacher_groups = group_log_probs(teacher, labels, groups.teacher_first, groups.teacher_last)
+    paths = {
+        "gold": lambda s: gold_loss(s, labels, teacher_groups, vocabulary_map, student_first=groups.student_first,
+                                   student_last=groups.student_last),
+        "projection": lambda s: projected_kd_loss(s, teacher, vocabulary_map, student_positions=groups.student_first,
+                                                  teacher_positions=groups.teacher_first),
+    }
+    for path, loss_fn in paths.items():
+        value, grad = _value_and_grad(loss_fn, student)
+        assert abs(float(value) - float(expected)) <= 1e-6, path
+        assert float((grad - expected_grad).abs().max()) <= 1e-6, path
+
+
 def test_one_tokenizer_maps_every_token_to_itself():
     for name in ("bytelevel_bpe_300", "unigram_120", "wordpiece_160", "byte"):
         tokenizer = TOKENIZERS[name]()
