@@ -21,6 +21,7 @@ that predict the group's first and last token on each side (`meshkd.core.cross_t
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,14 +177,7 @@ def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
 
 def _segment(bounds: list[int], byte: int) -> int:
     """Index r of the range [bounds[r], bounds[r + 1]) holding `byte` (the last range for the end)."""
-    lo, hi = 0, len(bounds) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if bounds[mid] <= byte:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return min(max(bisect.bisect_right(bounds, byte) - 1, 0), len(bounds) - 2)
 
 
 def token_bytes(tokenizer) -> list[bytes | None]:
@@ -281,7 +275,7 @@ def encode_with_byte_spans(
             f"{type(tokenizer).__name__} is not a fast tokenizer: byte spans need its offset mapping "
             f"(load it with use_fast=True)"
         )
-    table = token_bytes(tokenizer) if byte_table is None else byte_table
+    table = _LazyTable(tokenizer) if byte_table is None else byte_table
     encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     documents = []
     for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):
@@ -300,6 +294,24 @@ def encode_with_byte_spans(
             ids, starts, ends = [*ids, tokenizer.eos_token_id], [*starts, len(data)], [*ends, len(data)]
         documents.append(TokenSpans(tuple(ids), tuple(starts), tuple(ends), len(data)))
     return documents
+
+
+class _LazyTable:
+    """`token_bytes(tokenizer)`, computed on first use: many batches never split a character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.table = tokenizer, None
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __getitem__(self, index: int) -> bytes | None:
+        return self._table()[index]
+
+    def _table(self) -> list[bytes | None]:
+        if self.table is None:
+            self.table = token_bytes(self.tokenizer)
+        return self.table
 
 
 def _split_shared_characters(ids, starts: list[int], ends: list[int], table, data: bytes) -> None:
