@@ -320,7 +320,8 @@ def _split_shared_characters(ids, starts: list[int], ends: list[int], table, dat
     A run of tokens whose spans overlap (byte-level BPE reports every part of a character with the whole
     character's offsets, and a token holding " " plus the first bytes of an emoji with both) is split by
     the tokens' own bytes when they concatenate to exactly the run's text (leading space tokens that the text
-    lacks, SentencePiece's dummy prefix, becoming empty); otherwise it keeps its spans.
+    lacks, SentencePiece's dummy prefix, becoming empty, after which a lone token takes the whole text);
+    otherwise it keeps its spans.
     """
     i = 0
     while i < len(ids):
@@ -330,20 +331,25 @@ def _split_shared_characters(ids, starts: list[int], ends: list[int], table, dat
             j += 1
         if j - i > 1:
             pieces = [table[ids[k]] if 0 <= ids[k] < len(table) else None for k in range(i, j)]
-            if all(piece is not None for piece in pieces):
-                # SentencePiece's dummy prefix: a leading "▁" token shares the first character's offsets but
-                # stands for no text; it becomes an empty-span token in front of it.
-                skip = 0
-                while skip < len(pieces) - 1 and pieces[skip].strip(b" ") == b"" and not data[starts[i]:end].startswith(
-                    b"".join(pieces[: skip + 1])
-                ):
-                    skip += 1
-                if b"".join(pieces[skip:]) == data[starts[i] : end]:
-                    position = starts[i]
-                    for k, piece in zip(range(i, j), pieces):
-                        length = 0 if k - i < skip else len(piece)
-                        starts[k], ends[k] = position, position + length
-                        position += length
+            text = data[starts[i] : end]
+            # SentencePiece's dummy prefix: a leading "▁" token shares the first character's offsets but
+            # stands for no text; it becomes an empty-span token in front of it.
+            skip = 0
+            while (skip < len(pieces) - 1 and pieces[skip] is not None and pieces[skip].strip(b" ") == b""
+                   and not text.startswith(b"".join(pieces[: skip + 1]))):
+                skip += 1
+            rest = pieces[skip:]
+            if len(rest) == 1:  # one token left (an unknown one has no bytes): it takes the whole text
+                lengths = [0] * skip + [len(text)]
+            elif all(piece is not None for piece in rest) and b"".join(rest) == text:
+                lengths = [0] * skip + [len(piece) for piece in rest]
+            else:
+                lengths = None
+            if lengths is not None:
+                position = starts[i]
+                for k, length in zip(range(i, j), lengths):
+                    starts[k], ends[k] = position, position + length
+                    position += length
         i = j
 
 

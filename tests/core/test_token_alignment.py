@@ -70,7 +70,9 @@ def test_alignment_invariants_on_trained_tokenizers(documents, pair, bos):
         alignment = align_token_spans(s, t)
         check_alignment(s, t, alignment)
         if pair[0] == pair[1] and student_bos == teacher_bos:  # one tokenizer: token by token
-            assert alignment.student_bounds == alignment.teacher_bounds == tuple(range(len(s) + 1))
+            bounds = alignment.student_bounds
+            assert bounds == alignment.teacher_bounds and all(b - a <= 1 for a, b in zip(bounds, bounds[1:]))
+            # (a group of no token at all holds text that neither side tokenized: spaces to WordPiece)
     try:  # short rows, so that documents get cut
         check_packing(documents, student, teacher, student_length=24, teacher_length=17)
     except ValueError as error:  # an unknown word makes one WordPiece token of many bytes: no cut fits it
