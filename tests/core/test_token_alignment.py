@@ -80,6 +80,35 @@ def test_alignment_invariants_on_trained_tokenizers(documents, pair, bos):
         check_packing(documents, student, teacher, student_length=256, teacher_length=256)
 
 
+@st.composite
+def synthetic_spans(draw, num_bytes: int) -> TokenSpans:
+    """A side's spans: a random tiling with gaps, tokens sharing a span, and empty-span tokens."""
+    cuts = []
+    if num_bytes > 1:
+        cuts = sorted(set(draw(st.lists(st.integers(1, num_bytes - 1), max_size=num_bytes))))
+    bounds = [0, *cuts, num_bytes] if num_bytes else [0]
+    spans = []
+    for a, b in zip(bounds, bounds[1:]):
+        if draw(st.booleans()):
+            spans.append((a, a))
+        kind = draw(st.sampled_from(["token", "gap", "shared"]))
+        if kind == "gap" and b - a > 1:  # the side leaves a byte uncovered
+            spans.append((a + 1, b))
+        else:
+            spans.extend([(a, b)] * (2 if kind == "shared" else 1))
+    if draw(st.booleans()):
+        spans.append((num_bytes, num_bytes))
+    return TokenSpans(tuple(range(len(spans))), tuple(s for s, _ in spans), tuple(e for _, e in spans), num_bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), num_bytes=st.integers(0, 40))
+def test_alignment_invariants_on_synthetic_spans(data, num_bytes):
+    student = data.draw(synthetic_spans(num_bytes))
+    teacher = data.draw(synthetic_spans(num_bytes))
+    check_alignment(student, teacher, align_token_spans(student, teacher))
+
+
 def check_packing(documents, student, teacher, *, student_length, teacher_length):
     batch = pack_aligned_documents(student, teacher, student_sequence_length=student_length,
                                    teacher_sequence_length=teacher_length, student_pad_id=0, teacher_pad_id=0)
