@@ -398,6 +398,20 @@ class AlignedGroups:
     def __len__(self) -> int:
         return len(self.row)
 
+    def select_rows(self, start: int, stop: int, *, student_sequence_length: int,
+                    teacher_sequence_length: int) -> AlignedGroups:
+        """The groups of rows [start, stop), with positions relative to that slice of both batches (the
+        micro-batch or data-parallel share `batch[start:stop]` of each side)."""
+        keep = (self.row >= start) & (self.row < stop)
+        return AlignedGroups(
+            student_first=self.student_first[keep] - start * student_sequence_length,
+            student_last=self.student_last[keep] - start * student_sequence_length,
+            teacher_first=self.teacher_first[keep] - start * teacher_sequence_length,
+            teacher_last=self.teacher_last[keep] - start * teacher_sequence_length,
+            num_bytes=self.num_bytes[keep],
+            row=self.row[keep] - start,
+        )
+
 
 @dataclass(frozen=True)
 class AlignedBatch:

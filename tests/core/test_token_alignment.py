@@ -157,6 +157,21 @@ def test_identical_tokenizers_give_one_token_per_group_and_every_label_a_group()
     assert torch.equal(groups.student_first, (batch.student["labels"].reshape(-1) != IGNORE_INDEX).nonzero()[:, 0])
 
 
+def test_groups_of_a_row_slice_index_that_slice():
+    student_tokenizer, teacher_tokenizer = TOKENIZERS["byte"](), TOKENIZERS["unigram_120"]()
+    documents = ["héllo wörld 😀", "naïve café", "東京 x", "  a\tb  "]
+    batch = pack_aligned(documents, student_tokenizer, teacher_tokenizer, student_sequence_length=16,
+                         teacher_sequence_length=9)
+    groups = batch.groups
+    part = groups.select_rows(1, 3, student_sequence_length=16, teacher_sequence_length=9)
+    assert 0 < len(part) < len(groups) and set(part.row.tolist()) <= {0, 1}
+    s_ids, t_ids = batch.student["input_ids"].reshape(-1), batch.teacher["input_ids"].reshape(-1)
+    keep = (groups.row >= 1) & (groups.row < 3)
+    s_part, t_part = batch.student["input_ids"][1:3].reshape(-1), batch.teacher["input_ids"][1:3].reshape(-1)
+    assert torch.equal(s_part[part.student_last], s_ids[groups.student_last[keep]])
+    assert torch.equal(t_part[part.teacher_first], t_ids[groups.teacher_first[keep]])
+
+
 def test_byte_tokenizer_splits_multibyte_characters_by_their_bytes():
     tokenizer = TOKENIZERS["byte"]()
     (spans,) = encode_with_byte_spans(tokenizer, ["é😀"])
