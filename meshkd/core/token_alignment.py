@@ -184,8 +184,8 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     """The UTF-8 bytes each vocabulary entry stands for, by id (None for special tokens).
 
     Read from the backend's own conventions (its serialized JSON): byte-level BPE spells bytes in GPT-2's
-    alphabet ("Ġhello" is b" hello", and a token may hold part of a character); SentencePiece-style models
-    write spaces as "▁" and unknown bytes as "<0xNN>"; WordPiece marks word-inner pieces with a prefix
+    alphabet ("\u0120hello" is b" hello", and a token may hold part of a character); SentencePiece-style models
+    write spaces as U+2581 and unknown bytes as "<0xNN>"; WordPiece marks word-inner pieces with a prefix
     ("##llo" is b"llo") and drops spaces, so its word-initial pieces carry none. Anything else is the
     token's own string. `tokenizer` is a transformers fast tokenizer; ids run over `len(tokenizer)`.
     """
@@ -332,7 +332,7 @@ def _split_shared_characters(ids, starts: list[int], ends: list[int], table, dat
         if j - i > 1:
             pieces = [table[ids[k]] if 0 <= ids[k] < len(table) else None for k in range(i, j)]
             text = data[starts[i] : end]
-            # SentencePiece's dummy prefix: a leading "▁" token shares the first character's offsets but
+            # SentencePiece's dummy prefix: a leading U+2581 token shares the first character's offsets but
             # stands for no text; it becomes an empty-span token in front of it.
             skip = 0
             while (skip < len(pieces) - 1 and pieces[skip] is not None and pieces[skip].strip(b" ") == b""
