@@ -15,7 +15,7 @@ actual last token is the probability of the group's whole text. The projection c
 at a group's first position instead: both sides predict the next token from the same bytes there, and a
 teacher token maps to the student token that starts its bytes. `VocabularyMap` holds the exact matches and
 the projection, built once from the two tokenizers and cacheable. `bits_per_byte` makes held-out losses of
-different tokenizers comparable.
+different tokenizers comparable (`nll_and_bytes` per side, `group_nll_and_bytes` on the aligned groups).
 """
 
 from __future__ import annotations
@@ -473,6 +473,23 @@ def nll_and_bytes(
         rows = logits.flatten(0, -2)[counted].to(result_dtype(logits))
         nll = F.cross_entropy(rows, flat_labels[counted].long(), reduction="sum")
         return nll, flat_bytes[counted].sum()
+
+
+def group_nll_and_bytes(
+    logits: Tensor, targets: Tensor, first: Tensor, last: Tensor, num_bytes: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`nll_and_bytes` over aligned groups: both models of a pair are scored on exactly the same bytes.
+
+    Sums -log P(all targets of the group) over the groups that cover text (`AlignedGroups.num_bytes` > 0),
+    with their bytes; call it once per side with that side's logits, targets and positions.
+    """
+    with torch.no_grad():
+        first, last = first.reshape(-1).long(), last.reshape(-1).long()
+        counted = num_bytes.reshape(-1).to(first.device) > 0
+        first, last = first[counted], last[counted]
+        merged = group_log_probs(logits, targets, first, last)
+        final = targets.reshape(-1)[last].long().to(merged.device)
+        return -merged.gather(-1, final[:, None]).sum(), num_bytes.reshape(-1)[counted.cpu()].sum()
 
 
 def bits_per_byte(nll_nats: Tensor | float, num_bytes: Tensor | int) -> float:

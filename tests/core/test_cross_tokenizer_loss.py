@@ -12,6 +12,7 @@ from meshkd.core.cross_tokenizer_loss import (
     build_vocabulary_map,
     gold_loss,
     group_log_probs,
+    group_nll_and_bytes,
     nll_and_bytes,
     project_teacher_logits,
     projected_kd_loss,
@@ -267,3 +268,23 @@ def test_bits_per_byte_compare_tokenizers_on_the_same_text():
     _, t_bytes = nll_and_bytes(torch.zeros(*t_labels.shape, len(bpe)), t_labels, batch.teacher_target_bytes)
     first_teacher_token = int(batch.teacher["input_ids"][0, 0])
     assert int(t_bytes) == len(text[0].encode()) - len(token_bytes(bpe)[first_teacher_token])
+    # On the aligned groups both sides count the same bytes, and a uniform byte model still costs log2(258).
+    groups = batch.groups
+    s_flat, t_flat = labels.reshape(-1), t_labels.reshape(-1)
+    s_nll, s_bytes = group_nll_and_bytes(torch.zeros(len(s_flat), len(byte)), s_flat, groups.student_first,
+                                         groups.student_last, groups.num_bytes)
+    t_nll, t_group_bytes = group_nll_and_bytes(torch.randn(len(t_flat), len(bpe)), t_flat, groups.teacher_first,
+                                               groups.teacher_last, groups.num_bytes)
+    assert int(s_bytes) == int(t_group_bytes) > 0 and float(t_nll) > 0
+    assert math.isclose(bits_per_byte(s_nll, s_bytes), math.log2(258), rel_tol=1e-6)
+
+
+def test_group_nll_with_one_tokenizer_is_the_token_nll():
+    tokenizer, batch = _same_tokenizer_batch()
+    labels = batch.student["labels"]
+    logits = torch.randn(*labels.shape, len(tokenizer), generator=torch.Generator().manual_seed(6))
+    groups = batch.groups
+    nll, num_bytes = nll_and_bytes(logits, labels, batch.student_target_bytes)
+    group_nll, group_bytes = group_nll_and_bytes(logits.flatten(0, 1), labels.reshape(-1), groups.student_first,
+                                                 groups.student_last, groups.num_bytes)
+    assert int(num_bytes) == int(group_bytes) and torch.allclose(nll, group_nll)
