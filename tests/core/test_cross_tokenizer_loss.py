@@ -288,3 +288,17 @@ def test_group_nll_with_one_tokenizer_is_the_token_nll():
     group_nll, group_bytes = group_nll_and_bytes(logits.flatten(0, 1), labels.reshape(-1), groups.student_first,
                                                  groups.student_last, groups.num_bytes)
     assert int(num_bytes) == int(group_bytes) and torch.allclose(nll, group_nll)
+
+
+def test_gradients_through_multi_token_groups_match_finite_differences():
+    generator = torch.Generator().manual_seed(7)
+    student = torch.randn(6, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([1, 2, 0, 3, 4, IGNORE_INDEX])
+    first, last = torch.tensor([0, 2, 4]), torch.tensor([1, 3, 4])  # two 2-token groups and one 1-token group
+    teacher = F.log_softmax(torch.randn(3, 7, generator=generator, dtype=torch.float64), -1) - 0.3
+    exact = VocabularyMap(5, 7, torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6]), torch.tensor([0]), torch.tensor([0]),
+                          torch.ones(1), "test")
+    kwargs = dict(student_first=first, student_last=last, temperature=1.3)
+    assert torch.autograd.gradcheck(lambda s: uld_loss(s, targets, teacher, **kwargs), (student,))
+    assert torch.autograd.gradcheck(lambda s: gold_loss(s, targets, teacher, exact, matched_weight=0.6, **kwargs),
+                                    (student,))
