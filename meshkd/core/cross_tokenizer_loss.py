@@ -32,7 +32,7 @@ from torch import Tensor
 
 from meshkd.core.chunked_loss import result_dtype, token_normalizer
 from meshkd.core.loss import kd_loss
-from meshkd.core.token_alignment import token_bytes
+from meshkd.core.token_bytes import token_bytes
 
 _MAP_RULE = "meshkd-vocabulary-map-v1"  # bump when the matching rule changes, so cached maps are rebuilt
 _SPECIAL_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -373,7 +373,7 @@ def _fingerprint(student_table, student_roles, teacher_table, teacher_roles, stu
 def build_vocabulary_map(student_tokenizer, teacher_tokenizer) -> VocabularyMap:
     """The exact pairs and the projection between two transformers fast tokenizers (see `VocabularyMap`).
 
-    Token bytes come from `meshkd.core.token_alignment.token_bytes`. Among several student tokens of the
+    Token bytes come from `meshkd.core.token_bytes.token_bytes`. Among several student tokens of the
     teacher token's bytes, the one spelled like it wins, else the lowest id; each student token pairs once.
     Costs a pass over both vocabularies (seconds for 150k tokens): build once and `save` it.
     """

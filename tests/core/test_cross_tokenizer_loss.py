@@ -20,7 +20,8 @@ from meshkd.core.cross_tokenizer_loss import (
     vocabulary_fingerprint,
 )
 from meshkd.core.loss import kd_loss
-from meshkd.core.token_alignment import IGNORE_INDEX, pack_aligned, token_bytes
+from meshkd.core.token_alignment import IGNORE_INDEX, pack_aligned
+from meshkd.core.token_bytes import token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS
 
 

@@ -5,15 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshkd.core.token_alignment import (
-    IGNORE_INDEX,
-    TokenSpans,
-    align_token_spans,
-    encode_with_byte_spans,
-    pack_aligned,
-    pack_aligned_documents,
-    token_bytes,
-)
+from meshkd.core.token_alignment import IGNORE_INDEX, align_token_spans, pack_aligned, pack_aligned_documents
+from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans, token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS, smollm2_tokenizer
 
 PIECES = ["héllo", " wörld", "東京", "😀", "🇫🇷", "👍🏽", "  ", "\t", "\n\n", " ", "abc", "naïve", "0123", "ß", "x"]
@@ -172,13 +165,6 @@ def test_groups_of_a_row_slice_index_that_slice():
     assert torch.equal(t_part[part.teacher_first], t_ids[groups.teacher_first[keep]])
 
 
-def test_byte_tokenizer_splits_multibyte_characters_by_their_bytes():
-    tokenizer = TOKENIZERS["byte"]()
-    (spans,) = encode_with_byte_spans(tokenizer, ["é😀"])
-    assert spans.ids == (*"é😀".encode(), tokenizer.eos_token_id)
-    assert spans.starts == (0, 1, 2, 3, 4, 5, 6) and spans.ends == (1, 2, 3, 4, 5, 6, 6)
-
-
 def test_hand_built_alignment_with_one_sided_bos_and_shared_eos():
     # "héllo" is 6 bytes: student "<s>" "h" "é" "llo" "</s>", teacher "hé" "l" "lo" "</s>".
     student = TokenSpans((1, 10, 11, 12, 2), (0, 0, 1, 3, 6), (0, 1, 3, 6, 6), 6)
@@ -209,19 +195,6 @@ def test_long_documents_are_cut_at_common_boundaries_on_both_sides():
         s_pieces.append(student_tokenizer.decode(s_ids, skip_special_tokens=True))
         t_pieces.append(teacher_tokenizer.decode(t_ids, skip_special_tokens=True))
     assert s_pieces == t_pieces and "".join(s_pieces) == text
-
-
-def test_token_bytes_follow_each_backend():
-    tables = {name: token_bytes(TOKENIZERS[name]()) for name in ("byte", "unigram_120", "wordpiece_160")}
-    assert tables["byte"][:256] == [bytes([b]) for b in range(256)] and tables["byte"][256:] == [None, None]
-    unigram = TOKENIZERS["unigram_120"]()
-    assert any(entry is not None and entry.startswith(b" ") for entry in tables["unigram_120"])
-    assert all(entry is None or b"\xe2\x96\x81" not in entry for entry in tables["unigram_120"])  # no "▁" left
-    assert tables["unigram_120"][unigram.eos_token_id] is None
-    wordpiece = TOKENIZERS["wordpiece_160"]()
-    inner = [i for i, token in enumerate(wordpiece.convert_ids_to_tokens(list(range(len(wordpiece)))))
-             if token.startswith("##")]
-    assert inner and all(not tables["wordpiece_160"][i].startswith(b"#") for i in inner)
 
 
 def test_smollm2_against_the_byte_tokenizer():
@@ -259,5 +232,3 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
     with pytest.raises(ValueError, match="document 1: teacher tokens"):
         pack_aligned_documents([good, good], [good, TokenSpans((1,), (3,), (1,), 4)], student_sequence_length=4,
                                teacher_sequence_length=4)
-    with pytest.raises(ValueError, match="has no bos_token"):
-        encode_with_byte_spans(TOKENIZERS["byte"](), ["x"], add_bos=True)
