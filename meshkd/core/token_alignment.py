@@ -1,0 +1,405 @@
+"""Token alignment: pair two tokenizations of the same text by UTF-8 byte offsets, and pack both sides.
+
+Design. Every token carries a byte span [start, end) in its document's UTF-8 text (`TokenSpans` of
+`meshkd.core.token_bytes`); special tokens (BOS, EOS) carry an empty span at the byte where they sit. A byte
+position is a cut of one side when no token of that side spans across it; the common cuts of both sides
+split the document into the finest groups (student tokens i..j, teacher tokens k..l) that cover the same
+bytes. Groups are monotone, every byte lies in exactly one group, and a group never crosses a document.
+Empty-span tokens at a group boundary form a boundary group of their own (EOS with EOS, paired in order when
+both sides have as many; a BOS that one side alone has is a group with no token on the other side); one
+strictly inside a group joins it. Offsets, not decoded strings, are compared, so multibyte characters,
+whitespace runs and one-sided specials need no special case.
+
+`pack_aligned` tokenizes with `encode_with_byte_spans` and packs both sides NEAT-style
+(`meshkd.core.packing`), same documents in the same rows, each side with its own sequence length; a document
+too long for a row is cut at a common cut so both sides restart together. `AlignedGroups` holds, per loss
+group, the flat positions of the logits that predict the group's first and last token on each side
+(`meshkd.core.cross_tokenizer_loss`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans
+
+IGNORE_INDEX = -100
+"""Label of positions without a target, as in `meshkd.recipe.data`."""
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Groups of one document: group g holds student tokens [student_bounds[g], student_bounds[g + 1]),
+    teacher tokens [teacher_bounds[g], teacher_bounds[g + 1]) and bytes [byte_bounds[g], byte_bounds[g + 1]).
+
+    Each bounds tuple has num_groups + 1 non-decreasing entries from 0 to the side's token count (or the
+    document's byte count), so groups are contiguous on both sides and cover every token and byte once.
+    A group with an empty byte range is a boundary group of empty-span tokens; it may lack one side.
+    """
+
+    student_bounds: tuple[int, ...]
+    teacher_bounds: tuple[int, ...]
+    byte_bounds: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.byte_bounds) - 1
+
+
+def check_token_spans(spans: TokenSpans, name: str = "tokens") -> None:
+    """ValueError naming the first token whose span is outside the text or out of order.
+
+    Spans must lie in [0, num_bytes] with start <= end, and both starts and ends must be non-decreasing in
+    token order (an empty-span token sits between the tokens ending at or before it and those starting at
+    or after it).
+    """
+    n = len(spans.ids)
+    if len(spans.starts) != n or len(spans.ends) != n:
+        raise ValueError(f"{name}: {n} ids but {len(spans.starts)} starts and {len(spans.ends)} ends")
+    if spans.num_bytes < 0:
+        raise ValueError(f"{name}: num_bytes must be >= 0, got {spans.num_bytes}")
+    previous_start = previous_end = 0
+    for i, (start, end) in enumerate(zip(spans.starts, spans.ends)):
+        if not 0 <= start <= end <= spans.num_bytes:
+            raise ValueError(
+                f"{name}: token {i} (id {spans.ids[i]}) has byte span [{start}, {end}), which is not inside the "
+                f"text's {spans.num_bytes} bytes with start <= end"
+            )
+        if start < previous_start or end < previous_end:
+            raise ValueError(
+                f"{name}: token {i} (id {spans.ids[i]}) spans [{start}, {end}) but token {i - 1} spans "
+                f"[{spans.starts[i - 1]}, {spans.ends[i - 1]}): spans must be in text order"
+            )
+        previous_start, previous_end = start, end
+
+
+def _cuts(spans: TokenSpans) -> list[bool]:
+    """cut[b] for b in 0..num_bytes: no token of this side spans across byte position b."""
+    depth = [0] * (spans.num_bytes + 2)
+    for start, end in zip(spans.starts, spans.ends):
+        if end - start > 1:  # interior positions start + 1 .. end - 1
+            depth[start + 1] += 1
+            depth[end] -= 1
+    cuts, inside = [], 0
+    for b in range(spans.num_bytes + 1):
+        inside += depth[b]
+        cuts.append(inside == 0)
+    return cuts
+
+
+def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
+    """The finest monotone grouping of two tokenizations of one text that pairs equal byte ranges.
+
+    Raises ValueError when the two sides disagree on the text's length or a side's spans are invalid
+    (`check_token_spans`).
+    """
+    check_token_spans(student, "student tokens")
+    check_token_spans(teacher, "teacher tokens")
+    if student.num_bytes != teacher.num_bytes:
+        raise ValueError(
+            f"student and teacher tokens describe texts of different lengths ({student.num_bytes} and "
+            f"{teacher.num_bytes} bytes): align tokenizations of the same document"
+        )
+    num_bytes = student.num_bytes
+    sides = (student, teacher)
+    student_cuts, teacher_cuts = _cuts(student), _cuts(teacher)
+    common = [b for b in range(num_bytes + 1) if student_cuts[b] and teacher_cuts[b]]
+    # A byte range that one side covers with no token of its own (a gap in its spans) cannot stand alone:
+    # it joins the previous range (the next one at the start of the text).
+    num_segments = len(common) - 1
+    has_text = [[False] * num_segments for _ in sides]
+    for side, flags in zip(sides, has_text):
+        for start, end in zip(side.starts, side.ends):
+            if start < end:
+                flags[_segment(common, start)] = True
+    ends: list[int] = []
+    for segment in range(num_segments):
+        if all(flags[segment] for flags in has_text) or not ends and segment == num_segments - 1:
+            ends.append(common[segment + 1])
+        elif ends:
+            ends[-1] = common[segment + 1]
+    text_bounds = [0, *ends]
+    # Each token goes to a (group, slot): slot 0 = the boundary group before text range r, 1 = text range r.
+    # Text range r spans [text_bounds[r], text_bounds[r + 1]); boundary r sits at byte text_bounds[r].
+    boundary_index = {byte: r for r, byte in enumerate(text_bounds)}
+
+    def key(start: int, end: int) -> tuple[int, int]:
+        if start == end and start in boundary_index:
+            return boundary_index[start], 0
+        return _segment(text_bounds, start), 1
+
+    keys = [[key(s, e) for s, e in zip(side.starts, side.ends)] for side in sides]
+    num_text = len(text_bounds) - 1
+    slots = sorted({k for side_keys in keys for k in side_keys} | {(r, 1) for r in range(num_text)})
+    bounds: list[list[int]] = [[0], [0]]
+    byte_bounds = [0]
+    for slot in slots:
+        r, is_text = slot
+        counts = []
+        for side_index, side_keys in enumerate(keys):
+            count = bounds[side_index][-1]
+            while count < len(side_keys) and side_keys[count] == slot:
+                count += 1
+            counts.append(count - bounds[side_index][-1])
+        # Empty-span tokens at one boundary pair up in order when both sides have as many (BOS with BOS).
+        split = counts[0] if not is_text and counts[0] == counts[1] else 1
+        for _ in range(split):
+            for side_index in range(2):
+                bounds[side_index].append(bounds[side_index][-1] + counts[side_index] // split)
+            byte_bounds.append(text_bounds[r + 1] if is_text else text_bounds[r])
+    for side_index, side in enumerate(sides):
+        assert bounds[side_index][-1] == len(side.ids), "tokens out of group order despite validated spans"
+    return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
+
+
+def _segment(bounds: list[int], byte: int) -> int:
+    """Index r of the range [bounds[r], bounds[r + 1]) holding `byte` (the last range for the end)."""
+    return min(max(bisect.bisect_right(bounds, byte) - 1, 0), len(bounds) - 2)
+
+
+@dataclass(frozen=True)
+class AlignedGroups:
+    """The loss groups of an aligned batch, in row-major order: every field is an int64 tensor [groups].
+
+    A loss group has tokens on both sides and, on both, a logit that predicts its first token within the
+    same document. `student_first` / `student_last` are the flat positions (row * student sequence length
+    + column, i.e. indices into logits flattened to [tokens, vocab]) of the student logits predicting the
+    group's first and last token; the group's targets are the labels at positions first..last. Likewise
+    `teacher_first` / `teacher_last` in the teacher's packing. `num_bytes` is the text the group covers
+    (0 for a boundary group such as EOS with EOS); `row` is the group's row on both sides.
+    """
+
+    student_first: Tensor
+    student_last: Tensor
+    teacher_first: Tensor
+    teacher_last: Tensor
+    num_bytes: Tensor
+    row: Tensor
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def select_rows(self, start: int, stop: int, *, student_sequence_length: int,
+                    teacher_sequence_length: int) -> AlignedGroups:
+        """The groups of rows [start, stop), with positions relative to that slice of both batches (the
+        micro-batch or data-parallel share `batch[start:stop]` of each side)."""
+        keep = (self.row >= start) & (self.row < stop)
+        return AlignedGroups(
+            student_first=self.student_first[keep] - start * student_sequence_length,
+            student_last=self.student_last[keep] - start * student_sequence_length,
+            teacher_first=self.teacher_first[keep] - start * teacher_sequence_length,
+            teacher_last=self.teacher_last[keep] - start * teacher_sequence_length,
+            num_bytes=self.num_bytes[keep],
+            row=self.row[keep] - start,
+        )
+
+
+@dataclass(frozen=True)
+class AlignedBatch:
+    """Both sides of a text batch, packed into the same rows, and their loss groups.
+
+    `student` and `teacher` are batch dicts in the layout of `meshkd.recipe.data` (`input_ids`, `labels`,
+    `position_ids`, `attention_mask`, each int64 [rows, that side's sequence length]). `*_target_bytes`
+    [rows, sequence length] hold the UTF-8 bytes the token each position's label names adds to the text
+    (0 where the label is ignored or names a special token; tokens sharing a character count it once), for
+    bits per byte.
+    """
+
+    student: dict[str, Tensor]
+    teacher: dict[str, Tensor]
+    groups: AlignedGroups
+    student_target_bytes: Tensor
+    teacher_target_bytes: Tensor
+
+
+def pack_aligned(
+    texts: Sequence[str],
+    student_tokenizer,
+    teacher_tokenizer,
+    *,
+    student_sequence_length: int,
+    teacher_sequence_length: int,
+    student_add_bos: bool = False,
+    teacher_add_bos: bool = False,
+    pack: bool = True,
+) -> AlignedBatch:
+    """Tokenize documents with both tokenizers (`encode_with_byte_spans`), align and pack them.
+
+    See `pack_aligned_documents`; pad ids are each tokenizer's pad token, else its EOS, else 0.
+    """
+    student = encode_with_byte_spans(student_tokenizer, texts, add_bos=student_add_bos)
+    teacher = encode_with_byte_spans(teacher_tokenizer, texts, add_bos=teacher_add_bos)
+    return pack_aligned_documents(
+        student, teacher,
+        student_sequence_length=student_sequence_length, teacher_sequence_length=teacher_sequence_length,
+        student_pad_id=_pad_id(student_tokenizer), teacher_pad_id=_pad_id(teacher_tokenizer), pack=pack,
+    )  # fmt: skip
+
+
+def _pad_id(tokenizer) -> int:
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+@dataclass
+class _Piece:
+    document: int
+    groups: range  # group indices of the document's alignment
+    student: range  # token indices of the document
+    teacher: range
+
+
+def pack_aligned_documents(
+    student_documents: Sequence[TokenSpans],
+    teacher_documents: Sequence[TokenSpans],
+    *,
+    student_sequence_length: int,
+    teacher_sequence_length: int,
+    student_pad_id: int = 0,
+    teacher_pad_id: int = 0,
+    pack: bool = True,
+) -> AlignedBatch:
+    """Align each document's two tokenizations and pack both sides NEAT-style into the same rows.
+
+    A document whose tokens do not fit a row on either side is cut at group boundaries into the longest
+    pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
+    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides (a scan
+    over the open rows: meant for a batch of documents, not a corpus at once); `pack=False` puts each
+    piece in a row of its own. Documents with no token on either side are skipped.
+
+    Raises:
+        ValueError: mismatched document counts, a sequence length below 2, invalid spans (named by
+            document and side), or a single group longer than a row.
+    """
+    if len(student_documents) != len(teacher_documents):
+        raise ValueError(
+            f"{len(student_documents)} student documents but {len(teacher_documents)} teacher documents: "
+            f"give both tokenizations of every document"
+        )
+    lengths = {"student_sequence_length": student_sequence_length, "teacher_sequence_length": teacher_sequence_length}
+    for name, value in lengths.items():
+        if value < 2:
+            raise ValueError(f"{name} must be at least 2 tokens, got {value}")
+    alignments = []
+    for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
+        try:
+            alignments.append(align_token_spans(student, teacher))
+        except ValueError as error:
+            raise ValueError(f"document {index}: {error}") from error
+
+    pieces = []
+    for index, alignment in enumerate(alignments):
+        pieces.extend(_cut(index, alignment, student_sequence_length, teacher_sequence_length))
+    rows, offsets = _place(pieces, student_sequence_length, teacher_sequence_length, pack)
+    num_rows = max(rows, default=-1) + 1
+
+    sides = (
+        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, "student_bounds"),
+        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, "teacher_bounds"),
+    )
+    batches, target_bytes = [], []
+    for side_index, (documents, length, pad_id, tokens_of, _) in enumerate(sides):
+        batch = {
+            "input_ids": torch.full((num_rows, length), pad_id, dtype=torch.int64),
+            "labels": torch.full((num_rows, length), IGNORE_INDEX, dtype=torch.int64),
+            "position_ids": torch.zeros((num_rows, length), dtype=torch.int64),
+            "attention_mask": torch.zeros((num_rows, length), dtype=torch.int64),
+        }
+        nbytes = torch.zeros((num_rows, length), dtype=torch.int64)
+        pieces_in_row = [0] * num_rows
+        for piece, row, offset in zip(pieces, rows, offsets):
+            pieces_in_row[row] += 1
+            document = documents[piece.document]
+            tokens = tokens_of(piece)
+            start = offset[side_index]
+            columns = slice(start, start + len(tokens))
+            ids = torch.tensor(document.ids[tokens.start : tokens.stop], dtype=torch.int64)
+            batch["input_ids"][row, columns] = ids
+            batch["labels"][row, start : start + len(tokens) - 1] = ids[1:]
+            batch["position_ids"][row, columns] = torch.arange(len(tokens))
+            batch["attention_mask"][row, columns] = pieces_in_row[row]
+            sizes = _new_bytes(document, tokens)
+            nbytes[row, start : start + len(tokens) - 1] = torch.tensor(sizes[1:], dtype=torch.int64)
+        batches.append(batch)
+        target_bytes.append(nbytes)
+
+    fields: dict[str, list[int]] = {name: [] for name in AlignedGroups.__dataclass_fields__}
+    for piece, row, (student_offset, teacher_offset) in zip(pieces, rows, offsets):
+        alignment = alignments[piece.document]
+        for g in piece.groups:
+            s0 = alignment.student_bounds[g] - piece.student.start
+            s1 = alignment.student_bounds[g + 1] - piece.student.start
+            t0 = alignment.teacher_bounds[g] - piece.teacher.start
+            t1 = alignment.teacher_bounds[g + 1] - piece.teacher.start
+            if s0 < 1 or t0 < 1 or s1 == s0 or t1 == t0:
+                continue  # no token on one side, or no logit predicting its first token in this piece
+            fields["student_first"].append(row * student_sequence_length + student_offset + s0 - 1)
+            fields["student_last"].append(row * student_sequence_length + student_offset + s1 - 2)
+            fields["teacher_first"].append(row * teacher_sequence_length + teacher_offset + t0 - 1)
+            fields["teacher_last"].append(row * teacher_sequence_length + teacher_offset + t1 - 2)
+            fields["num_bytes"].append(alignment.byte_bounds[g + 1] - alignment.byte_bounds[g])
+            fields["row"].append(row)
+    order = sorted(range(len(fields["row"])), key=fields["student_first"].__getitem__)
+    groups = AlignedGroups(**{
+        name: torch.tensor([values[i] for i in order], dtype=torch.int64) for name, values in fields.items()
+    })  # fmt: skip
+    return AlignedBatch(batches[0], batches[1], groups, target_bytes[0], target_bytes[1])
+
+
+def _new_bytes(document: TokenSpans, tokens: range) -> list[int]:
+    """Bytes each token adds to those before it, so tokens sharing a character count it once."""
+    covered = document.starts[tokens.start] if len(tokens) else 0
+    sizes = []
+    for k in tokens:
+        sizes.append(max(0, document.ends[k] - max(document.starts[k], covered)))
+        covered = max(covered, document.ends[k])
+    return sizes
+
+
+def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
+    """The document as pieces of whole groups, each as long as fits a row on both sides."""
+    sb, tb = alignment.student_bounds, alignment.teacher_bounds
+    if sb[-1] == 0 and tb[-1] == 0:
+        return []
+    pieces = []
+    first = 0
+    for g in range(alignment.num_groups):
+        too_long = sb[g + 1] - sb[g] > student_length or tb[g + 1] - tb[g] > teacher_length
+        if too_long:
+            raise ValueError(
+                f"document {document}: group {g} (bytes {alignment.byte_bounds[g]}..{alignment.byte_bounds[g + 1]}) "
+                f"has {sb[g + 1] - sb[g]} student and {tb[g + 1] - tb[g]} teacher tokens, more than a row holds "
+                f"({student_length} and {teacher_length}); use longer rows"
+            )
+        if sb[g + 1] - sb[first] > student_length or tb[g + 1] - tb[first] > teacher_length:
+            pieces.append(_Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
+            first = g
+    last = alignment.num_groups
+    pieces.append(_Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
+    return pieces
+
+
+def _place(pieces: list[_Piece], student_length: int, teacher_length: int, pack: bool):
+    """Row and (student, teacher) column offset of each piece: first fit on both sides at once."""
+    free: list[list[int]] = []
+    rows, offsets = [], []
+    for piece in pieces:
+        need = (len(piece.student), len(piece.teacher))
+        row = None
+        if pack:
+            row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
+        if row is None:
+            free.append([student_length, teacher_length])
+            row = len(free) - 1
+        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
+        free[row][0] -= need[0]
+        free[row][1] -= need[1]
+        rows.append(row)
+    return rows, offsets

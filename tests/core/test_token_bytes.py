@@ -1,0 +1,31 @@
+"""Token bytes (no process group): byte spans of real tokenizers and the bytes of their vocabularies."""
+
+import pytest
+
+from meshkd.core.token_bytes import encode_with_byte_spans, token_bytes
+from tests.core.tokenizers_on_the_fly import TOKENIZERS
+
+
+def test_byte_tokenizer_splits_multibyte_characters_by_their_bytes():
+    tokenizer = TOKENIZERS["byte"]()
+    (spans,) = encode_with_byte_spans(tokenizer, ["é😀"])
+    assert spans.ids == (*"é😀".encode(), tokenizer.eos_token_id)
+    assert spans.starts == (0, 1, 2, 3, 4, 5, 6) and spans.ends == (1, 2, 3, 4, 5, 6, 6)
+
+
+def test_token_bytes_follow_each_backend():
+    tables = {name: token_bytes(TOKENIZERS[name]()) for name in ("byte", "unigram_120", "wordpiece_160")}
+    assert tables["byte"][:256] == [bytes([b]) for b in range(256)] and tables["byte"][256:] == [None, None]
+    unigram = TOKENIZERS["unigram_120"]()
+    assert any(entry is not None and entry.startswith(b" ") for entry in tables["unigram_120"])
+    assert all(entry is None or b"\xe2\x96\x81" not in entry for entry in tables["unigram_120"])  # no "▁" left
+    assert tables["unigram_120"][unigram.eos_token_id] is None
+    wordpiece = TOKENIZERS["wordpiece_160"]()
+    inner = [i for i, token in enumerate(wordpiece.convert_ids_to_tokens(list(range(len(wordpiece)))))
+             if token.startswith("##")]
+    assert inner and all(not tables["wordpiece_160"][i].startswith(b"#") for i in inner)
+
+
+def test_add_bos_without_a_bos_token_raises():
+    with pytest.raises(ValueError, match="has no bos_token"):
+        encode_with_byte_spans(TOKENIZERS["byte"](), ["x"], add_bos=True)
