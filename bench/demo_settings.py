@@ -18,7 +18,7 @@ import torch
 
 from meshkd.cli import demo_overrides
 from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective
-from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
+from meshkd.core.masks import attention_windows, layer_masks
 from meshkd.recipe import data, layer_selection, models
 from meshkd.recipe.config import load_config
 
@@ -34,8 +34,7 @@ _VAL_ROWS = 16
 
 def _logits(model, batch):
     documents = batch["attention_mask"]
-    masks = masks_for_layers(attention_windows(model.config, model),
-                             lambda window: indexed_to_additive_mask(documents, sliding_window=window))
+    masks = layer_masks(documents, attention_windows(model.config, model), dtype=torch.float32)
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=masks,
                  use_cache=False).logits
 

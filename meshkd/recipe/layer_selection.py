@@ -20,7 +20,6 @@ and calibration rows reuses it, and `--resume` always does, so a run's layers ne
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
+from meshkd.core.masks import attention_windows, layer_masks
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.files import write_atomically
@@ -77,7 +76,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
         with torch.no_grad():
             for batch in batches:
                 documents = batch["attention_mask"].to(device)
-                masks = masks_for_layers(windows, functools.partial(_mask, documents, dtype))
+                masks = layer_masks(documents, windows, dtype=dtype)
                 model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                       attention_mask=masks, use_cache=False)
                 valid = documents != 0
@@ -93,10 +92,6 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
     if tokens == 0:
         raise ValueError("the calibration rows hold no token")
     return (per_layer / tokens).tolist(), (per_block / tokens).tolist()
-
-
-def _mask(documents: torch.Tensor, dtype: torch.dtype, window: int | None) -> torch.Tensor:
-    return indexed_to_additive_mask(documents, dtype=dtype, sliding_window=window)
 
 
 def _angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

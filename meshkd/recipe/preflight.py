@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshkd.core.packing import attention_windows
+from meshkd.core.masks import attention_windows
 from meshkd.parallel.data_parallel import check_experts_over_dp
 from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
