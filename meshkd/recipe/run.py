@@ -6,8 +6,9 @@ teacher-only ranks (separate meshes) run a `TeacherWorker`, which serves the stu
 so that the collectives between them line up across roles:
 
 1. load (rank-local: this role's model, data), agreed over the world;
-2. the common vocabulary (an all-reduce of both models' sizes) and, on separate meshes, the bridge and
-   the NEAT-packing check across the roles;
+2. the common vocabulary (an all-reduce of both models' sizes) and, on separate meshes, the bridge (the
+   student's packing hook and the teacher's `TeacherRunner` build their masks from the same NEAT document
+   indices, so the roles need no packing handshake);
 3. lay out (pipeline split, tensor / context / data parallel, this rank's share of the weights), agreed;
 4. resume (the student's checkpoint, metrics, run directory), agreed.
 
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.packing import configure_kd_teacher_packing
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.context_parallel import flatten_student_cp_axes
 from meshkd.recipe import models
@@ -118,10 +118,6 @@ class KDRecipe:
             if setups.separate:
                 bridge = KDMeshBridge(setups, self.device,
                                       timeout=datetime.timedelta(seconds=config.collective_timeout_s))
-            teacher_parts, student_parts = role.packing_parts()
-            if config.kd.teacher_cache is None:  # a cache has no teacher model to configure
-                configure_kd_teacher_packing(teacher_parts, student_parts,
-                                             control_group=bridge.control_group if bridge else None)
             with faults.on_every_rank("while laying out the models"):
                 role.lay_out(vocab_size, bridge)
             with faults.on_every_rank("while resuming and opening the run directory"):

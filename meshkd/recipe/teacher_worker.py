@@ -87,10 +87,6 @@ class TeacherWorker:
         """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
         return -1, self.model.get_output_embeddings().weight.shape[0]
 
-    def packing_parts(self) -> tuple[list, list]:
-        """(teacher parts, student parts) held here, for `configure_kd_teacher_packing`."""
-        return [self.model], []
-
     def lay_out(self, vocab_size: int, bridge: KDMeshBridge) -> None:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
         self.server = TeacherServer(bridge)
