@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.local_world import spawn_world
+from meshkd.parallel.pruning import prune_layers
 
 MIB = 1 << 20
 SECTIONS = ("bandwidth", "latency", "modes", "overlap", "memory")
@@ -329,7 +330,7 @@ def _modes(settings: dict) -> dict:
     source = models.demo_teacher_source()
     tokenizer = models.load_tokenizer(**source)
     teacher = models.load_causal_lm(**source)
-    students = {name: models.prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
+    students = {name: prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
     samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
     variants = [("full", None, 0), ("full_bf16", None, 0)]
     variants += [("topk", k, 0) for k in settings["topk"]] + [("topk", k, m) for k, m in settings["topk_sampled"]]

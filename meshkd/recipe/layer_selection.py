@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from meshkd.core.masks import attention_windows, layer_masks
+from meshkd.parallel.stages import decoder_of
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.files import write_atomically
@@ -53,7 +54,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
     """(per layer, per block of `span` layers): the mean angular distance, over the non-padding tokens of
     `batches` (NEAT-packed batch dicts), between a layer's (a block's first layer's) input and its (the
     block's last layer's) output. Entry i of the block list is the block starting at layer i."""
-    layers = models.decoder_layers(model)
+    layers = decoder_of(model).layers
     recorded: list[torch.Tensor | None] = [None] * (len(layers) + 1)
 
     def record_input(index: int):
@@ -135,7 +136,7 @@ def measure(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, 
     section = dataclasses.replace(config.model, keep_layers=None)
     with models.loading_quietly():
         model = load_section_model(section)
-    num_layers = len(models.decoder_layers(model))
+    num_layers = len(decoder_of(model).layers)
     if asked["auto"] > num_layers:
         raise ConfigError(f"model.keep_layers.auto: {asked['auto']} is more than the model's {num_layers} layers")
     if _on_gpu(config):
