@@ -220,7 +220,7 @@ def _train(config_path: str, overrides: list[str], nproc: int | None, resume: bo
 
         return _run_here(lambda: KDRecipe(config, resume=resume).run())
     from meshkd.recipe.preflight import preflight
-    from meshkd.recipe.run import check_gpu_count
+    from meshkd.recipe.world import check_gpu_count
 
     preflight(config)
     world_size = _world_size(required_world_size(config), nproc)
@@ -239,7 +239,7 @@ def _cache_teacher(config_path: str, overrides: list[str], nproc: int | None, sh
 
         return _run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
     from meshkd.recipe.preflight import preflight
-    from meshkd.recipe.run import check_gpu_count
+    from meshkd.recipe.world import check_gpu_count
 
     preflight(config, writing_cache=True)
     layout = config.teacher_layout

@@ -12,7 +12,8 @@ import torch
 
 from meshkd import cli
 from meshkd.recipe.config import config_from_dict
-from meshkd.recipe.run import KDRecipe, check_gpu_count, init_world
+from meshkd.recipe.run import KDRecipe
+from meshkd.recipe.world import check_gpu_count, init_world
 from tests.collectives import audited_collectives
 from tests.tiny import base_config
 
