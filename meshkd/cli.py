@@ -182,7 +182,7 @@ def _layer_selection(config_path: str, overrides: list[str], *, resume: bool = F
     if not isinstance(config.model.keep_layers, dict):
         return []
     from meshkd.recipe import layer_selection
-    from meshkd.recipe.preflight import load_section_tokenizer
+    from meshkd.recipe.loaders import load_section_tokenizer
 
     keep = layer_selection.resolve(config, load_section_tokenizer(config.model), resume=resume,
                                    measure_here=not _inside_torchrun())

@@ -10,7 +10,7 @@ import torch
 
 from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import models
-from meshkd.recipe.preflight import load_section_model, load_section_tokenizer
+from meshkd.recipe.loaders import load_section_model, load_section_tokenizer
 
 
 def greedy_completion(model, tokenizer, prompt: str, *, max_new_tokens: int) -> str:

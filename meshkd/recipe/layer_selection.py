@@ -32,7 +32,7 @@ from meshkd.parallel.stages import decoder_of
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.files import write_atomically
-from meshkd.recipe.preflight import load_section_model
+from meshkd.recipe.loaders import load_section_model
 from meshkd.recipe.teacher_cache import model_identity, row_hashes, rows_digest
 
 SELECTION_FILE = "layer_selection.json"

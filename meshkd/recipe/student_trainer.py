@@ -58,10 +58,11 @@ from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
+from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, read_metrics, warn0
 from meshkd.recipe.models import resolve_dtype
 from meshkd.recipe.on_policy import StudentCompletions, build_prompt_set, is_on_policy, row_seed
-from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
+from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher

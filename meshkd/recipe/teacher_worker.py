@@ -19,7 +19,8 @@ from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
-from meshkd.recipe.preflight import about, load_section_model_for_layout
+from meshkd.recipe.loaders import load_section_model_for_layout
+from meshkd.recipe.preflight import about
 
 
 class TeacherForward:
