@@ -16,9 +16,9 @@ from importlib import resources
 
 import torch
 
-from meshkd.cli import demo_overrides
 from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.core.masks import attention_windows, layer_masks
+from meshkd.demo import demo_overrides
 from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import data, layer_selection, models
 from meshkd.recipe.config import load_config
