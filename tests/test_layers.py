@@ -1,6 +1,6 @@
-"""The packages import downward only: `meshkd.core` nothing of `meshkd.parallel` or `meshkd.recipe`, and
-`meshkd.parallel` nothing of `meshkd.recipe` (README, Architecture). Pure tier: the sources are read with
-`ast`, imports inside functions included; nothing is imported.
+"""Each package imports only the ones above it in README's Architecture: `meshkd.core` nothing of
+`meshkd.parallel` or `meshkd.recipe`, `meshkd.parallel` nothing of `meshkd.recipe`. Pure tier: the sources
+are read with `ast`, imports inside functions included; nothing is imported.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "meshkd"
-# package -> the packages it must not import (those above it)
-ABOVE = {"core": ("meshkd.parallel", "meshkd.recipe"), "parallel": ("meshkd.recipe",)}
+# package -> the packages it must not import (those below it)
+BELOW = {"core": ("meshkd.parallel", "meshkd.recipe"), "parallel": ("meshkd.recipe",)}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -31,13 +31,13 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize("package", sorted(ABOVE))
-def test_a_package_imports_nothing_above_it(package):
+@pytest.mark.parametrize("package", sorted(BELOW))
+def test_a_package_imports_nothing_below_it(package):
     files = sorted((PACKAGE / package).rglob("*.py"))
     assert files
     upward = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
               for path in files for line, module in imported_modules(path)
-              if any(module == above or module.startswith(above + ".") for above in ABOVE[package])]
+              if any(module == below or module.startswith(below + ".") for below in BELOW[package])]
     assert not upward, "\n".join(upward)
 
 
