@@ -98,40 +98,41 @@ class _MaskHook:
         mask = self._argument(args, kwargs, "attention_mask")
         if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() != 2):
             return None  # prepared by an outer module's hook, or by the caller
-        if mask is None and self.cp is None:
-            return None
-        reference = None
-        for name in _QUERY_ARGUMENTS:
-            value = self._argument(args, kwargs, name)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                reference = value
-                break
-        if reference is None:
-            if self.cp is not None or not isinstance(mask, torch.Tensor):
-                return None
-            device, query_length = mask.device, None
-        else:
-            device, query_length = reference.device, reference.shape[1]
-        floating = reference is not None and reference.is_floating_point()
-        dtype = reference.dtype if floating else mask_dtype(module, device)
+        # The first of input_ids / inputs_embeds / hidden_states: the queries' length, device and dtype.
+        reference = next((value for value in (self._argument(args, kwargs, name) for name in _QUERY_ARGUMENTS)
+                          if isinstance(value, torch.Tensor) and value.dim() >= 2), None)
         if self.cp is None:
-            masks = layer_masks(mask.to(device), self.windows, dtype=dtype, query_length=query_length)
+            if not isinstance(mask, torch.Tensor):
+                return None
+            device = mask.device if reference is None else reference.device
+            masks = layer_masks(mask.to(device), self.windows, dtype=self._dtype(module, reference, device),
+                                query_length=None if reference is None else reference.shape[1])
         else:
+            if reference is None:
+                return None
             group, cp_size, cp_rank = self.cp
-            local_shape = tuple(reference.shape[:2])
+            local_shape, device = tuple(reference.shape[:2]), reference.device
             if mask is None:
                 mask = torch.ones(local_shape, dtype=torch.int64, device=device)
-            if tuple(mask.shape) != local_shape:
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != local_shape:
                 raise ValueError(
-                    f"context-parallel student: attention_mask {tuple(mask.shape)} must be this rank's share "
-                    f"{local_shape} of the sequence; shard the batch with shard_student_batch"
+                    f"context-parallel student: attention_mask {tuple(getattr(mask, 'shape', ()))} must be this "
+                    f"rank's share {local_shape} of the sequence; shard the batch with shard_student_batch"
                 )
             documents = gather_documents(mask.to(device), group)
-            masks = layer_masks(documents, self.windows, dtype=dtype, cp_size=cp_size, cp_rank=cp_rank)
+            masks = layer_masks(documents, self.windows, dtype=self._dtype(module, reference, device),
+                                cp_size=cp_size, cp_rank=cp_rank)
         index = self.positions.get("attention_mask")
         if "attention_mask" in kwargs or index is None or index >= len(args):
             return args, {**kwargs, "attention_mask": masks}
         return (*args[:index], masks, *args[index + 1 :]), kwargs
+
+    @staticmethod
+    def _dtype(module: nn.Module, reference: torch.Tensor | None, device: torch.device) -> torch.dtype:
+        # The attention scores' dtype: that of embeddings or hidden states when they are given.
+        if reference is not None and reference.is_floating_point():
+            return reference.dtype
+        return mask_dtype(module, device)
 
 
 def _forward_positions(module: nn.Module) -> tuple[dict[str, int], bool]:
