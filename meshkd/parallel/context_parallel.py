@@ -81,8 +81,8 @@ def _cp_attention(
         )
     if attention_mask is None or attention_mask.dim() != 4:
         raise RuntimeError(
-            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner or by "
-            f"parallelize_student's mask hook"
+            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner, "
+            f"StudentPipeline or the packing hook of a model laid out by parallelize_student"
         )
     differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
     key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
@@ -240,8 +240,9 @@ def shard_student_batch(
         (local batch, `StudentShard`). The sequence is padded to a multiple of 2 * cp_size (input 0,
         label `ignore_index`, position 0, document 0) and the four tensors above are cut to this rank's
         head-tail share [batch, padded_sequence / cp_size]; other entries are passed through untouched.
-        The local `attention_mask` holds only the local document indices: the model's mask hook gathers
-        the others over `cp`, so every cp rank must run the forward.
+        The local `attention_mask` holds only the local document indices: the model's packing hook
+        (`meshkd.core.packing.enable_cp_masks`) gathers the others over `cp`, so every cp rank must run
+        the forward.
     """
     cp_size, cp_rank = _cp_coordinate(setup)
     return _shard_batch(batch, cp_size=cp_size, cp_rank=cp_rank, ignore_index=ignore_index)
