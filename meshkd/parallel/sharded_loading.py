@@ -1,7 +1,9 @@
 """Sharded loading: build a model without weights, lay it out, then read only this rank's share.
 
 Design. `empty_causal_lm` builds a model of a Hugging Face directory from its config with every parameter
-on the meta device (buffers, such as rotary frequencies, are computed as usual), pruned by `keep_layers`.
+on the meta device (buffers, such as rotary frequencies, are computed as usual), pruned by `keep_layers`,
+with the attention the model class does best of the two that take meshkd's masks
+(`default_attn_implementation`: sdpa, else eager).
 The caller lays it out as it would a loaded model (pipeline split, tensor parallel, FSDP2: all of them work
 on meta parameters), then `load_shards` gives the parameters storage on the device and fills each from the
 safetensors files: a DTensor receives the piece its placements give this rank, read as slices of the file
@@ -193,7 +195,6 @@ def causal_lm_class(config_class):
         return AutoModelForCausalLM._model_mapping[config_class]
     except (KeyError, ValueError, ImportError, AttributeError):
         return None
-
 
 
 def empty_causal_lm(
