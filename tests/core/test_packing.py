@@ -19,6 +19,7 @@ from meshkd.core.packing import (
     NEAT_INDEXED,
     configure_kd_teacher_packing,
     configure_packing,
+    enable_cp_masks,
     packing_layout,
 )
 from tests.tiny import neat_layout, tiny_llama_model
@@ -152,6 +153,22 @@ def test_configure_is_idempotent_and_per_instance():
     twin = copy.deepcopy(model)
     assert packing_layout(twin) == NEAT_INDEXED
     assert_packed_matches_documents(twin)
+
+
+def test_cp_masks_reuse_the_packing_hooks_and_need_them():
+    with pytest.raises(ValueError, match="configure_packing"):
+        enable_cp_masks(tiny_llama(), None, cp_size=2, cp_rank=0)
+    # One cp rank: its share is the whole sequence, so the cp masks are the plain ones.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = configure_packing(tiny_llama())
+        enable_cp_masks(model, dist.group.WORLD, cp_size=1, cp_rank=0)
+        assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == (1, 1)
+        assert_packed_matches_documents(model)
+        with pytest.raises(ValueError, match="this rank's share"):
+            logits(model, input_ids=torch.zeros(1, 4, dtype=torch.int64), attention_mask=torch.ones(1, 5))
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- pipeline stages and wrappers -------------------------------------------------------------------
