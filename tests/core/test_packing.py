@@ -1,8 +1,9 @@
 """Tests for meshkd.core.packing: NEAT-packed rows must give each document the logits it gets alone.
 
 Pure tier: tiny random-init transformers models (sdpa and eager) packed vs one document at a time,
-pipeline stages, and the local KD check (the masks themselves: tests/core/test_masks.py). Multi-rank tier:
-one 4-rank gloo world where ranks 0-1 hold student parts and ranks 2-3 teacher parts.
+pipeline stages, and the local KD check (the masks themselves: tests/core/test_masks.py). One-rank gloo:
+the same hooks building context-parallel masks. Multi-rank tier: one 4-rank gloo world where ranks 0-1
+hold student parts and ranks 2-3 teacher parts.
 """
 
 from __future__ import annotations
