@@ -16,9 +16,10 @@ from importlib import resources
 
 import torch
 
-from meshkd.cli import demo_overrides
 from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective
-from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
+from meshkd.core.masks import attention_windows, layer_masks
+from meshkd.demo import demo_overrides
+from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import data, layer_selection, models
 from meshkd.recipe.config import load_config
 
@@ -34,8 +35,7 @@ _VAL_ROWS = 16
 
 def _logits(model, batch):
     documents = batch["attention_mask"]
-    masks = masks_for_layers(attention_windows(model.config, model),
-                             lambda window: indexed_to_additive_mask(documents, sliding_window=window))
+    masks = layer_masks(documents, attention_windows(model.config, model), dtype=torch.float32)
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=masks,
                  use_cache=False).logits
 
@@ -56,7 +56,7 @@ def _heal(config, keep: list[int], train, val, teacher: dict[int, torch.Tensor],
           kd_ratio: float) -> float:
     torch.manual_seed(0)
     with models.loading_quietly():
-        student = models.prune_layers(models.load_causal_lm(path=config.model.path), keep).train()
+        student = prune_layers(models.load_causal_lm(path=config.model.path), keep).train()
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(config.optimizer.betas),
                                   weight_decay=config.optimizer.weight_decay, eps=config.optimizer.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_scheduler.factor(steps))
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         teacher_loss = _val_loss(teacher_model, val)
     print(f"teacher answered {len(rows)} rows in {time.perf_counter() - started:.0f} s; held-out loss "
           f"{teacher_loss:.4f}; student layers {keep}", flush=True)
-    before = _val_loss(models.prune_layers(teacher_model, keep), val)  # the teacher's part is done: pruned in place
+    before = _val_loss(prune_layers(teacher_model, keep), val)  # the teacher's part is done: pruned in place
     print(f"pruned student before healing: {before:.4f}")
     for name in args.names or SETTINGS:
         started = time.perf_counter()

@@ -95,7 +95,7 @@ def test_cli_converts_a_gguf_teacher_once_and_its_workers_load_the_directory(tmp
 
 
 def test_local_processes_share_the_cores_and_the_users_thread_count_wins(monkeypatch):
-    from meshkd.cli import threads_per_process
+    from meshkd.launcher import threads_per_process
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)

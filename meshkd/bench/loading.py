@@ -22,7 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from meshkd.bench.transport import status_kib
+from meshkd.bench.measure import status_kib
 from meshkd.core.local_world import spawn_world
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from meshkd.bench.transport import status_kib
+from meshkd.bench.measure import status_kib
 from meshkd.core.local_world import spawn_world
 
 VARIANTS = {"float32": ("float32", "float32"), "mixed bfloat16": ("float32", "bfloat16"),

@@ -29,20 +29,15 @@ Sections:
              what the allocator keeps after a free, so it errs on the high side). On CUDA:
              max_memory_allocated. The values are also compared with a float64 evaluation.
 
-Process groups: gloo on the CPU; NCCL with one GPU per rank when at least two GPUs are present.
+Process groups: gloo on the CPU; NCCL with one GPU per rank when at least two GPUs are present. The
+modes and memory sections run without a world, in `meshkd.bench.modes` and `meshkd.bench.memory`.
 """
 
 from __future__ import annotations
 
-import copy
-import glob
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -50,9 +45,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshkd.bench import memory, modes
+from meshkd.bench.measure import MIB, median_ratio
 from meshkd.core.local_world import spawn_world
 
-MIB = 1 << 20
 SECTIONS = ("bandwidth", "latency", "modes", "overlap", "memory")
 
 
@@ -138,10 +134,6 @@ def _paired(first, second, repeats: int, device: torch.device) -> tuple[list[flo
     return a_times, b_times
 
 
-def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
-    return statistics.median(n / d for n, d in zip(numerators, denominators))
-
-
 # ---------------------------------------------------------------------------------- (a) bandwidth
 
 
@@ -176,7 +168,7 @@ def _bandwidth(bridge, settings: dict) -> list[dict]:
             "size_mib": size_mib,
             "meshkd_gbps": moved / statistics.median(meshkd_times) / 1e9,
             "raw_gbps": moved / statistics.median(raw_times) / 1e9,
-            "ratio": _median_ratio(raw_times, meshkd_times),
+            "ratio": median_ratio(raw_times, meshkd_times),
         })  # fmt: skip
     return rows
 
@@ -236,7 +228,7 @@ def _latency(bridge, settings: dict) -> dict:
         "num_leaves": 5,
         "meshkd_us": statistics.median(meshkd_times) / calls * 1e6,
         "reference_us": statistics.median(reference_times) / calls * 1e6,
-        "ratio": _median_ratio(meshkd_times, reference_times),
+        "ratio": median_ratio(meshkd_times, reference_times),
     }
 
 
@@ -294,167 +286,8 @@ def _overlap(bridge, settings: dict) -> list[dict]:
             "sync_ms": statistics.median(sync_steps) * 1e3, "overlap_ms": statistics.median(overlap_steps) * 1e3,
             "sync_ratio": statistics.median(t / bound for t in sync_steps),
             "overlap_ratio": statistics.median(t / bound for t in overlap_steps),
-            "overlap_vs_sync": _median_ratio(overlap_steps, sync_steps),
+            "overlap_vs_sync": median_ratio(overlap_steps, sync_steps),
         })  # fmt: skip
-    return rows
-
-
-# -------------------------------------------------------------------------------------- (c) modes
-
-
-def _stdlib_token_rows(tokenizer, rows: int, sequence: int, samples: int) -> list[torch.Tensor]:
-    """`samples` batches [rows, sequence + 1] of token ids from standard-library sources, in file order."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
-    needed = samples * rows * (sequence + 1)
-    stream: list[int] = []
-    for path in files:
-        stream.extend(tokenizer(Path(path).read_text(errors="replace"))["input_ids"])
-        if len(stream) >= needed:
-            break
-    ids = torch.tensor(stream[:needed]).view(samples, rows, sequence + 1)
-    return list(ids)
-
-
-# Two students: the demo's (8 of the teacher's 30 layers, before distillation: far from the teacher) and a
-# near one (26 of 30 layers), standing in for a student late in distillation.
-_STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 layers)": [*range(12), *range(16, 30)]}
-
-
-def _modes(settings: dict) -> dict:
-    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
-    from meshkd.core.loss import kd_loss_encoded
-    from meshkd.recipe import models
-
-    source = models.demo_teacher_source()
-    tokenizer = models.load_tokenizer(**source)
-    teacher = models.load_causal_lm(**source)
-    students = {name: models.prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
-    samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
-    variants = [("full", None, 0), ("full_bf16", None, 0)]
-    variants += [("topk", k, 0) for k in settings["topk"]] + [("topk", k, m) for k, m in settings["topk_sampled"]]
-    per_sample: dict[tuple, list[dict]] = {}
-    for sample, ids in enumerate(samples):
-        inputs, labels = ids[:, :-1], ids[:, 1:]
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=inputs).logits.float()
-        tokens, vocab = labels.numel(), teacher_logits.shape[-1]
-        full_bytes = tokens * vocab * 4
-        for student_name, student in students.items():
-            with torch.no_grad():
-                hidden = student.model(input_ids=inputs).last_hidden_state.float()
-                student_logits = student.lm_head(hidden).float()
-            for temperature in (1.0, 2.0):
-                results = {}
-                for mode, k, m in variants:
-                    encoded = encode_teacher_logits(
-                        teacher_logits, mode, k=k, temperature=temperature, tail_samples=m, seed=sample
-                    )
-                    s = student_logits.clone().requires_grad_()
-                    loss = kd_loss_encoded(s, encoded, labels, temperature=temperature, chunk_size=256)
-                    loss.backward()
-                    # The output-head weight gradient [vocab, hidden]: what the logit gradient becomes in parameter
-                    # space, where sampling noise of single tokens averages out over the batch.
-                    head_grad = s.grad.flatten(0, 1).T @ hidden.flatten(0, 1)
-                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(encoded))
-                reference, reference_grad, reference_head, _ = results[("full", None, 0)]
-                for (mode, k, m), (value, grad, head_grad, nbytes) in results.items():
-                    name = mode if k is None else f"topk k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")
-                    per_sample.setdefault((student_name, name, temperature), []).append({
-                        "bytes_per_token": nbytes / tokens, "bytes_ratio": nbytes / full_bytes,
-                        "kd_full": reference, "kd_rel_error": value / reference - 1,
-                        "grad_rel_error": float((grad - reference_grad).norm() / reference_grad.norm()),
-                        "head_grad_rel_error": float((head_grad - reference_head).norm() / reference_head.norm()),
-                    })  # fmt: skip
-    rows = []
-    for (student_name, name, temperature), entries in per_sample.items():
-        rows.append({
-            "student": student_name, "mode": name, "temperature": temperature,
-            "bytes_per_token": statistics.median(e["bytes_per_token"] for e in entries),
-            "bytes_ratio": statistics.median(e["bytes_ratio"] for e in entries),
-            "kd_full": statistics.median(e["kd_full"] for e in entries),
-            "kd_rel_error": statistics.median(e["kd_rel_error"] for e in entries),
-            "kd_rel_error_worst": max((e["kd_rel_error"] for e in entries), key=abs),
-            "grad_rel_error": statistics.median(e["grad_rel_error"] for e in entries),
-            "head_grad_rel_error": statistics.median(e["head_grad_rel_error"] for e in entries),
-        })  # fmt: skip
-    return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows}
-
-
-# ------------------------------------------------------------------------------------- (e) memory
-
-
-def _memory_probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict:
-    """Run in a fresh process: peak bytes of one KD loss forward + backward above its inputs, and its value.
-
-    kind: "naive" (the plain full-softmax path), "chunked", or "float64" (the value only, chunked in float64
-    without a gradient: the reference both float32 values are compared with).
-    """
-    from meshkd.core.loss import kd_loss
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    generator = torch.Generator(device=device).manual_seed(0)
-    student = 3 * torch.randn(sequence, vocab, generator=generator, device=device)
-    teacher = 3 * torch.randn(sequence, vocab, generator=generator, device=device)
-    labels = torch.zeros(sequence, dtype=torch.int64, device=device)
-    if kind == "float64":
-        with torch.no_grad():
-            value = kd_loss(student.double(), teacher.double(), labels, chunk_size=chunk_size)
-        return {"peak_bytes": 0, "value": float(value)}
-    student.requires_grad_()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS (inputs touched already)
-        base = status_kib("VmRSS") * 1024
-    loss = kd_loss(student, teacher, labels, chunk_size=None if kind == "naive" else chunk_size)
-    loss.backward()
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = status_kib("VmHWM") * 1024
-    return {"peak_bytes": peak - base, "value": float(loss.detach())}
-
-
-def status_kib(field: str) -> int:
-    """A /proc/self/status field in KiB (VmHWM: the peak resident memory)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict:
-    command = [sys.executable, "-m", __name__, "--memory-probe", kind, str(vocab), str(sequence), str(chunk_size)]
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _memory(settings: dict) -> list[dict]:
-    sequence = settings["memory_sequence"]
-    rows = []
-    for vocab in settings["memory_vocabs"]:
-        exact = _probe("float64", vocab, sequence, 128)["value"]
-        naive, chunked = [], {size: [] for size in settings["memory_chunk_sizes"]}
-        for repeat in range(settings["memory_repeats"]):
-            order = [("naive", None, naive)] + [("chunked", size, sink) for size, sink in chunked.items()]
-            for kind, size, sink in order if repeat % 2 == 0 else order[::-1]:
-                sink.append(_probe(kind, vocab, sequence, size or 0))
-        for size, runs in chunked.items():
-            rows.append({
-                "vocab": vocab, "sequence": sequence, "chunk_size": size,
-                "input_mib": 2 * sequence * vocab * 4 / MIB,
-                "naive_mib": statistics.median(r["peak_bytes"] for r in naive) / MIB,
-                "chunked_mib": statistics.median(r["peak_bytes"] for r in runs) / MIB,
-                "ratio": _median_ratio([r["peak_bytes"] for r in runs], [r["peak_bytes"] for r in naive]),
-                "chunked_vs_naive": max(abs(c["value"] / n["value"] - 1) for c, n in zip(runs, naive)),
-                "chunked_vs_float64": max(abs(c["value"] / exact - 1) for c in runs),
-                "naive_vs_float64": max(abs(n["value"] / exact - 1) for n in naive),
-            })  # fmt: skip
     return rows
 
 
@@ -577,9 +410,9 @@ def run(sections: list[str], quick: bool) -> dict:
         world.pop("backend")
         results.update(world)
     if "modes" in sections:
-        results["modes"] = _modes(settings)
+        results["modes"] = modes.measure(settings)
     if "memory" in sections:
-        results["memory"] = _memory(settings)
+        results["memory"] = memory.measure(settings)
     return results
 
 
@@ -589,9 +422,3 @@ def report(results: dict) -> str:
     notes = [f"skipped {name}: {why}" for name, why in results.get("skipped", {}).items()]
     notes += [f"FAILED {name}: {error}" for name, error in results.get("failed", {}).items()]
     return "\n\n".join([_report(results), *notes])
-
-
-if __name__ == "__main__":  # the memory section's fresh processes
-    if len(sys.argv) > 1 and sys.argv[1] == "--memory-probe":
-        kind, vocab, sequence, chunk = sys.argv[2], *map(int, sys.argv[3:6])
-        print(json.dumps(_memory_probe(kind, vocab, sequence, chunk)))

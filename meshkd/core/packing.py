@@ -9,23 +9,25 @@ Design. transformers builds its attention masks from a 2D 0/1 mask, but hands an
 to the sdpa and eager attention functions untouched (`_preprocess_mask_arguments` in masking_utils
 returns it as-is). `configure_packing` therefore registers a forward pre-hook on the model instance, and
 on the transformers models inside it so that a pipeline stage calling its inner model directly works too,
-which turns the indexed mask into an additive float mask [batch, 1, query, key] before transformers sees
-it (one per attention kind, as a {kind: mask} dict, for models whose layers mix sliding and full
-attention: such models hand each layer the mask of its kind). Nothing in transformers is patched: other
-instances in the process keep the ordinary behaviour. The consumed layout is recorded on the instance and
-read back by `packing_layout`.
+which turns the indexed mask into the masks `meshkd.core.masks.layer_masks` builds before transformers
+sees it. The outermost hook converts; the inner ones see the prepared masks and let them pass. Under
+context parallel (`enable_cp_masks`) the same hooks gather the other cp ranks' document indices first,
+so no second hook, and no hook order, is involved. Nothing in transformers is patched: other instances in
+the process keep the ordinary behaviour. The consumed layout is recorded on the instance and read back by
+`packing_layout`.
 
-`configure_kd_teacher_packing` closes a gap of separate-mesh KD: teacher-only ranks never see the student,
-so they learn its layout from the control group, configure their teacher parts to match, and then every
-rank checks that both roles agree. Local failures travel inside the same gathers, so a disagreement
-raises ValueError on every rank instead of leaving a peer blocked in a collective.
+`configure_kd_teacher_packing` closes a gap of separate-mesh KD for models run by their own forward:
+teacher-only ranks never see the student, so they learn its layout from the control group, configure
+their teacher parts to match, and then every rank checks that both roles agree. Local failures travel
+inside the same gathers, so a disagreement raises ValueError on every rank instead of leaving a peer
+blocked in a collective. (`TeacherRunner` builds its masks itself and needs none of this.)
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +35,16 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkd.core.agreement import gather_values, group_device
+from meshkd.core.masks import attention_windows, gather_documents, layer_masks, mask_dtype
+
+__all__ = [
+    "LAYOUT_ATTR",
+    "NEAT_INDEXED",
+    "configure_kd_teacher_packing",
+    "configure_packing",
+    "enable_cp_masks",
+    "packing_layout",
+]
 
 NEAT_INDEXED = "neat-indexed"
 """Layout name: `attention_mask` holds 1-based document indices, 0 for padding."""
@@ -40,12 +52,10 @@ NEAT_INDEXED = "neat-indexed"
 LAYOUT_ATTR = "_meshkd_packing_layout"
 """Instance attribute recording the packed mask layout a module consumes (absent: ordinary 0/1 mask)."""
 
-# Attention implementations of transformers that take a prepared 4D additive mask as-is. Flash and flex
-# attention build their own masks (or need a BlockMask) and would silently ignore ours.
-_SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Instance attribute holding the module's mask hook, so that `enable_cp_masks` finds it.
+_HOOK_ATTR = "_meshkd_mask_hook"
 # Arguments whose dim 1 is the query length; only differs from the mask length when a KV cache is used.
 _QUERY_ARGUMENTS = ("input_ids", "inputs_embeds", "hidden_states")
-_FLOAT_QUERY_ARGUMENTS = ("inputs_embeds", "hidden_states")
 
 
 def packing_layout(module: nn.Module) -> str | None:
@@ -64,106 +74,68 @@ def packing_layout(module: nn.Module) -> str | None:
     return None
 
 
-def indexed_to_additive_mask(
-    attention_mask: torch.Tensor,
-    *,
-    query_length: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Turn an indexed mask [batch, key] into an additive mask [batch, 1, query, key].
-
-    Entries are 0 where a query may attend to a key (same nonzero document index, key not after the query,
-    and within `sliding_window` tokens when given) and the most negative `dtype` value elsewhere. The
-    queries are the last `query_length` positions (default: all of them, i.e. no KV cache). A padding query
-    attends to itself only, so no row is fully masked: such a row turns into NaN in the softmax wherever
-    the mask becomes -inf (a cast to bf16 under autocast does that). A bool or 0/1 mask is the
-    one-document case.
-    """
-    if attention_mask.dim() != 2:
-        shape = tuple(attention_mask.shape)
-        raise ValueError(f"expected an indexed attention_mask [batch, sequence], got shape {shape}")
-    batch_size, key_length = attention_mask.shape
-    query_length = key_length if query_length is None else query_length
-    if not 0 < query_length <= key_length:
-        raise ValueError(f"query_length {query_length} must be in [1, {key_length}] (the mask's sequence length)")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
-    documents = attention_mask.long()
-    key_positions = torch.arange(key_length, device=documents.device)
-    query_positions = key_positions[key_length - query_length :]
-    distance = query_positions[:, None] - key_positions[None, :]  # [query, key]
-    visible = distance >= 0
-    if sliding_window is not None:
-        visible &= distance < sliding_window
-    query_documents = documents[:, key_length - query_length :, None]  # [batch, query, 1]
-    allowed = (query_documents == documents[:, None, :]) & (query_documents != 0) & visible
-    allowed |= distance == 0
-    additive = torch.full(
-        (batch_size, 1, query_length, key_length), torch.finfo(dtype).min, dtype=dtype, device=documents.device
-    )
-    return additive.masked_fill_(allowed[:, None], 0.0)
-
-
-def forward_argument(args: tuple, kwargs: dict, positions: dict[str, int], name: str) -> Any:
-    """Argument `name` of a forward call seen by a pre-hook, passed by keyword or at `positions[name]`."""
-    if name in kwargs:
-        return kwargs[name]
-    index = positions.get(name)
-    return args[index] if index is not None and index < len(args) else None
-
-
-class _IndexedMaskHook:
-    """Forward pre-hook converting an indexed 2D `attention_mask` argument into a 4D additive mask.
+class _MaskHook:
+    """Forward pre-hook: an indexed 2D `attention_mask` argument -> the model's 4D masks (`layer_masks`).
 
     It holds plain data only (no module reference), so deep copies and pickles of a configured model stay
-    configured and self-contained. A mask that is already 4D (converted by an outer hook) passes through.
+    configured and self-contained; under context parallel also the cp group, `cp` = (group, cp_size,
+    cp_rank), and then the local indices [batch, local_sequence] are gathered into the whole sequence's
+    (a missing mask is one document). Masks already prepared (4D, or one per kind) pass through.
     """
 
     def __init__(self, *, positions: dict[str, int], windows: dict[str, int | None]):
         self.positions = positions  # argument name -> positional index in forward
         self.windows = windows  # attention kind -> sliding window (`attention_windows`)
+        self.cp: tuple[dist.ProcessGroup, int, int] | None = None
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
-        return forward_argument(args, kwargs, self.positions, name)
+        if name in kwargs:
+            return kwargs[name]
+        index = self.positions.get(name)
+        return args[index] if index is not None and index < len(args) else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         mask = self._argument(args, kwargs, "attention_mask")
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            return None
-        query_length, device, dtype = None, mask.device, None
-        for name in _QUERY_ARGUMENTS:
-            value = self._argument(args, kwargs, name)
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                query_length, device = value.shape[1], value.device
-                if name in _FLOAT_QUERY_ARGUMENTS and value.is_floating_point():
-                    dtype = value.dtype
-                break
-        if dtype is None:
-            dtype = compute_dtype(module, device)
-        mask = mask.to(device)
-        converted = masks_for_layers(self.windows, lambda window: indexed_to_additive_mask(
-            mask, query_length=query_length, dtype=dtype, sliding_window=window
-        ))
-        if "attention_mask" in kwargs:
-            kwargs = {**kwargs, "attention_mask": converted}
+        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() != 2):
+            return None  # prepared by an outer module's hook, or by the caller
+        # The first of input_ids / inputs_embeds / hidden_states: the queries' length, device and dtype.
+        reference = next((value for value in (self._argument(args, kwargs, name) for name in _QUERY_ARGUMENTS)
+                          if isinstance(value, torch.Tensor) and value.dim() >= 2), None)
+        if self.cp is None:
+            if not isinstance(mask, torch.Tensor):
+                return None
+            device = mask.device if reference is None else reference.device
+            masks = layer_masks(mask.to(device), self.windows, dtype=self._dtype(module, reference, device),
+                                query_length=None if reference is None else reference.shape[1])
         else:
-            index = self.positions["attention_mask"]
-            args = (*args[:index], converted, *args[index + 1 :])
-        return args, kwargs
+            if reference is None:
+                return None
+            group, cp_size, cp_rank = self.cp
+            local_shape, device = tuple(reference.shape[:2]), reference.device
+            if mask is None:
+                mask = torch.ones(local_shape, dtype=torch.int64, device=device)
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != local_shape:
+                raise ValueError(
+                    f"context-parallel student: attention_mask {tuple(getattr(mask, 'shape', ()))} must be this "
+                    f"rank's share {local_shape} of the sequence; shard the batch with shard_student_batch"
+                )
+            documents = gather_documents(mask.to(device), group)
+            masks = layer_masks(documents, self.windows, dtype=self._dtype(module, reference, device),
+                                cp_size=cp_size, cp_rank=cp_rank)
+        index = self.positions.get("attention_mask")
+        if "attention_mask" in kwargs or index is None or index >= len(args):
+            return args, {**kwargs, "attention_mask": masks}
+        return (*args[:index], masks, *args[index + 1 :]), kwargs
+
+    @staticmethod
+    def _dtype(module: nn.Module, reference: torch.Tensor | None, device: torch.device) -> torch.dtype:
+        # The attention scores' dtype: that of embeddings or hidden states when they are given.
+        if reference is not None and reference.is_floating_point():
+            return reference.dtype
+        return mask_dtype(module, device)
 
 
-def compute_dtype(module: nn.Module, device: torch.device) -> torch.dtype:
-    # The mask should match the attention scores' dtype: autocast's when it is on, else the parameters'.
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    for parameter in module.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype
-    return torch.float32
-
-
-def forward_positions(module: nn.Module) -> tuple[dict[str, int], bool]:
+def _forward_positions(module: nn.Module) -> tuple[dict[str, int], bool]:
     """Positional indices of forward's named arguments, and whether it takes `attention_mask` at all."""
     try:
         parameters = inspect.signature(module.forward).parameters.values()
@@ -190,44 +162,6 @@ def _hf_models(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, PreTrainedModel)]
 
 
-def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
-    """The attention kinds of a model's layers, each with its sliding window (None: full causal attention).
-
-    Keys are the kinds named in `config.layer_types` ("full_attention", "sliding_attention"); a config without
-    `layer_types` (Mistral style) has one kind whose window is `config.sliding_window`. Raises ValueError when
-    the attention implementation does not take a prepared 4D mask or a layer kind has no known mask rule.
-    """
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in _SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"NEAT packing needs attn_implementation in {_SUPPORTED_ATTENTION} (they take a prepared 4D mask); "
-            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa' or 'eager'."
-        )
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return {"full_attention": window}
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"NEAT packing has no mask rule for the layer types {unknown} of {type(owner).__name__}")
-    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
-
-
-def masks_for_layers(windows: dict[str, int | None], build: Callable[[int | None], torch.Tensor]):
-    """`build(window)` for each attention kind: one tensor when the layers share a kind, else {kind: mask}.
-
-    transformers models whose layers mix attention kinds (Gemma 2/3, Qwen2 with sliding layers, gpt-oss)
-    accept such a dict as `attention_mask` and hand each layer the mask of its kind; the others take a
-    tensor. Kinds with the same window share one mask.
-    """
-    built: dict[int | None, torch.Tensor] = {}
-    for window in windows.values():
-        if window not in built:
-            built[window] = build(window)
-    masks = {kind: built[window] for kind, window in windows.items()}
-    return next(iter(masks.values())) if len(masks) == 1 else masks
-
-
 def configure_packing(model: nn.Module) -> nn.Module:
     """Make `model` consume NEAT-packed batches (`NEAT_INDEXED`); returns `model`.
 
@@ -251,7 +185,7 @@ def configure_packing(model: nn.Module) -> nn.Module:
     # Validate everything before registering anything, so a failure leaves the model untouched.
     plans = []
     for module in candidates:
-        positions, takes_mask = forward_positions(module)
+        positions, takes_mask = _forward_positions(module)
         if not takes_mask:
             continue
         config = getattr(module, "config", None)
@@ -259,7 +193,7 @@ def configure_packing(model: nn.Module) -> nn.Module:
             # A wrapper around a transformers model attends the way that model does.
             config = hf_models[0].config if hf_models else None
         windows = attention_windows(config, module) if config is not None else {"full_attention": None}
-        plans.append((module, _IndexedMaskHook(positions=positions, windows=windows)))
+        plans.append((module, _MaskHook(positions=positions, windows=windows)))
     if not plans:
         raise ValueError(
             f"cannot configure NEAT packing on {type(model).__name__}: neither its forward nor a transformers "
@@ -268,9 +202,28 @@ def configure_packing(model: nn.Module) -> nn.Module:
     for module, hook in plans:
         if getattr(module, LAYOUT_ATTR, None) != NEAT_INDEXED:
             module.register_forward_pre_hook(hook, with_kwargs=True)
+            setattr(module, _HOOK_ATTR, hook)
             setattr(module, LAYOUT_ATTR, NEAT_INDEXED)
     setattr(model, LAYOUT_ATTR, NEAT_INDEXED)
     return model
+
+
+def enable_cp_masks(model: nn.Module, group: dist.ProcessGroup, *, cp_size: int, cp_rank: int) -> None:
+    """Make the packing hooks of `model` build context-parallel masks from then on.
+
+    Its forward then takes this cp rank's head-tail share of a NEAT-packed batch (`shard_student_batch`):
+    the hook all-gathers the document indices over `group`, so every cp rank must run each forward, and
+    hands the model this rank's queries masked against all keys in gathered order (`layer_masks`).
+    Raises ValueError when `model` is not configured by `configure_packing`.
+    """
+    hooks = [getattr(module, _HOOK_ATTR) for module in model.modules() if hasattr(module, _HOOK_ATTR)]
+    if not hooks:
+        raise ValueError(
+            f"cp_size({cp_size}) > 1 reads the student's attention_mask as NEAT document indices: call "
+            f"meshkd.core.packing.configure_packing(model) before parallelize_student"
+        )
+    for hook in hooks:
+        hook.cp = (group, cp_size, cp_rank)
 
 
 def _describe(layout: str | None) -> str:

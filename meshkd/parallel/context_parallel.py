@@ -6,11 +6,12 @@ records: the backward sums the K/V gradient over cp and hands each rank the piec
 a reduce-scatter), then calls the attention function the model was loaded with (sdpa, or the family's
 eager function with its soft-capping or attention sinks). It is registered with transformers'
 `AttentionInterface` and selected on one instance's config only; it runs on the CPU, where torch's ring
-attention does not. Masks are additive, built from GLOBAL positions of NEAT document indices (one per
-attention kind of the layers), so document boundaries and sliding windows hold across shards.
+attention does not. Masks are additive, built from GLOBAL positions of NEAT document indices
+(`meshkd.core.masks.layer_masks`), so document boundaries and sliding windows hold across shards.
 
-Student: `shard_student_batch` / `shard_teacher_logits` cut a micro-batch and its teacher logits; a
-forward pre-hook all-gathers the local document indices over `cp` and builds the masks. Parameters are
+Student: `shard_student_batch` / `shard_teacher_logits` cut a micro-batch and its teacher logits; the
+model's packing hook (`meshkd.core.packing.enable_cp_masks`) all-gathers the local document indices over
+`cp` and builds the masks. Parameters are
 replicated over cp yet each cp rank sees only part of the tokens, so their gradients must be SUMMED over
 cp: FSDP2 shards over the flattened (dp_shard, cp) axis `STUDENT_CP_AXIS` (as torchtitan does), which
 averages, hence `meshkd.parallel.data_parallel.student_loss_scale`. The teacher (`TeacherRunner`) pads and
@@ -29,16 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkd.core.logits import cp_shard, cp_unshard
-from meshkd.core.packing import (
-    NEAT_INDEXED,
-    attention_windows,
-    compute_dtype,
-    forward_argument,
-    forward_positions,
-    masks_for_layers,
-    packing_layout,
-)
+from meshkd.core.logits import cp_shard
+from meshkd.core.masks import SUPPORTED_ATTENTION, positions_and_documents
+from meshkd.core.packing import NEAT_INDEXED, enable_cp_masks, packing_layout
 from meshkd.core.topology import DistributedSetup, flatten_axes, member_mesh
 from meshkd.parallel.stages import decoder_of
 
@@ -55,12 +49,6 @@ _CP_INNER_ATTR = "_meshkd_cp_inner_attention"
 # Attribute set on a root mesh once `flatten_student_cp_axes` ran for it, on members and non-members alike
 # (non-members cannot see the flattened axis, yet must not create its groups twice).
 _FLATTENED_ATTR = "_meshkd_student_cp_flattened"
-
-
-def gather_documents(local: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
-    """NEAT document indices of the whole padded sequence from every cp rank's head-tail share [batch, local]."""
-    gathered = _gather_sequence(local.long(), group, dim=1, differentiable=False)
-    return cp_unshard(list(gathered.chunk(cp_size, dim=1)), dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -80,10 +68,11 @@ def _cp_attention(
     query [batch, heads, local_sequence, head_dim], key/value [batch, kv_heads, local_sequence, head_dim].
     `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the gathered
     order; it already encodes causality, sliding windows and document boundaries in global positions
-    (`cp_mask`). The gathered keys/values then go to the attention function the model was loaded with
-    (sdpa, or the family's own eager function with its soft-capping or attention sinks). When autograd
-    records (the student in training) the gather is differentiable (`_GatherSequence`): its backward sums
-    every rank's gradient for this rank's keys/values and hands it back here.
+    (`meshkd.core.masks.layer_masks`). The gathered keys/values then go to the attention function the
+    model was loaded with (sdpa, or the family's own eager function with its soft-capping or attention
+    sinks). When autograd records (the student in training) the gather is differentiable
+    (`_GatherSequence`): its backward sums every rank's gradient for this rank's keys/values and hands it
+    back here.
     """
     group = getattr(module, _CP_GROUP_ATTR, None)
     if group is None:
@@ -92,8 +81,8 @@ def _cp_attention(
         )
     if attention_mask is None or attention_mask.dim() != 4:
         raise RuntimeError(
-            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner or by "
-            f"parallelize_student's mask hook"
+            f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner, "
+            f"StudentPipeline or the packing hook of a model laid out by parallelize_student"
         )
     differentiable = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
     key, value = (_gather_sequence(t, group, dim=2, differentiable=differentiable) for t in (key, value))
@@ -158,7 +147,7 @@ def enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
     inner = model.config._attn_implementation
     if inner == CP_ATTENTION:
         raise ValueError("context parallel is already enabled on this model")
-    if inner not in ("sdpa", "eager"):
+    if inner not in SUPPORTED_ATTENTION:
         raise ValueError(f"context parallel needs attn_implementation 'sdpa' or 'eager', got {inner!r}")
     AttentionInterface.register(CP_ATTENTION, _cp_attention)
     for layer in decoder_of(model).layers:
@@ -173,47 +162,9 @@ def enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
         model.config._attn_implementation = CP_ATTENTION
 
 
-def _additive_mask(
-    documents: torch.Tensor,
-    query_index: torch.Tensor,
-    key_index: torch.Tensor,
-    *,
-    dtype: torch.dtype,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Additive mask [batch, 1, query, key] for queries/keys at the given GLOBAL sequence indices.
-
-    documents [batch, padded_sequence]: 1-based document index per global position, 0 = padding. Same
-    rule as `meshkd.core.packing.indexed_to_additive_mask`: same nonzero document and key not after the query
-    (within the sliding window when set); a query always sees itself, so no row is fully masked.
-    """
-    query_documents = documents[:, query_index, None]  # [batch, query, 1]
-    key_documents = documents[:, None, key_index]  # [batch, 1, key]
-    distance = query_index[:, None] - key_index[None, :]  # [query, key]
-    visible = distance >= 0
-    if sliding_window is not None:
-        visible &= distance < sliding_window
-    allowed = (query_documents == key_documents) & (query_documents != 0) & visible
-    allowed |= distance == 0
-    additive = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=documents.device)
-    return additive.masked_fill_(allowed, 0.0)[:, None]
-
-
 def padded_length(length: int, cp_size: int) -> int:
     """The sequence length rounded up to a multiple of 2 * cp_size (head-tail sharding needs equal chunks)."""
     return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
-
-
-def positions_and_documents(batch: dict, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's position_ids and document indices, defaulting to one document per row in order."""
-    batch_size, length = input_ids.shape
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(length, device=input_ids.device).expand(batch_size, length)
-    documents = batch.get("attention_mask")
-    if documents is None:
-        documents = torch.ones_like(input_ids)
-    return position_ids, documents
 
 
 def pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
@@ -223,28 +174,6 @@ def pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: fl
         shape = (tensor.shape[0], pad, *tensor.shape[2:])
         tensor = torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
     return cp_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, dim=1)
-
-
-def cp_mask(
-    documents: torch.Tensor, *, cp_size: int, cp_rank: int, dtype: torch.dtype, windows: dict[str, int | None]
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Additive masks [batch, 1, local_sequence, padded_sequence] of one cp rank's queries against all keys.
-
-    documents [batch, padded_sequence]: document indices of the whole padded sequence in original order.
-    Queries are this rank's head-tail positions; keys follow the order in which `_cp_attention` gathers
-    them (cp rank 0's share, then rank 1's, ...). With cp_size 1 it is the ordinary packed mask. One mask
-    per attention kind of `windows` (`meshkd.core.packing.attention_windows`), as `masks_for_layers` returns them.
-    """
-
-    index = torch.arange(documents.shape[1], device=documents.device)
-    if cp_size == 1:
-        query_index = key_index = index
-    else:
-        query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
-        key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
-    return masks_for_layers(windows, lambda window: _additive_mask(
-        documents, query_index, key_index, dtype=dtype, sliding_window=window
-    ))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,8 +240,9 @@ def shard_student_batch(
         (local batch, `StudentShard`). The sequence is padded to a multiple of 2 * cp_size (input 0,
         label `ignore_index`, position 0, document 0) and the four tensors above are cut to this rank's
         head-tail share [batch, padded_sequence / cp_size]; other entries are passed through untouched.
-        The local `attention_mask` holds only the local document indices: the model's mask hook gathers
-        the others over `cp`, so every cp rank must run the forward.
+        The local `attention_mask` holds only the local document indices: the model's packing hook
+        (`meshkd.core.packing.enable_cp_masks`) gathers the others over `cp`, so every cp rank must run
+        the forward.
     """
     cp_size, cp_rank = _cp_coordinate(setup)
     return _shard_batch(batch, cp_size=cp_size, cp_rank=cp_rank, ignore_index=ignore_index)
@@ -376,76 +306,9 @@ def ensure_student_cp_axis(setup: DistributedSetup) -> None:
         flatten_student_cp_axes(setup)  # every rank is a student here, so every rank takes part
 
 
-class _StudentCPMaskHook:
-    """Forward pre-hook: local NEAT `attention_mask` [batch, local_sequence] -> 4D cp mask (`cp_mask`).
-
-    The document indices of the other cp ranks are all-gathered over `cp`, so the whole padded sequence is
-    known; registered ahead of `configure_packing`'s hook, which then sees a 4D mask and lets it pass.
-    """
-
-    def __init__(
-        self,
-        *,
-        group: dist.ProcessGroup,
-        cp_size: int,
-        cp_rank: int,
-        windows: dict[str, int | None],
-        positions: dict[str, int],
-    ):
-        self.group = group
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
-        self.windows = windows
-        self.positions = positions
-
-    def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
-
-        return forward_argument(args, kwargs, self.positions, name)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-
-        mask = self._argument(args, kwargs, "attention_mask")
-        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-            return None  # already converted by an outer module's hook
-        inputs = self._argument(args, kwargs, "input_ids")
-        embeds = self._argument(args, kwargs, "inputs_embeds")
-        reference = inputs if isinstance(inputs, torch.Tensor) else embeds
-        if not isinstance(reference, torch.Tensor):
-            return None
-        batch_size, local_length = reference.shape[:2]
-        if mask is None:
-            mask = torch.ones(batch_size, local_length, dtype=torch.int64, device=reference.device)
-        if tuple(mask.shape) != (batch_size, local_length):
-            raise ValueError(
-                f"context-parallel student: attention_mask {tuple(mask.shape)} must be this rank's share "
-                f"{(batch_size, local_length)} of the sequence; shard the batch with shard_student_batch"
-            )
-        documents = gather_documents(mask, self.group, self.cp_size)
-        if isinstance(embeds, torch.Tensor) and embeds.is_floating_point():
-            dtype = embeds.dtype
-        else:
-            dtype = compute_dtype(module, reference.device)
-        converted = cp_mask(
-            documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=dtype, windows=self.windows
-        )
-        index = self.positions.get("attention_mask")
-        if "attention_mask" in kwargs or index is None or index >= len(args):
-            return args, {**kwargs, "attention_mask": converted}
-        return (*args[:index], converted, *args[index + 1 :]), kwargs
-
-
 def enable_student_cp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Gathered-K/V attention with a differentiable gather, and the cp mask hook on the model."""
-
-    # Read before the attention implementation changes: the check knows sdpa/eager only.
-    windows = attention_windows(model.config, model)
+    """Gathered-K/V attention with a differentiable gather, and the packing hooks' masks made for cp."""
     group = mesh.get_group("cp")
-    enable_cp_attention(model, group)
     cp_size = mesh.size(mesh.mesh_dim_names.index("cp"))
-    options = dict(group=group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"), windows=windows)
-    # The inner decoder too, so that calling it directly works; prepend so the packing hook sees 4D.
-    for module in (model, decoder_of(model)):
-        positions, _ = forward_positions(module)
-        module.register_forward_pre_hook(
-            _StudentCPMaskHook(positions=positions, **options), with_kwargs=True, prepend=True
-        )
+    enable_cp_masks(model, group, cp_size=cp_size, cp_rank=mesh.get_local_rank("cp"))
+    enable_cp_attention(model, group)

@@ -1,7 +1,9 @@
 """Sharded loading: build a model without weights, lay it out, then read only this rank's share.
 
 Design. `empty_causal_lm` builds a model of a Hugging Face directory from its config with every parameter
-on the meta device (buffers, such as rotary frequencies, are computed as usual), pruned by `keep_layers`.
+on the meta device (buffers, such as rotary frequencies, are computed as usual), pruned by `keep_layers`,
+with the attention the model class does best of the two that take meshkd's masks
+(`default_attn_implementation`: sdpa, else eager).
 The caller lays it out as it would a loaded model (pipeline split, tensor parallel, FSDP2: all of them work
 on meta parameters), then `load_shards` gives the parameters storage on the device and fills each from the
 safetensors files: a DTensor receives the piece its placements give this rank, read as slices of the file
@@ -32,7 +34,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["Checkpoint", "empty_causal_lm", "is_empty", "load_shards"]
+from meshkd.parallel.pruning import prune_layers
+
+__all__ = ["Checkpoint", "causal_lm_class", "default_attn_implementation", "empty_causal_lm", "is_empty", "load_shards"]
 
 
 class Checkpoint:
@@ -177,6 +181,22 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+def default_attn_implementation(config_class) -> str:
+    """Return "sdpa" when the causal-LM class of `config_class` supports sdpa, else "eager" (e.g. Gemma2)."""
+    model_class = causal_lm_class(config_class)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def causal_lm_class(config_class):
+    """The *ForCausalLM class transformers builds for `config_class`, or None when there is none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[config_class]
+    except (KeyError, ValueError, ImportError, AttributeError):
+        return None
+
+
 def empty_causal_lm(
     directory: str | Path,
     *,
@@ -188,11 +208,9 @@ def empty_causal_lm(
 
     None: no safetensors files, or some parameter of the model is not found in them (under its own name or
     the one transformers' conversion mapping gives it).
-    `attn_implementation` None: `meshkd.recipe.models.default_attn_implementation`.
+    `attn_implementation` None: `default_attn_implementation`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from meshkd.recipe.models import default_attn_implementation, prune_layers
 
     directory = Path(directory)
     files = _checkpoint_files(directory)

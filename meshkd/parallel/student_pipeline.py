@@ -21,7 +21,7 @@ travels between stages, and for an MoE student trained with its router loss the 
 the backward returns each stage its part's gradient the same way). Every rank of a data-parallel replica
 holds the same micro-batches, so position_ids and the NEAT document indices reach every stage as schedule
 kwargs (chunked per micro-batch like the inputs) and each stage builds its own 4D attention masks
-(`cp_mask`, as `TeacherRunner`). The micro-batch index reaches the loss as the schedule's target:
+(`meshkd.core.masks.layer_masks`, as `TeacherRunner`). The micro-batch index reaches the loss as the schedule's target:
 `arange(n)`, chunked into one index each.
 
 Stage metadata is given statically (shapes from the micro-batch, dtype from the parameters), so torch runs
@@ -49,16 +49,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from meshkd.core.packing import compute_dtype
+from meshkd.core.masks import attention_windows, gather_documents, layer_masks, mask_dtype, positions_and_documents
 from meshkd.core.topology import PP_SCHEDULES, DistributedSetup, member_mesh
-from meshkd.parallel.context_parallel import (
-    cp_mask,
-    enable_cp_attention,
-    ensure_student_cp_axis,
-    gather_documents,
-    pad_and_shard,
-    positions_and_documents,
-)
+from meshkd.parallel.context_parallel import enable_cp_attention, ensure_student_cp_axis, pad_and_shard
 from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
 from meshkd.parallel.mixed_precision import autocast_forward, fsdp_policy, is_mixed
 from meshkd.parallel.sharded_loading import is_empty
@@ -100,8 +93,8 @@ class _StageModule(nn.Module):
                 documents: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The stage's output; with a router loss (hidden state or logits, the routers' statistics so far),
         `statistics` then being the previous stage's (none on the first)."""
-        masks = cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                         dtype=compute_dtype(self, inputs.device), windows=self.windows)
+        masks = layer_masks(documents, self.windows, dtype=mask_dtype(self, inputs.device), cp_size=self.cp_size,
+                            cp_rank=self.cp_rank)
         with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
             output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         if not self.stage.is_last:
@@ -170,8 +163,6 @@ class StudentPipeline:
         router_loss=None,
         compute_dtype: torch.dtype | None = None,
     ):
-        from meshkd.core.packing import attention_windows
-
         # Validation first: it reads only the config and the setup, so every rank raises the same error
         # before any collective.
         _check_settings(model, setup, schedule, num_micro_batches)
@@ -375,7 +366,7 @@ class StudentPipeline:
                 part.append(tensor.to(self.device).long())
         input_ids, position_ids, documents = (torch.cat(part) for part in parts)
         if self.cp_size > 1:
-            documents = gather_documents(documents, self.cp_group, self.cp_size)
+            documents = gather_documents(documents, self.cp_group)
         return input_ids, position_ids, documents
 
     def _logits(self, local: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ decoder-only LM and changes the instance in place, in a fixed order: pipeline sp
 (`meshkd.parallel.stages.ModelStage`, by the model's pipeline plan), then tensor parallel (the model's own
 plan; with ep_size = tp_size whole experts spread over the tp ranks, as the model's expert plan says), then
 context parallel (head-tail shards, gathered K/V). Pipeline stages pass activations point to point, shape
-metadata first (sequence lengths may change per batch). The runner builds the 4D attention masks itself
-from NEAT document indices (or an ordinary 0/1 mask), so the teacher needs no `configure_packing`.
+metadata first (sequence lengths may change per batch). Every stage builds the 4D attention masks itself
+(`meshkd.core.masks.layer_masks`) from NEAT document indices (or an ordinary 0/1 mask), so the teacher
+needs no `configure_packing`.
 """
 
 from __future__ import annotations
@@ -16,15 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkd.core.logits import materialize_teacher_logits
-from meshkd.core.packing import attention_windows
+from meshkd.core.masks import attention_windows, layer_masks, positions_and_documents
 from meshkd.core.topology import DistributedSetup, member_mesh
-from meshkd.parallel.context_parallel import (
-    cp_mask,
-    enable_cp_attention,
-    pad_and_shard,
-    padded_length,
-    positions_and_documents,
-)
+from meshkd.parallel.context_parallel import enable_cp_attention, pad_and_shard, padded_length
 from meshkd.parallel.sharded_loading import is_empty
 from meshkd.parallel.stages import ModelStage
 from meshkd.parallel.tensor_parallel import apply_tensor_parallel
@@ -145,8 +140,8 @@ class TeacherRunner:
                 inputs, position_ids, documents, length = self._prepare(batch)
             else:
                 inputs, position_ids, documents, length = self._receive()
-            masks = cp_mask(documents, cp_size=self.cp_size, cp_rank=self.cp_rank, dtype=self.dtype,
-                             windows=self.windows)
+            masks = layer_masks(documents, self.windows, dtype=self.dtype, cp_size=self.cp_size,
+                                cp_rank=self.cp_rank)
             output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         except BaseException:
             if not self.is_last:

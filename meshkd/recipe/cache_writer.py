@@ -36,8 +36,8 @@ from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
-from meshkd.recipe.run import init_world
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
+from meshkd.recipe.world import init_world
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
 # run loses little.

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import models
-from meshkd.recipe.preflight import load_section_model, load_section_tokenizer
+from meshkd.recipe.loaders import load_section_model, load_section_tokenizer
 
 
 def greedy_completion(model, tokenizer, prompt: str, *, max_new_tokens: int) -> str:
@@ -29,6 +30,6 @@ def compare_completions(teacher_section, keep_layers: list[int], trained: dict[s
     with models.loading_quietly():
         teacher = load_section_model(teacher_section)
         students = {name: models.load_causal_lm(path=directory) for name, directory in trained.items()}
-    pruned = models.prune_layers(copy.deepcopy(teacher), keep_layers)
+    pruned = prune_layers(copy.deepcopy(teacher), keep_layers)
     return {name: greedy_completion(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
             for name, model in {"teacher": teacher, "pruned student": pruned, **students}.items()}

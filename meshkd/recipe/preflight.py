@@ -8,59 +8,22 @@ any worker starts. Errors name the config key they concern (`about`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 from dataclasses import dataclass
 
 import torch
 
-from meshkd.core.packing import attention_windows
+from meshkd.core.masks import attention_windows
 from meshkd.parallel.data_parallel import check_experts_over_dp
-from meshkd.parallel.sharded_loading import empty_causal_lm
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.metrics import warn0
 
 # The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
 _PREFLIGHT_READ_BYTES = 64 << 20
-
-
-def load_section_tokenizer(section) -> object:
-    """The tokenizer of a model section; one object per source in a process (a GGUF file's takes seconds)."""
-    return _tokenizer(section.tokenizer, section.path, section.gguf_file)
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(name: str | None, path: str | None, gguf_file: str | None) -> object:
-    if name == "byte":
-        return models.byte_tokenizer()
-    return models.load_tokenizer(path=name or path, gguf_file=gguf_file)
-
-
-def load_section_model(section) -> torch.nn.Module:
-    return models.load_causal_lm(
-        path=section.path,
-        gguf_file=section.gguf_file,
-        random_init=section.random_init,
-        keep_layers=section.keep_layers,
-        dtype=section.dtype,
-        attn_implementation=section.attn_implementation,
-        seed=section.seed,
-    )
-
-
-def load_section_model_for_layout(section):
-    """(model, `Checkpoint`) with meta parameters, to be filled by `load_shards` once laid out, for a Hugging
-    Face directory stored under the model's own names; else (the loaded model, None)."""
-    if section.path is not None and section.gguf_file is None and not str(section.path).endswith(".gguf"):
-        directory, _ = models.resolve_source(section.path, None)
-        empty = empty_causal_lm(directory, keep_layers=section.keep_layers, dtype=models.resolve_dtype(section.dtype),
-                                attn_implementation=section.attn_implementation)
-        if empty is not None:
-            return empty
-    return load_section_model(section), None
 
 
 @contextlib.contextmanager
@@ -88,30 +51,6 @@ class Preflight:
     student_vocab_rows: int
     teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
     cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
-
-
-def _skeleton(section) -> torch.nn.Module:
-    """The model of a config section, pruned as configured, on the meta device: its config, no weights."""
-    if section.random_init is not None:
-        try:
-            with torch.device("meta"):
-                return load_section_model(section)
-        except ValueError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the modeling code's verdict on the user's kwargs: a
-            # negative size reaching a tensor's shape, a value of the wrong type for the config class
-            raise ValueError(f"random_init: {' '.join(str(error).split())}") from None
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory, gguf_file = models.resolve_source(section.path, section.gguf_file)
-    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
-    attention = section.attn_implementation or models.default_attn_implementation(type(hf_config))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
-    if section.keep_layers is not None:
-        models.prune_layers(model, section.keep_layers)
-    return model
 
 
 def _embedding_rows(model: torch.nn.Module) -> int:
@@ -186,7 +125,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
     with about("model.tokenizer"):
         tokenizer = load_section_tokenizer(config.model)
     with about("model"):
-        student = _skeleton(config.model)
+        student = load_section_skeleton(config.model)
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = None
     if from_cache:  # the cache stands for the teacher: it was written with the student's tokenizer
@@ -197,7 +136,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
         with about("teacher_model.tokenizer"):
             teacher_tokenizer = load_section_tokenizer(config.teacher_model)
         with about("teacher_model"):
-            teacher = _skeleton(config.teacher_model)
+            teacher = load_section_skeleton(config.teacher_model)
         teacher_rows = _embedding_rows(teacher)
     with about("model.tokenizer / teacher_model.tokenizer"):
         vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),

@@ -6,8 +6,9 @@ teacher-only ranks (separate meshes) run a `TeacherWorker`, which serves the stu
 so that the collectives between them line up across roles:
 
 1. load (rank-local: this role's model, data), agreed over the world;
-2. the common vocabulary (an all-reduce of both models' sizes) and, on separate meshes, the bridge and
-   the NEAT-packing check across the roles;
+2. the common vocabulary (an all-reduce of both models' sizes) and, on separate meshes, the bridge (the
+   student's packing hook and the teacher's `TeacherRunner` build their masks from the same NEAT document
+   indices, so the roles need no packing handshake);
 3. lay out (pipeline split, tensor / context / data parallel, this rank's share of the weights), agreed;
 4. resume (the student's checkpoint, metrics, run directory), agreed.
 
@@ -24,14 +25,12 @@ checkpoint of that step, send STOP_TEACHER and return.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.packing import configure_kd_teacher_packing
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.context_parallel import flatten_student_cp_axes
 from meshkd.recipe import models
@@ -40,46 +39,7 @@ from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
-
-
-def uses_cuda(config: KDRecipeConfig) -> bool:
-    """Whether the run's ranks use CUDA devices (`device: cuda`, or `auto` where CUDA is available)."""
-    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-
-
-def check_gpu_count(config: KDRecipeConfig, local_processes: int) -> None:
-    """Refuse to run `local_processes` ranks of a CUDA run on a node that sees fewer GPUs.
-
-    One GPU per process: NCCL cannot run two ranks of a group on one GPU, and a rank without a GPU of its
-    own would fail later with "invalid device ordinal".
-    """
-    if not uses_cuda(config):
-        return
-    visible = torch.cuda.device_count()
-    if local_processes > visible:
-        raise ValueError(
-            f"this run needs {local_processes} processes on this node, one GPU each, but the node sees {visible} "
-            f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lay out fewer "
-            "ranks per node, or set device: cpu"
-        )
-
-
-def init_world(config: KDRecipeConfig) -> tuple[torch.device, bool]:
-    """This rank's device, and whether the process group was created here (from torchrun's environment,
-    NCCL on CUDA, gloo on CPU, `collective_timeout_s`), so that the caller destroys it at the end.
-
-    A CUDA rank takes GPU LOCAL_RANK; a node with fewer GPUs than LOCAL_WORLD_SIZE is refused first."""
-    device = torch.device("cpu")
-    if uses_cuda(config):
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        check_gpu_count(config, max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    if dist.is_initialized():
-        return device, False
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=config.collective_timeout_s))
-    return device, True
+from meshkd.recipe.world import init_world
 
 
 class KDRecipe:
@@ -118,10 +78,6 @@ class KDRecipe:
             if setups.separate:
                 bridge = KDMeshBridge(setups, self.device,
                                       timeout=datetime.timedelta(seconds=config.collective_timeout_s))
-            teacher_parts, student_parts = role.packing_parts()
-            if config.kd.teacher_cache is None:  # a cache has no teacher model to configure
-                configure_kd_teacher_packing(teacher_parts, student_parts,
-                                             control_group=bridge.control_group if bridge else None)
             with faults.on_every_rank("while laying out the models"):
                 role.lay_out(vocab_size, bridge)
             with faults.on_every_rank("while resuming and opening the run directory"):

@@ -38,10 +38,11 @@ from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
+from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, warn0
 from meshkd.recipe.models import resolve_dtype
 from meshkd.recipe.on_policy import OnPolicyStep, StudentCompletions, build_prompt_set
-from meshkd.recipe.preflight import Preflight, about, load_section_model, load_section_model_for_layout
+from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
@@ -103,10 +104,6 @@ class StudentTrainer:
         if self._cache_manifest is not None:
             teacher = self._cache_manifest["teacher_vocab_rows"]
         return self._model.get_output_embeddings().weight.shape[0], teacher
-
-    def packing_parts(self) -> tuple[list, list]:
-        """(teacher parts, student parts) held here, for `configure_kd_teacher_packing`."""
-        return ([self._teacher[0]] if self._teacher else []), [self._model]
 
     def lay_out(self, vocab_size: int, bridge: KDMeshBridge | None) -> None:
         """Lay out the models (teacher first, as its ranks do), then the optimizer and the teacher source."""

@@ -19,7 +19,8 @@ from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
-from meshkd.recipe.preflight import about, load_section_model_for_layout
+from meshkd.recipe.loaders import load_section_model_for_layout
+from meshkd.recipe.preflight import about
 
 
 class TeacherForward:
@@ -86,10 +87,6 @@ class TeacherWorker:
     def vocab_rows(self) -> tuple[int, int]:
         """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
         return -1, self.model.get_output_embeddings().weight.shape[0]
-
-    def packing_parts(self) -> tuple[list, list]:
-        """(teacher parts, student parts) held here, for `configure_kd_teacher_packing`."""
-        return [self.model], []
 
     def lay_out(self, vocab_size: int, bridge: KDMeshBridge) -> None:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)

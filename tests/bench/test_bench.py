@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from meshkd import bench
-from meshkd.bench import transport
+from meshkd.bench import memory
 from meshkd.recipe import models
 
 pytestmark = pytest.mark.world  # the latency section starts a two-rank world
@@ -23,7 +23,7 @@ def test_a_missing_prerequisite_skips_and_a_failure_is_recorded_while_the_other_
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(models, "demo_teacher_source", no_demo_teacher)
-    monkeypatch.setattr(transport, "_memory", broken_memory)
+    monkeypatch.setattr(memory, "measure", broken_memory)
     out = tmp_path / "bench.json"
     code = bench.main(["--quick", "--only", "latency,modes,memory", "--json", str(out)])
     assert code == 1

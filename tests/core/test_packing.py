@@ -1,8 +1,9 @@
 """Tests for meshkd.core.packing: NEAT-packed rows must give each document the logits it gets alone.
 
-Pure tier: the mask conversion against a brute-force reference, tiny random-init transformers models
-(sdpa and eager) packed vs one document at a time, pipeline stages, and the local KD check. Multi-rank
-tier: one 4-rank gloo world where ranks 0-1 hold student parts and ranks 2-3 teacher parts.
+Pure tier: tiny random-init transformers models (sdpa and eager) packed vs one document at a time,
+pipeline stages, and the local KD check (the masks themselves: tests/core/test_masks.py). One-rank gloo:
+the same hooks building context-parallel masks. Multi-rank tier: one 4-rank gloo world where ranks 0-1
+hold student parts and ranks 2-3 teacher parts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from meshkd.core.packing import (
     NEAT_INDEXED,
     configure_kd_teacher_packing,
     configure_packing,
-    indexed_to_additive_mask,
+    enable_cp_masks,
     packing_layout,
 )
 from tests.tiny import neat_layout, tiny_llama_model
@@ -68,44 +69,6 @@ def assert_packed_matches_documents(model: nn.Module, rows=ROWS, *, call=None) -
     assert not packed.isnan().any(), "padding rows must not produce NaN"
     gap = worst_document_gap(model, packed, batch, rows)
     assert gap < 1e-5, f"packed logits differ from per-document logits by {gap}"
-
-
-# ---- the mask conversion ----------------------------------------------------------------------------
-
-
-def reference_mask(documents: torch.Tensor, query_length: int, window: int | None) -> torch.Tensor:
-    batch_size, key_length = documents.shape
-    allowed = torch.zeros(batch_size, 1, query_length, key_length, dtype=torch.bool)
-    for b in range(batch_size):
-        for i in range(query_length):
-            q = key_length - query_length + i
-            for k in range(key_length):
-                same = documents[b, q] != 0 and documents[b, k] == documents[b, q]
-                in_window = window is None or q - k < window
-                allowed[b, 0, i, k] = (same and k <= q and in_window) or k == q
-    return allowed
-
-
-@pytest.mark.parametrize("query_length, window", [(None, None), (None, 3), (4, None), (1, 2)])
-def test_additive_mask_matches_reference(query_length, window):
-    documents = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]])
-    mask = indexed_to_additive_mask(documents, query_length=query_length, dtype=torch.float16, sliding_window=window)
-    expected = reference_mask(documents, query_length or documents.shape[1], window)
-    assert mask.dtype == torch.float16 and mask.shape == expected.shape
-    assert torch.equal(mask == 0, expected)
-    assert torch.all(mask[~expected] == torch.finfo(torch.float16).min)
-
-
-def test_additive_mask_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="batch, sequence"):
-        indexed_to_additive_mask(torch.ones(1, 1, 4, 4))
-    with pytest.raises(ValueError, match="query_length 5"):
-        indexed_to_additive_mask(torch.ones(1, 4), query_length=5)
-
-
-def test_bool_mask_is_one_document():
-    bools = torch.tensor([[True, True, True, False]])
-    assert torch.equal(indexed_to_additive_mask(bools), indexed_to_additive_mask(bools.long()))
 
 
 # ---- whole models -----------------------------------------------------------------------------------
@@ -191,6 +154,22 @@ def test_configure_is_idempotent_and_per_instance():
     twin = copy.deepcopy(model)
     assert packing_layout(twin) == NEAT_INDEXED
     assert_packed_matches_documents(twin)
+
+
+def test_cp_masks_reuse_the_packing_hooks_and_need_them():
+    with pytest.raises(ValueError, match="configure_packing"):
+        enable_cp_masks(tiny_llama(), None, cp_size=2, cp_rank=0)
+    # One cp rank: its share is the whole sequence, so the cp masks are the plain ones.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = configure_packing(tiny_llama())
+        enable_cp_masks(model, dist.group.WORLD, cp_size=1, cp_rank=0)
+        assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == (1, 1)
+        assert_packed_matches_documents(model)
+        with pytest.raises(ValueError, match="this rank's share"):
+            logits(model, input_ids=torch.zeros(1, 4, dtype=torch.int64), attention_mask=torch.ones(1, 5))
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- pipeline stages and wrappers -------------------------------------------------------------------

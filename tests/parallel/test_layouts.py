@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshkd.core.loss import cross_entropy_loss
-from meshkd.core.packing import configure_packing, indexed_to_additive_mask
+from meshkd.core.packing import configure_packing
 from meshkd.core.topology import create_kd_distributed_setups
-from meshkd.parallel.context_parallel import CP_ATTENTION, _additive_mask
+from meshkd.parallel.context_parallel import CP_ATTENTION
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student
 from meshkd.parallel.stages import stage_layers
 from meshkd.parallel.teacher_runner import TeacherRunner
@@ -283,14 +283,3 @@ def test_stage_layers_are_contiguous_and_cover_all_layers():
         stages = [stage_layers(num_layers, pp_size, rank) for rank in range(pp_size)]
         assert [i for stage in stages for i in stage] == list(range(num_layers))
         assert max(map(len, stages)) - min(map(len, stages)) <= 1
-
-
-def test_additive_mask_matches_packing_mask_in_global_order():
-    documents = PACKED["attention_mask"]
-    index = torch.arange(documents.shape[1])
-    expected = indexed_to_additive_mask(documents, sliding_window=3)
-    assert torch.equal(_additive_mask(documents, index, index, dtype=torch.float32, sliding_window=3), expected)
-    # Permuted keys (the cp gather order) give the same mask with its key columns permuted.
-    order = torch.randperm(len(index), generator=torch.Generator().manual_seed(0))
-    permuted = _additive_mask(documents, index[:5], index[order], dtype=torch.float32, sliding_window=None)
-    assert torch.equal(permuted, indexed_to_additive_mask(documents)[:, :, :5][..., order])

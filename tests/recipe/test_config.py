@@ -114,7 +114,7 @@ def test_the_embedded_demo_config_loads_once_its_teacher_is_filled_in(tmp_path):
     config = load_config(path, [f"model.path={tmp_path}", f"teacher_model.path={tmp_path}"])
     assert config.model.keep_layers["auto"] == 20 and required_world_size(config) == 4
     # meshkd demo --on-policy and the off-policy run it is compared with.
-    from meshkd.cli import _OFF_POLICY_BESIDE, _ON_POLICY
+    from meshkd.demo import _OFF_POLICY_BESIDE, _ON_POLICY
 
     paths = [f"model.path={tmp_path}", f"teacher_model.path={tmp_path}"]
     on = load_config(path, paths + _ON_POLICY)

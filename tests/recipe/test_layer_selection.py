@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from meshkd.parallel.stages import decoder_of
 from meshkd.recipe import layer_selection, models
 from meshkd.recipe.config import ConfigError, config_from_dict
 from tests.tiny import base_config
@@ -15,7 +16,7 @@ IDENTITY_LAYER = 2
 def _identity_layer_model(directory, family: dict) -> None:
     """A 5-layer random model whose layer IDENTITY_LAYER returns its input: its residual branches write zeros."""
     model = models.load_causal_lm(random_init={**family, "num_hidden_layers": 5}, seed=4)
-    layer = models.decoder_layers(model)[IDENTITY_LAYER]
+    layer = decoder_of(model).layers[IDENTITY_LAYER]
     with torch.no_grad():
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()

@@ -1,4 +1,5 @@
-"""Tests for meshkd.recipe.models: sources, layer pruning, vocabularies, saving. Pure tier, no process group.
+"""Tests for meshkd.recipe.models: sources, layer pruning (`meshkd.parallel.pruning`), vocabularies, saving.
+Pure tier, no process group.
 
 Models are tiny random-init transformers models with the byte tokenizer. The GGUF path is checked with a
 tiny GGUF file written here with the `gguf` package (skipped without it); the demo teacher's file is only
@@ -14,6 +15,7 @@ import socket
 import pytest
 import torch
 
+from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe.models import (
     BYTE_EOS_TOKEN,
     BYTE_PAD_TOKEN,
@@ -24,7 +26,6 @@ from meshkd.recipe.models import (
     demo_teacher_source,
     load_causal_lm,
     load_tokenizer,
-    prune_layers,
     save_hf_model,
 )
 

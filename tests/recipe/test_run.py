@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshkd import cli
+from meshkd import cli, launcher
 from meshkd.recipe.config import config_from_dict
-from meshkd.recipe.run import KDRecipe, check_gpu_count, init_world
+from meshkd.recipe.run import KDRecipe
+from meshkd.recipe.world import check_gpu_count, init_world
 from tests.collectives import audited_collectives
 from tests.tiny import base_config
 
@@ -58,7 +59,7 @@ def test_meshkd_train_refuses_the_layout_before_starting_processes(gpus, monkeyp
                 "teacher_distributed": {"dp_size": 1}, "device": "auto"}
     path.write_text(yaml.safe_dump(separate))
     gpus(2)
-    monkeypatch.setattr(cli, "_launch", lambda *args: pytest.fail("processes were started"))
+    monkeypatch.setattr(launcher, "launch", lambda *args: pytest.fail("processes were started"))
     assert cli.main(["train", str(path)]) == 2
     assert "needs 3 processes on this node, one GPU each, but the node sees 2 GPU(s)" in capsys.readouterr().err
 

@@ -1,0 +1,100 @@
+"""The transport bench's `modes` section: what each logits transport mode costs in bytes and in KD error.
+
+On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library source, for two students
+(the demo's 8 of 30 layers, and a near one of 26), each mode's wire bytes per token and the relative error
+of its KD loss, of d loss / d logits and of the output-head weight gradient, against full float32; see
+`meshkd.bench.transport` for the whole bench.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import statistics
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from meshkd.parallel.pruning import prune_layers
+
+
+def _stdlib_token_rows(tokenizer, rows: int, sequence: int, samples: int) -> list[torch.Tensor]:
+    """`samples` batches [rows, sequence + 1] of token ids from standard-library sources, in file order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    needed = samples * rows * (sequence + 1)
+    stream: list[int] = []
+    for path in files:
+        stream.extend(tokenizer(Path(path).read_text(errors="replace"))["input_ids"])
+        if len(stream) >= needed:
+            break
+    ids = torch.tensor(stream[:needed]).view(samples, rows, sequence + 1)
+    return list(ids)
+
+
+# Two students: the demo's (8 of the teacher's 30 layers, before distillation: far from the teacher) and a
+# near one (26 of 30 layers), standing in for a student late in distillation.
+_STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 layers)": [*range(12), *range(16, 30)]}
+
+
+def measure(settings: dict) -> dict:
+    """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
+    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
+    from meshkd.core.loss import kd_loss_encoded
+    from meshkd.recipe import models
+
+    source = models.demo_teacher_source()
+    tokenizer = models.load_tokenizer(**source)
+    teacher = models.load_causal_lm(**source)
+    students = {name: prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
+    samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
+    variants = [("full", None, 0), ("full_bf16", None, 0)]
+    variants += [("topk", k, 0) for k in settings["topk"]] + [("topk", k, m) for k, m in settings["topk_sampled"]]
+    per_sample: dict[tuple, list[dict]] = {}
+    for sample, ids in enumerate(samples):
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=inputs).logits.float()
+        tokens, vocab = labels.numel(), teacher_logits.shape[-1]
+        full_bytes = tokens * vocab * 4
+        for student_name, student in students.items():
+            with torch.no_grad():
+                hidden = student.model(input_ids=inputs).last_hidden_state.float()
+                student_logits = student.lm_head(hidden).float()
+            for temperature in (1.0, 2.0):
+                results = {}
+                for mode, k, m in variants:
+                    encoded = encode_teacher_logits(
+                        teacher_logits, mode, k=k, temperature=temperature, tail_samples=m, seed=sample
+                    )
+                    s = student_logits.clone().requires_grad_()
+                    loss = kd_loss_encoded(s, encoded, labels, temperature=temperature, chunk_size=256)
+                    loss.backward()
+                    # The output-head weight gradient [vocab, hidden]: what the logit gradient becomes in parameter
+                    # space, where sampling noise of single tokens averages out over the batch.
+                    head_grad = s.grad.flatten(0, 1).T @ hidden.flatten(0, 1)
+                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(encoded))
+                reference, reference_grad, reference_head, _ = results[("full", None, 0)]
+                for (mode, k, m), (value, grad, head_grad, nbytes) in results.items():
+                    name = mode if k is None else f"topk k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")
+                    per_sample.setdefault((student_name, name, temperature), []).append({
+                        "bytes_per_token": nbytes / tokens, "bytes_ratio": nbytes / full_bytes,
+                        "kd_full": reference, "kd_rel_error": value / reference - 1,
+                        "grad_rel_error": float((grad - reference_grad).norm() / reference_grad.norm()),
+                        "head_grad_rel_error": float((head_grad - reference_head).norm() / reference_head.norm()),
+                    })  # fmt: skip
+    rows = []
+    for (student_name, name, temperature), entries in per_sample.items():
+        rows.append({
+            "student": student_name, "mode": name, "temperature": temperature,
+            "bytes_per_token": statistics.median(e["bytes_per_token"] for e in entries),
+            "bytes_ratio": statistics.median(e["bytes_ratio"] for e in entries),
+            "kd_full": statistics.median(e["kd_full"] for e in entries),
+            "kd_rel_error": statistics.median(e["kd_rel_error"] for e in entries),
+            "kd_rel_error_worst": max((e["kd_rel_error"] for e in entries), key=abs),
+            "grad_rel_error": statistics.median(e["grad_rel_error"] for e in entries),
+            "head_grad_rel_error": statistics.median(e["head_grad_rel_error"] for e in entries),
+        })  # fmt: skip
+    return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows}

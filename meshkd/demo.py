@@ -1,0 +1,174 @@
+"""`meshkd demo`: heal a pruned SmolLM2 student by distilling the full model, on the CPU, and report it.
+
+The demo is a sequence of ordinary `meshkd` commands on the embedded `configs/demo.yaml`, filled in by
+`demo_overrides` with the installed demo teacher (converted once from GGUF to an HF directory): choose the
+student's layers once (`meshkd prune`), optionally write the teacher's answers to a cache
+(`meshkd cache-teacher`), then `meshkd train` the KD run and, with --compare, the run it is compared with
+(CE only; or off-policy at about the same trained tokens for --on-policy). It ends with the validation
+losses, the share of the pruned student's gap to the teacher that healing closed, greedy completions of
+one prompt, and the loss curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+
+from meshkd import cli
+from meshkd.recipe.config import ConfigError, load_config
+
+_DEMO_CONFIG = "demo.yaml"
+# Ends inside the code, so that the instruct teacher continues the function rather than explaining it.
+_DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n    return'
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_teacher_directory() -> Path:
+    """The demo teacher as an HF directory; found (the GGUF file hashed) once per process."""
+    from meshkd.recipe.models import converted_gguf, demo_teacher_source
+
+    source = demo_teacher_source()
+    return converted_gguf(source["path"], source["gguf_file"])
+
+
+def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
+    """Fill the embedded demo config with the installed teacher, converted once from GGUF to an HF directory
+    (every process of every run then loads it in a fraction of the time, and sharded)."""
+    directory = _demo_teacher_directory()
+    return [f"model.path={directory}", f"teacher_model.path={directory}", f"logging.run_dir={run_dir}", *extra]
+
+
+def _demo_cache(config_path: str, overrides: list[str]) -> int:
+    """Write the demo's teacher cache unless the one there already fits the run (then the teacher never runs)."""
+    from meshkd.recipe.preflight import preflight
+
+    config = load_config(config_path, overrides)
+    try:
+        preflight(config)
+        print(f"meshkd demo: the teacher's answers come from the cache {config.kd.teacher_cache}")
+        return 0
+    except ConfigError as error:
+        if not str(error).startswith("kd.teacher_cache:"):
+            raise
+    print("meshkd demo: computing the teacher's answers once (meshkd cache-teacher)")
+    return cli.cache_teacher_command(config_path, overrides, None, None)
+
+
+# `meshkd demo --on-policy`: short rows so the student's completions fit a few minutes on 2 CPU cores. The
+# student completes the first 32 tokens of each row with 32 of its own, trained on by reverse KL; the
+# off-policy run it is compared with (--compare) trains on text rows of the same length with half the steps,
+# so both train on about as many tokens (each text row has 63 targets, each completion at most 32). Both take
+# 4 rows a step at lr 1e-3, not the text demo's 2 rows at 5e-4 (as the README's on-policy figures were measured).
+_ON_POLICY_STEPS = ["step_scheduler.global_batch_size=4", "step_scheduler.local_batch_size=2",
+                    "step_scheduler.val_batches=4", "optimizer.lr=1e-3"]
+_ON_POLICY = [*_ON_POLICY_STEPS, "kd.mode=on_policy", "kd.divergence=reverse_kl", "kd.generation.prompt_tokens=32",
+              "kd.generation.max_new_tokens=32", "step_scheduler.sequence_length=64", "step_scheduler.max_steps=30",
+              "lr_scheduler.warmup_steps=3"]
+_OFF_POLICY_BESIDE = [*_ON_POLICY_STEPS, "kd.generation.evaluate=true", "step_scheduler.max_steps=15",
+                      "kd.generation.prompt_tokens=32", "kd.generation.max_new_tokens=32",
+                      "step_scheduler.sequence_length=64"]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`meshkd demo`: heal the pruned student (with --compare also by CE only; --on-policy on its own
+    completions), then report the losses and completions; returns the exit status."""
+    config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
+    if args.on_policy:
+        return _demo_on_policy(config_path, args)
+    # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
+    cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
+    # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
+    layers = cli.selected_layers(config_path, demo_overrides(args.run_dir, cache + args.set))
+    runs = [("kd", args.run_dir, [])]
+    if args.compare:
+        runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
+    if cache:
+        code = _demo_cache(config_path, demo_overrides(args.run_dir, cache + args.set + layers))
+        if code != 0:
+            return code
+    summaries = {}
+    for name, run_dir, extra in runs:
+        print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
+        code = cli.train_command(config_path, demo_overrides(run_dir, extra + cache + args.set + layers), None, False)
+        if code != 0:
+            return code
+        summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
+    _demo_report(load_config(config_path, demo_overrides(args.run_dir, cache + args.set + layers)), summaries)
+    return 0
+
+
+def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
+    """On-policy distillation of the pruned student (and with --compare, off-policy at about the same tokens)."""
+    if args.cache:
+        raise ConfigError("meshkd demo --on-policy: the teacher scores the student's own completions, which no "
+                          "cache holds; leave out --cache")
+    from meshkd.recipe import metrics
+
+    run_dir = args.run_dir + "_on_policy"
+    layers = cli.selected_layers(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
+    runs = [("on-policy", run_dir, _ON_POLICY)]
+    if args.compare:
+        runs.append(("off-policy", run_dir + "_beside", _OFF_POLICY_BESIDE))
+    names = {"forward_kl": "forward KL", "reverse_kl": "reverse KL", "jsd": "JSD"}
+    runs = [(f"{name} ({names[load_config(config_path, demo_overrides(directory, extra + args.set)).kd.divergence]})",
+             directory, extra) for name, directory, extra in runs]  # as --set may have changed it
+    for name, directory, extra in runs:
+        print(f"meshkd demo: healing the pruned student {name} -> {directory}")
+        code = cli.train_command(config_path, demo_overrides(directory, extra + args.set + layers), None, False)
+        if code != 0:
+            return code
+    print("\n(losses in nats/token)                  trained    held-out  teacher's loss on the student's")
+    print("                                         tokens     text      greedy completions, before -> after")
+    for name, directory, _ in runs:
+        records = metrics.read_metrics(directory)
+        trained = sum(record["num_tokens"] for record in records if record["kind"] == "train")
+        evals = [record for record in records if record["kind"] == "eval"]
+        print(f"  {name:<37} {trained:>7.0f}    {evals[-1]['val_loss']:.4f}    "
+              f"{evals[0]['teacher_nll_of_samples']:.4f} -> {evals[-1]['teacher_nll_of_samples']:.4f}")
+    teacher = evals[0]["teacher_val_loss"]
+    print(f"  teacher on the held-out text: {teacher:.4f}; pruned student before healing: {evals[0]['val_loss']:.4f}")
+    from meshkd.recipe.completions import compare_completions
+
+    config = load_config(config_path, demo_overrides(run_dir, _ON_POLICY + args.set + layers))
+    trained = {f"{name} student": json.loads(Path(directory, "summary.json").read_text())["hf_dir"]
+               for name, directory, _ in runs}
+    print(f"\ngreedy completions of {_DEMO_PROMPT!r}:")
+    for name, text in compare_completions(config.teacher_model, config.model.keep_layers, trained, _DEMO_PROMPT,
+                                          max_new_tokens=16).items():
+        print(f"--- {name}\n{_DEMO_PROMPT}{text}")
+    return 0
+
+
+def _demo_report(config, summaries: dict[str, dict]) -> None:
+    """Losses, the share of the pruned student's gap to the teacher that healing closed, completions, curves."""
+    kd = summaries["kd"]
+    teacher, before = kd["teacher_val_loss"], kd["val_loss_before"]
+
+    def closed(after: float) -> str:
+        return f"{(before - after) / (before - teacher):.0%} of the gap to the teacher closed"
+
+    rows = [("teacher (SmolLM2-135M-Instruct, 30 layers)", teacher, ""),
+            (f"pruned student ({len(config.model.keep_layers)} layers) before healing", before, ""),
+            ("after KD healing", kd["val_loss_after"], closed(kd["val_loss_after"]))]
+    if "ce" in summaries:
+        ce = summaries["ce"]["val_loss_after"]
+        rows.append(("after CE-only healing", ce, f"{closed(ce)}; KD {(ce - kd['val_loss_after']) / ce:.1%} lower"))
+    print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
+    for label, loss, note in rows:
+        print(f"  {label:<44} {loss:.4f}" + (f"  ({note})" if note else ""))
+    if "hf_dir" in kd:
+        from meshkd.recipe.completions import compare_completions
+
+        print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
+        texts = compare_completions(config.teacher_model, config.model.keep_layers, {"trained student": kd["hf_dir"]},
+                                    _DEMO_PROMPT, max_new_tokens=16)
+        for name, text in texts.items():
+            print(f"--- {name}\n{_DEMO_PROMPT}{text}")
+    with contextlib.suppress(RuntimeError):  # matplotlib missing: the figures above stand
+        from meshkd.recipe.plot import plot_run
+
+        print(f"\ncurves: {plot_run(config.logging.run_dir)}")
