@@ -84,6 +84,36 @@ def run_world(
     return WorldResults(world_size, errors, launch_error)
 
 
+class WorldsBySize:
+    """Checks that need worlds of different sizes, run in one world per size (each size's checks in the order
+    given), that world started when a test first asks for one of its checks.
+
+    Tests of one module that each trained in a world of their own share a few worlds this way; a check that
+    fails ends its world, and the checks after it in that world are reported as not run.
+    """
+
+    def __init__(self, checks: Sequence[tuple[int, Check]], *, timeout_s: float = 60.0,
+                 deadline_per_check_s: float = 300.0) -> None:
+        self._checks = list(checks)
+        self._sizes = {_name(check): size for size, check in self._checks}
+        assert len(self._sizes) == len(self._checks), "check names must be unique"
+        self._timeout_s, self._deadline_per_check_s = timeout_s, deadline_per_check_s
+        self._results: dict[int, WorldResults] = {}
+
+    def results(self, name: str) -> WorldResults:
+        """The results of the world that ran `name` (started now if it has not run yet)."""
+        size = self._sizes[name]
+        if size not in self._results:
+            checks = [check for check_size, check in self._checks if check_size == size]
+            self._results[size] = run_world(size, checks, timeout_s=self._timeout_s,
+                                            deadline_s=self._deadline_per_check_s * len(checks))
+        return self._results[size]
+
+    def check(self, name: str) -> None:
+        """Raise AssertionError if `name` failed or did not run (see `WorldResults.check`)."""
+        self.results(name).check(name)
+
+
 def world_test(world_size: int, checks: Sequence[Check], **options):
     """A pytest test, parametrized by check name, that runs all `checks` in one world on first use."""
     import pytest
