@@ -64,6 +64,27 @@ class WorldResults:
             raise AssertionError(f"check {name} did not finish on ranks {missing}: {ended}")
 
 
+_SETUPS: dict[tuple[str, int], object] = {}
+
+
+def layout_setups(cfg: dict, world_size: int):
+    """`create_kd_distributed_setups(cfg, world_size)`, built once per layout in this world and registered as
+    the current setup again when reused.
+
+    Every mesh creates its own process groups (each gloo group holds connections and threads on every rank),
+    and the checks of one world ask for the same few layouts again and again. Every rank runs the same checks
+    in the same order, so every rank builds the same layouts in the same order, as mesh construction needs.
+    """
+    from meshkd.core.topology import create_kd_distributed_setups, set_current_setup
+
+    key = (json.dumps(cfg, sort_keys=True), world_size)
+    if key not in _SETUPS:
+        _SETUPS[key] = create_kd_distributed_setups(cfg, world_size)
+    setups = _SETUPS[key]
+    set_current_setup(setups.local)
+    return setups
+
+
 def run_world(
     world_size: int, checks: Sequence[Check], *, timeout_s: float = 60.0, deadline_s: float = 400.0
 ) -> WorldResults:
