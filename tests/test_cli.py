@@ -15,46 +15,51 @@ from tests.tiny import base_config, with_layout
 pytestmark = pytest.mark.world  # every test here runs the meshkd command
 
 
-def test_cli_trains_end_to_end_and_plots(tmp_path):
-    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
-    config_path = tmp_path / "tiny.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    result = subprocess.run(
-        [sys.executable, "-m", "meshkd", "train", str(config_path), "--set", "step_scheduler.max_steps=2"],
-        capture_output=True, text=True, timeout=300,
-    )
+def meshkd_train(config_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path), *extra],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(config["logging"]["run_dir"])
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    saved = yaml.safe_load(Path(config["logging"]["run_dir"], "config.yaml").read_text())
-    assert saved["step_scheduler"]["max_steps"] == 2
-    plotted = subprocess.run([sys.executable, "-m", "meshkd", "plot", config["logging"]["run_dir"]],
-                             capture_output=True, text=True, timeout=120)
-    assert plotted.returncode == 0, plotted.stderr[-2000:]
-    assert Path(config["logging"]["run_dir"], "curves.png").read_bytes()[:4] == b"\x89PNG"
+    return result
 
 
-def test_cli_measures_the_students_layers_once_and_a_resumed_run_keeps_them(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """One `meshkd train` of the tiny config (starting processes is the expensive part, so both tests below
+    look at it): max_steps set on the command line, the student's layers measured (`keep_layers: {auto: 1}`),
+    a checkpoint every step. Returns what the run left, read before any test adds to it."""
+    tmp_path = tmp_path_factory.mktemp("cli")
     config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
     config["model"]["keep_layers"] = {"auto": 1}
     config["checkpoint"] = {"enabled": True, "save_hf": False}
-    config["step_scheduler"].update(max_steps=2, ckpt_every_steps=1)
-    config_path = tmp_path / "auto.yaml"
+    config["step_scheduler"]["ckpt_every_steps"] = 1
+    config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = Path(config["logging"]["run_dir"])
+    result = meshkd_train(config_path, "--set", "step_scheduler.max_steps=2")
+    return {"config_path": config_path, "run_dir": run_dir, "stdout": result.stdout,
+            "steps": [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"],
+            "saved": yaml.safe_load((run_dir / "config.yaml").read_text()),
+            "selection": json.loads((run_dir / "layer_selection.json").read_text())}
 
-    def train(*extra: str) -> subprocess.CompletedProcess:
-        result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(config_path), *extra],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result
 
-    first = train()
-    chosen = json.loads((run_dir / "layer_selection.json").read_text())["keep_layers"]
-    assert "least important first" in first.stdout and f"keeping 1 of 2 layers: {chosen}" in first.stdout
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["keep_layers"] == chosen
+def test_cli_trains_end_to_end_and_plots(trained):
+    assert trained["steps"] == [1, 2]
+    assert trained["saved"]["step_scheduler"]["max_steps"] == 2
+    run_dir = trained["run_dir"]
+    plotted = subprocess.run([sys.executable, "-m", "meshkd", "plot", str(run_dir)],
+                             capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert Path(run_dir, "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_measures_the_students_layers_once_and_a_resumed_run_keeps_them(trained):
+    run_dir = trained["run_dir"]
+    chosen = trained["selection"]["keep_layers"]
+    assert "least important first" in trained["stdout"] and f"keeping 1 of 2 layers: {chosen}" in trained["stdout"]
+    assert trained["saved"]["model"]["keep_layers"] == chosen
     # Another request would be measured again; a resumed run keeps the layers its checkpoint was trained with.
-    resumed = train("--resume", "--set", "step_scheduler.max_steps=3", "--set", "model.keep_layers.calibration_rows=2")
+    resumed = meshkd_train(trained["config_path"], "--resume", "--set", "step_scheduler.max_steps=3",
+                           "--set", "model.keep_layers.calibration_rows=2")
     assert f"model.keep_layers: {chosen}, as {run_dir / 'layer_selection.json'} records" in resumed.stdout
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["keep_layers"] == chosen
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]

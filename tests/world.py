@@ -64,6 +64,27 @@ class WorldResults:
             raise AssertionError(f"check {name} did not finish on ranks {missing}: {ended}")
 
 
+_SETUPS: dict[tuple[str, int], object] = {}
+
+
+def layout_setups(cfg: dict, world_size: int):
+    """`create_kd_distributed_setups(cfg, world_size)`, built once per layout in this world and registered as
+    the current setup again when reused.
+
+    Every mesh creates its own process groups (each gloo group holds connections and threads on every rank),
+    and the checks of one world ask for the same few layouts again and again. Every rank runs the same checks
+    in the same order, so every rank builds the same layouts in the same order, as mesh construction needs.
+    """
+    from meshkd.core.topology import create_kd_distributed_setups, set_current_setup
+
+    key = (json.dumps(cfg, sort_keys=True), world_size)
+    if key not in _SETUPS:
+        _SETUPS[key] = create_kd_distributed_setups(cfg, world_size)
+    setups = _SETUPS[key]
+    set_current_setup(setups.local)
+    return setups
+
+
 def run_world(
     world_size: int, checks: Sequence[Check], *, timeout_s: float = 60.0, deadline_s: float = 400.0
 ) -> WorldResults:
@@ -82,6 +103,36 @@ def run_world(
                     record = json.loads(line)
                     errors.setdefault(record["check"], {})[rank] = record["error"]
     return WorldResults(world_size, errors, launch_error)
+
+
+class WorldsBySize:
+    """Checks that need worlds of different sizes, run in one world per size (each size's checks in the order
+    given), that world started when a test first asks for one of its checks.
+
+    Tests of one module that each trained in a world of their own share a few worlds this way; a check that
+    fails ends its world, and the checks after it in that world are reported as not run.
+    """
+
+    def __init__(self, checks: Sequence[tuple[int, Check]], *, timeout_s: float = 60.0,
+                 deadline_per_check_s: float = 300.0) -> None:
+        self._checks = list(checks)
+        self._sizes = {_name(check): size for size, check in self._checks}
+        assert len(self._sizes) == len(self._checks), "check names must be unique"
+        self._timeout_s, self._deadline_per_check_s = timeout_s, deadline_per_check_s
+        self._results: dict[int, WorldResults] = {}
+
+    def results(self, name: str) -> WorldResults:
+        """The results of the world that ran `name` (started now if it has not run yet)."""
+        size = self._sizes[name]
+        if size not in self._results:
+            checks = [check for check_size, check in self._checks if check_size == size]
+            self._results[size] = run_world(size, checks, timeout_s=self._timeout_s,
+                                            deadline_s=self._deadline_per_check_s * len(checks))
+        return self._results[size]
+
+    def check(self, name: str) -> None:
+        """Raise AssertionError if `name` failed or did not run (see `WorldResults.check`)."""
+        self.results(name).check(name)
 
 
 def world_test(world_size: int, checks: Sequence[Check], **options):

@@ -28,7 +28,7 @@ from meshkd.parallel.context_parallel import (
 )
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student, student_loss_scale
 from tests.tiny import full, packed_llama_batch, tiny_llama_model
-from tests.world import world_test
+from tests.world import layout_setups, world_test
 
 WORLD = 4
 VOCAB = 67  # odd, so the vocab splits unevenly across tp ranks
@@ -49,7 +49,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
 def setup_for(section: dict):
-    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+    return layout_setups({"distributed": section}, WORLD).student
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:

@@ -21,14 +21,13 @@ import torch
 
 from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.packing import configure_packing
-from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.context_parallel import shard_student_batch
 from meshkd.parallel.data_parallel import parallelize_student, scale_expert_gradients
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.models import load_causal_lm
 from tests.tiny import full, neat_layout
-from tests.world import world_test
+from tests.world import layout_setups, world_test
 
 WORLD = 4
 VOCAB = 67  # odd, so the vocabulary splits unevenly over tp
@@ -80,7 +79,7 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def setup_for(section: dict):
-    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+    return layout_setups({"distributed": section}, WORLD).student
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -17,13 +17,12 @@ from torch.distributed.tensor import DTensor
 
 from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.packing import configure_packing
-from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.context_parallel import CP_ATTENTION
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student
 from meshkd.parallel.stages import stage_layers
 from meshkd.parallel.teacher_runner import TeacherRunner
 from tests.tiny import neat_layout, tiny_llama_model
-from tests.world import world_test
+from tests.world import layout_setups, world_test
 
 WORLD = 4
 VOCAB = 67  # odd, so the vocab splits unevenly across tp ranks
@@ -36,7 +35,7 @@ def tiny_llama(*, seed: int = 0, tie: bool = False) -> torch.nn.Module:
 
 
 def setup_for(section: dict):
-    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+    return layout_setups({"distributed": section}, WORLD).student
 
 
 def plain_batch(rows: int, length: int, *, seed: int = 1) -> dict:

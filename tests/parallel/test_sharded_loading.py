@@ -26,14 +26,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from meshkd.core.packing import configure_packing
-from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.data_parallel import parallelize_student, scale_expert_gradients
 from meshkd.parallel.sharded_loading import empty_causal_lm, is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.models import load_causal_lm, save_hf_model
 from tests.tiny import full, neat_layout
-from tests.world import world_test
+from tests.world import layout_setups, world_test
 
 WORLD = 4
 VOCAB = 67
@@ -170,7 +169,7 @@ def check_remove_saved_models():
 
 
 def setup_for(section: dict):
-    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+    return layout_setups({"distributed": section}, WORLD).student
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -26,7 +26,7 @@ from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_
 from meshkd.parallel.data_parallel import clip_grad_norm, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
 from tests.tiny import packed_llama_batch, tiny_llama_model
-from tests.world import world_test
+from tests.world import layout_setups, world_test
 
 WORLD = 4
 VOCAB = 67  # odd, so the vocab splits unevenly across tp ranks
@@ -192,7 +192,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str, *, tie: bool = False) -
 
 
 def setup_for(section: dict) -> DistributedSetup:
-    return create_kd_distributed_setups({"distributed": section}, WORLD).student
+    return layout_setups({"distributed": section}, WORLD).student
 
 
 def check_pp2_gpipe_and_1f1b():

@@ -2,7 +2,7 @@
 
 A tied (Qwen3, `tie_word_embeddings`) and an untied (Llama) student, each read from a Hugging Face
 directory (so loaded in shards where the layout allows), trained a few steps in one process, with DDP dp 2,
-FSDP2 dp 2 and tp 2 (both students in one world per layout): the exported `hf_student`, loaded by plain
+FSDP2 dp 2 and tp 2 (every run of one world size in one world): the exported `hf_student`, loaded by plain
 transformers, has one tied matrix where the config ties them, exactly the parameter count of
 `from_pretrained` of the directory it started from, and its held-out loss, computed by plain transformers
 on the validation rows, equals the trainer's last `val_loss`.
@@ -11,6 +11,7 @@ on the validation rows, equals the trainer's last `val_loss`.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from meshkd.recipe.metrics import read_metrics
 from meshkd.recipe.models import byte_tokenizer, load_causal_lm, save_hf_model
 from tests.recipe.test_recipe import TrainRun
 from tests.tiny import base_config, with_layout
-from tests.world import run_world
+from tests.world import WorldsBySize
 
 pytestmark = pytest.mark.world
 
@@ -59,35 +60,42 @@ def plain_val_loss(model, config: dict, dp_size: int) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_exported_student_is_the_configured_model_and_scores_the_reported_loss(tmp_path, layout):
-    world_size, section = LAYOUTS[layout]
-    configs = {}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, dict], WorldsBySize]:
+    """Both students in every layout, trained in one world per world size: (root, configs, worlds), each
+    run named `layout_student` and kept under root / layout / student."""
+    root = tmp_path_factory.mktemp("export")
     for name, architecture in STUDENTS.items():
-        directory = tmp_path / f"{name}_start"
-        save_hf_model(load_causal_lm(random_init=architecture, seed=5), None, directory)
-        config = base_config(tmp_path / name)
-        config["model"] = {"path": str(directory), "tokenizer": "byte"}
-        config["dataset"]["packing"] = False  # one document a row: plain transformers scores it as the trainer does
-        config["step_scheduler"].update(max_steps=3, global_batch_size=4, local_batch_size=2)
-        config["checkpoint"] = {"enabled": True, "save_hf": True}
-        configs[name] = with_layout(config, section, None)
-    runs = []
-    for name, config in configs.items():
-        runs.append(TrainRun(config))
-        runs[-1].__name__ = f"train_{name}"
-    results = run_world(world_size, runs, timeout_s=60, deadline_s=300)
-    for run in runs:
-        results.check(run.__name__)
+        save_hf_model(load_causal_lm(random_init=architecture, seed=5), None, root / f"{name}_start")
+    configs, checks = {}, []
+    for layout, (world_size, section) in LAYOUTS.items():
+        for name in STUDENTS:
+            config = base_config(root / layout / name)
+            config["model"] = {"path": str(root / f"{name}_start"), "tokenizer": "byte"}
+            # One document a row: plain transformers scores it as the trainer does.
+            config["dataset"]["packing"] = False
+            config["step_scheduler"].update(max_steps=3, global_batch_size=4, local_batch_size=2)
+            config["checkpoint"] = {"enabled": True, "save_hf": True}
+            configs[f"{layout}_{name}"] = config = with_layout(config, section, None)
+            checks.append((world_size, TrainRun(config, name=f"{layout}_{name}")))
+    return root, configs, WorldsBySize(checks)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_exported_student_is_the_configured_model_and_scores_the_reported_loss(runs, layout):
+    root, configs, worlds = runs
+    _, section = LAYOUTS[layout]
+    for name in STUDENTS:
+        worlds.check(f"{layout}_{name}")
     from transformers import AutoModelForCausalLM
 
-    for name, config in configs.items():
-        started = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_start")
-        exported = AutoModelForCausalLM.from_pretrained(tmp_path / name / "run" / "hf_student")
+    for name in STUDENTS:
+        config = configs[f"{layout}_{name}"]
+        started = AutoModelForCausalLM.from_pretrained(root / f"{name}_start")
+        exported = AutoModelForCausalLM.from_pretrained(Path(config["logging"]["run_dir"], "hf_student"))
         tied = exported.lm_head.weight is exported.get_input_embeddings().weight
         assert tied == (name == "tied"), f"{layout} {name}: output head tied {tied}"
         assert num_parameters(exported) == num_parameters(started), f"{layout} {name}"
         reported = [r for r in read_metrics(config["logging"]["run_dir"]) if r["kind"] == "eval"][-1]["val_loss"]
         scored = plain_val_loss(exported, config, section["dp_size"])
         assert scored == pytest.approx(reported, abs=1e-5), f"{layout} {name}"
-

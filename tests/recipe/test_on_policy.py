@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from meshkd.recipe.on_policy import (
     prompts_of,
     row_seed,
 )
-from tests.recipe.test_recipe import config_world_size, curve, train_in_world
+from tests.recipe.test_recipe import RecipeRuns, curve
 from tests.tiny import STEPS, base_config, tiny_llama_model, with_layout
 
 EOS, PAD = 256, 257
@@ -129,11 +130,39 @@ def on_policy_config(tmp_path, **kd) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
-def on_policy_reference(tmp_path_factory) -> list[dict]:
-    config = on_policy_config(tmp_path_factory.mktemp("on_policy_reference"))
-    return train_in_world(1, with_layout(config, {"dp_size": 1}, None))
+ON_POLICY_LAYOUTS = {
+    "student_dp2_teacher_tp2": ({"dp_size": 2}, {"dp_size": 1, "tp_size": 2}),
+    "student_tp2_teacher_cp2": ({"dp_size": 1, "tp_size": 2}, {"dp_size": 1, "cp_size": 2}),
+    "student_ddp2_shared": ({"dp_size": 2, "strategy": "ddp"}, None),
+}
 
+
+def on_policy_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
+    """Every recipe run of this module but the failing one: name -> (config, resume)."""
+    runs = {"reference": (with_layout(on_policy_config(tmp / "reference"), {"dp_size": 1}, None), False)}
+    for layout, (student, teacher) in ON_POLICY_LAYOUTS.items():
+        runs[layout] = (with_layout(on_policy_config(tmp / layout), student, teacher), False)
+    config = with_layout(on_policy_config(tmp / "resumed"), {"dp_size": 1}, {"dp_size": 1})
+    config["checkpoint"] = {"enabled": True, "save_hf": False}
+    config["step_scheduler"]["ckpt_every_steps"] = 2
+    first = copy.deepcopy(config)
+    first["step_scheduler"]["max_steps"] = 3
+    first["lr_scheduler"]["total_steps"] = STEPS
+    runs["resumed_first"], runs["resumed"] = (first, False), (config, True)
+    share = on_policy_config(tmp / "share", on_policy_fraction=0.5, divergence="forward_kl", kd_ratio=0.5,
+                             logits_transport="topk", topk=8)
+    runs["share_with_topk"] = (with_layout(share, {"dp_size": 1}, {"dp_size": 1}), False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> RecipeRuns:
+    return RecipeRuns(on_policy_runs(tmp_path_factory.mktemp("on_policy")))
+
+
+@pytest.fixture(scope="module")
+def on_policy_reference(runs) -> list[dict]:
+    return runs.records("reference")
 
 
 @pytest.mark.world
@@ -150,19 +179,10 @@ def test_the_reference_learns_on_its_own_completions_and_counts_only_them(on_pol
     assert train[-1]["kd_loss"] < train[0]["kd_loss"]
 
 
-ON_POLICY_LAYOUTS = {
-    "student_dp2_teacher_tp2": ({"dp_size": 2}, {"dp_size": 1, "tp_size": 2}),
-    "student_tp2_teacher_cp2": ({"dp_size": 1, "tp_size": 2}, {"dp_size": 1, "cp_size": 2}),
-    "student_ddp2_shared": ({"dp_size": 2, "strategy": "ddp"}, None),
-}
-
-
 @pytest.mark.world
 @pytest.mark.parametrize("layout", list(ON_POLICY_LAYOUTS))
-def test_on_policy_curve_equals_single_process(layout, on_policy_reference, tmp_path):
-    student, teacher = ON_POLICY_LAYOUTS[layout]
-    config = with_layout(on_policy_config(tmp_path), student, teacher)
-    records = train_in_world(config_world_size(config), config)
+def test_on_policy_curve_equals_single_process(layout, runs, on_policy_reference):
+    records = runs.records(layout)
     # Step 1, before any update, within 1e-5; later steps follow the updates, where float32 rounding of the
     # layouts' different reduction orders grows (lr 1e-2), as for off-policy runs.
     assert curve(records)[:3] == pytest.approx(curve(on_policy_reference)[:3], rel=1e-5)
@@ -175,27 +195,16 @@ def test_on_policy_curve_equals_single_process(layout, on_policy_reference, tmp_
 
 
 @pytest.mark.world
-def test_resumed_on_policy_run_draws_and_trains_exactly_as_the_uninterrupted_one(on_policy_reference, tmp_path):
-    config = with_layout(on_policy_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
-    config["checkpoint"] = {"enabled": True, "save_hf": False}
-    config["step_scheduler"]["ckpt_every_steps"] = 2
-    first = copy.deepcopy(config)
-    first["step_scheduler"]["max_steps"] = 3
-    first["lr_scheduler"]["total_steps"] = STEPS
-    train_in_world(2, first)
-    records = train_in_world(2, config, resume=True)
-    resumed = [r for r in records if r["kind"] == "train" and r["step"] > 2]
+def test_resumed_on_policy_run_draws_and_trains_exactly_as_the_uninterrupted_one(runs, on_policy_reference):
+    runs.records("resumed_first")
+    resumed = [r for r in runs.records("resumed") if r["kind"] == "train" and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4, 5]
     assert curve(resumed) == pytest.approx(curve(on_policy_reference)[6:], rel=1e-4)
 
 
 @pytest.mark.world
-def test_a_share_of_micro_batches_on_policy_with_topk_transport(tmp_path):
-    config = with_layout(on_policy_config(tmp_path, on_policy_fraction=0.5, divergence="forward_kl", kd_ratio=0.5,
-                                          logits_transport="topk", topk=8),
-                         {"dp_size": 1}, {"dp_size": 1})
-    records = train_in_world(2, config)
-    train = [r for r in records if r["kind"] == "train"]
+def test_a_share_of_micro_batches_on_policy_with_topk_transport(runs):
+    train = [r for r in runs.records("share_with_topk") if r["kind"] == "train"]
     expected = [sum(is_on_policy(0, step, index, 0.5) for index in range(4)) / 4 for step in range(STEPS)]
     assert [r["on_policy_share"] for r in train] == expected
     assert 0 < sum(expected) < STEPS, "both kinds of micro-batch occur"

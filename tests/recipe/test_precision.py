@@ -1,10 +1,10 @@
 """Mixed precision (`meshkd.parallel.mixed_precision`): a bfloat16 student computes in bfloat16 on float32
 master weights and optimizer states, on every layout; pure bfloat16 only through `model.pure_half_precision`.
 
-One world per layout (one process, DDP, FSDP2, TP, CP, PP, PP + FSDP2, an MoE student with experts over
-dp) trains the tiny student three times at lr 1e-5 (float32, bfloat16, pure bfloat16) and the test compares
-the weights each run moved; the one-process world also compares 20-step curves and the export, the FSDP2
-world also stops and resumes a run.
+Each layout (one process, DDP, FSDP2, TP, CP, PP, PP + FSDP2, an MoE student with experts over dp) trains
+the tiny student three times at lr 1e-5 (float32, bfloat16, pure bfloat16) and the test compares the weights
+each run moved; one process also compares 20-step curves and the export, FSDP2 also stops and resumes a run.
+The runs share one world per world size: starting processes is the expensive part.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from meshkd.parallel.mixed_precision import rounded_update_share
 from meshkd.recipe.config import ConfigError, config_from_dict
 from meshkd.recipe.metrics import read_metrics
 from tests.tiny import base_config, with_layout
-from tests.world import run_world
+from tests.world import WorldsBySize
 
 SMALL_LR = 1e-5
 SMALL_LR_STEPS = 3
@@ -43,9 +43,13 @@ class Train:
         import torch.distributed as dist
 
         from meshkd.parallel.data_parallel import gather_full_state_dict
+        from meshkd.recipe import metrics
         from meshkd.recipe.run import KDRecipe
         from meshkd.recipe.student_trainer import StudentTrainer
 
+        # A run stands for a process of its own here: meshkd warns once per process, and other runs of this
+        # world may have said the same thing already.
+        metrics.warned.clear()
         recipe = KDRecipe(config_from_dict(self.config), resume=self.resume)
         stderr = io.StringIO()
         try:
@@ -85,14 +89,16 @@ def student_config(root: Path, name: str, layout: dict, *, dtype: str, pure: boo
     return config
 
 
-def small_lr_runs(root: Path, layout: dict, teacher: dict | None = None, model: dict | None = None) -> list[Train]:
-    """Float32, bfloat16 and pure bfloat16 at the small lr; `model`: random_init keys to change."""
+def small_lr_runs(root: Path, group: str, layout: dict, teacher: dict | None = None,
+                  model: dict | None = None) -> list[Train]:
+    """Float32, bfloat16 and pure bfloat16 at the small lr under `root`, checks named `group:dtype`; `model`:
+    random_init keys to change."""
     runs = []
     for name, dtype, pure in (("float32", "float32", False), ("bfloat16", "bfloat16", False),
                               ("pure", "bfloat16", True)):
         config = student_config(root, name, layout, dtype=dtype, pure=pure, teacher=teacher)
         config["model"]["random_init"].update(model or {})
-        runs.append(Train(name, config))
+        runs.append(Train(f"{group}:{name}", config))
     return runs
 
 
@@ -116,12 +122,6 @@ def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per element of the model, flattened in name order: whether training changed it."""
     return torch.cat([(after[name] != before[name]).flatten() for name in sorted(before)])
-
-
-def train_in_world(world_size: int, checks: list[Train]) -> None:
-    results = run_world(world_size, checks, timeout_s=60, deadline_s=600)
-    for check in checks:
-        results.check(check.__name__)
 
 
 def assert_bfloat16_moves_what_float32_moves(root: Path) -> dict[str, float]:
@@ -171,18 +171,59 @@ def curve(run_dir: Path) -> list[float]:
     return [record["loss"] for record in read_metrics(run_dir) if record["kind"] == "train"]
 
 
-@pytest.mark.world
-def test_one_process_bfloat16_moves_every_weight_float32_moves_and_follows_its_curve(tmp_path):
-    root = tmp_path
+CURVES = (("float32", "float32", False), ("bfloat16", "bfloat16", False), ("pure", "bfloat16", True))
+
+
+def precision_runs(tmp: Path) -> list[tuple[int, Train]]:
+    """(world size, run) of every test below, each test's runs under tmp / its group, in one world per size."""
+    root = tmp / "one_process"
     curves = {name: student_config(root, f"curve_{name}", {"dp_size": 1}, dtype=dtype, pure=pure, lr=CURVE_LR,
-                                   steps=CURVE_STEPS)
-              for name, dtype, pure in (("float32", "float32", False), ("bfloat16", "bfloat16", False),
-                                        ("pure", "bfloat16", True))}
+                                   steps=CURVE_STEPS) for name, dtype, pure in CURVES}
     curves["bfloat16"]["checkpoint"] = {"enabled": True, "save_hf": True}
-    train_in_world(1, small_lr_runs(root, {"dp_size": 1})
-                   + [Train(f"curve_{name}", config) for name, config in curves.items()])
+    runs = [(1, run) for run in small_lr_runs(root, "one_process", {"dp_size": 1})
+            + [Train(f"one_process:curve_{name}", config) for name, config in curves.items()]]
+    for layout, (world_size, section, teacher) in LAYOUTS.items():
+        model = MOE if layout.startswith("moe") else None
+        runs += [(world_size, run) for run in small_lr_runs(tmp / layout, layout, section, teacher, model)]
+    root, layout = tmp / "fsdp2_resumed", {"dp_size": 2}
+    whole = student_config(root, "whole", layout, dtype="bfloat16", lr=1e-2, steps=5)
+    whole["checkpoint"] = {"enabled": True, "save_hf": False}
+    whole["step_scheduler"]["ckpt_every_steps"] = 2
+    resumed = copy.deepcopy(whole)
+    resumed["logging"]["run_dir"] = str(root / "resumed")
+    stopped = copy.deepcopy(resumed)
+    stopped["step_scheduler"]["max_steps"] = 3  # stops after step 3; the latest checkpoint is step 2
+    runs += [(2, run) for run in small_lr_runs(root, "fsdp2_resumed", layout) + [
+        Train("fsdp2_resumed:whole", whole), Train("fsdp2_resumed:stopped", stopped),
+        Train("fsdp2_resumed:resumed", resumed, resume=True)]]
+    return runs
+
+
+class PrecisionRuns:
+    """The runs of `precision_runs`; `trained(group)` checks that the group's runs trained and returns their
+    directory."""
+
+    def __init__(self, tmp: Path) -> None:
+        self._tmp, self._runs = tmp, precision_runs(tmp)
+        self._worlds = WorldsBySize(self._runs)
+
+    def trained(self, group: str) -> Path:
+        for _, run in self._runs:
+            if run.__name__.startswith(f"{group}:"):
+                self._worlds.check(run.__name__)
+        return self._tmp / group
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> PrecisionRuns:
+    return PrecisionRuns(tmp_path_factory.mktemp("precision"))
+
+
+@pytest.mark.world
+def test_one_process_bfloat16_moves_every_weight_float32_moves_and_follows_its_curve(runs):
+    root = runs.trained("one_process")
     print(assert_bfloat16_moves_what_float32_moves(root))
-    fp32, mixed, pure = (curve(root / f"curve_{name}") for name in curves)
+    fp32, mixed, pure = (curve(root / f"curve_{name}") for name, _, _ in CURVES)
     assert len(fp32) == CURVE_STEPS and fp32[-1] < 0.7 * fp32[0]
     print("mixed / pure bfloat16 vs float32, largest relative gap over the curve:",
           max(abs(a / b - 1) for a, b in zip(mixed, fp32)), max(abs(a / b - 1) for a, b in zip(pure, fp32)))
@@ -203,31 +244,20 @@ def test_one_process_bfloat16_moves_every_weight_float32_moves_and_follows_its_c
 
 @pytest.mark.world
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bfloat16_moves_every_weight_float32_moves(layout, tmp_path):
-    world_size, section, teacher = LAYOUTS[layout]
-    train_in_world(world_size, small_lr_runs(tmp_path, section, teacher, MOE if layout.startswith("moe") else None))
-    print(assert_bfloat16_moves_what_float32_moves(tmp_path))
+def test_bfloat16_moves_every_weight_float32_moves(layout, runs):
+    print(assert_bfloat16_moves_what_float32_moves(runs.trained(layout)))
 
 
 @pytest.mark.world
-def test_fsdp2_bfloat16_moves_every_weight_and_resumes_bit_for_bit(tmp_path):
-    layout = {"dp_size": 2}
-    whole = student_config(tmp_path, "whole", layout, dtype="bfloat16", lr=1e-2, steps=5)
-    whole["checkpoint"] = {"enabled": True, "save_hf": False}
-    whole["step_scheduler"]["ckpt_every_steps"] = 2
-    resumed = copy.deepcopy(whole)
-    resumed["logging"]["run_dir"] = str(tmp_path / "resumed")
-    stopped = copy.deepcopy(resumed)
-    stopped["step_scheduler"]["max_steps"] = 3  # stops after step 3; the latest checkpoint is step 2
-    train_in_world(2, small_lr_runs(tmp_path, layout) + [
-        Train("whole", whole), Train("stopped", stopped), Train("resumed", resumed, resume=True)])
-    print(assert_bfloat16_moves_what_float32_moves(tmp_path))
-    uninterrupted = [r for r in read_metrics(tmp_path / "whole") if r["kind"] == "train"]
-    again = [r for r in read_metrics(tmp_path / "resumed") if r["kind"] == "train" and r["step"] > 2]
+def test_fsdp2_bfloat16_moves_every_weight_and_resumes_bit_for_bit(runs):
+    root = runs.trained("fsdp2_resumed")
+    print(assert_bfloat16_moves_what_float32_moves(root))
+    uninterrupted = [r for r in read_metrics(root / "whole") if r["kind"] == "train"]
+    again = [r for r in read_metrics(root / "resumed") if r["kind"] == "train" and r["step"] > 2]
     keys = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr")
     assert [[r[key] for key in keys] for r in again] == [[r[key] for key in keys] for r in uninterrupted[2:]]
-    _, whole_weights = result(tmp_path, "whole")
-    _, resumed_weights = result(tmp_path, "resumed")
+    _, whole_weights = result(root, "whole")
+    _, resumed_weights = result(root, "resumed")
     assert all(torch.equal(whole_weights[name], resumed_weights[name]) for name in whole_weights)
 
 

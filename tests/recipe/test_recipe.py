@@ -1,5 +1,8 @@
 """The KD recipe end to end on tiny random-init Llamas: every layout's loss curve equals the
 single-process run's (fp32, same seed and global batch), and resume continues the curve exactly.
+
+Starting processes is the expensive part: the module's runs train one after another in one world per world
+size (`RecipeRuns`), each world started when a test first asks for one of its runs.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 from meshkd.recipe.config import config_from_dict
 from meshkd.recipe.metrics import read_metrics
 from tests.tiny import STEPS, base_config, with_layout
-from tests.world import run_world
+from tests.world import WorldsBySize, run_world
 
 pytestmark = pytest.mark.world  # every test here trains in a world
 
@@ -26,8 +29,8 @@ class TrainRun:
     only rank 0 writes the metrics file: so tests can compare what the ranks would log.
     """
 
-    def __init__(self, config: dict, resume: bool = False) -> None:
-        self.config, self.resume, self.__name__ = config, resume, "train"
+    def __init__(self, config: dict, resume: bool = False, *, name: str = "train") -> None:
+        self.config, self.resume, self.__name__ = config, resume, name
 
     def __call__(self) -> None:
         import torch.distributed as dist
@@ -59,6 +62,27 @@ def train_in_world(world_size: int, config: dict, *, resume: bool = False) -> li
     return read_metrics(config["logging"]["run_dir"])
 
 
+def config_world_size(config: dict) -> int:
+    from meshkd.recipe.config import required_world_size
+
+    return required_world_size(config_from_dict(config))
+
+
+class RecipeRuns:
+    """Named runs (name -> (config, resume)) trained in one world per world size, in the order given (a
+    resumed run after the run it resumes); `records(name)` starts its world on first use."""
+
+    def __init__(self, runs: dict[str, tuple[dict, bool]]) -> None:
+        self.configs = {name: config for name, (config, _) in runs.items()}
+        self._worlds = WorldsBySize([(config_world_size(config), TrainRun(config, resume, name=name))
+                                     for name, (config, resume) in runs.items()])
+
+    def records(self, name: str) -> list[dict]:
+        """The metrics `name` logged; AssertionError with every failing rank's traceback if it failed."""
+        self._worlds.check(name)
+        return read_metrics(self.configs[name]["logging"]["run_dir"])
+
+
 def without_timing(records: list[dict]) -> list[dict]:
     timing = ("teacher_wait_s", "step_time_s", "tokens_per_s")
     return [{key: value for key, value in record.items() if key not in timing} for record in records]
@@ -82,18 +106,6 @@ def unpacked(config: dict) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    config = base_config(tmp_path_factory.mktemp("reference"))
-    return train_in_world(1, with_layout(config, {"dp_size": 1}, None))
-
-
-@pytest.fixture(scope="module")
-def unpacked_reference(tmp_path_factory) -> list[dict]:
-    config = unpacked(base_config(tmp_path_factory.mktemp("unpacked_reference")))
-    return train_in_world(1, with_layout(config, {"dp_size": 1}, None))
-
-
 LAYOUTS = {
     "shared_dp2": ({"dp_size": 2}, None),
     "shared_tp2": ({"dp_size": 1, "tp_size": 2}, None),
@@ -114,6 +126,83 @@ LAYOUTS = {
 }
 
 
+RESUMED = {"plain": {"dp_size": 1}, "pp2": {"dp_size": 1, "pp_size": 2}, "cp2": {"dp_size": 1, "cp_size": 2}}
+ZERO_KD_FAMILIES = {"granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                                "logits_scaling": 4.0},
+                    "gemma2": {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": 3.0,
+                               "attn_logit_softcapping": 5.0}}
+
+
+def recipe_configs(tmp: Path) -> dict[str, tuple[dict, bool]]:
+    """Every run of this module: name -> (config, resume), a resumed run after the run it resumes."""
+    runs = {"reference": (with_layout(base_config(tmp / "reference"), {"dp_size": 1}, None), False),
+            "unpacked_reference": (unpacked(with_layout(base_config(tmp / "unpacked_reference"), {"dp_size": 1},
+                                                        None)), False)}
+    for layout, (student, teacher) in LAYOUTS.items():
+        config = with_layout(base_config(tmp / layout), student, teacher)
+        runs[f"layout_{layout}"] = (unpacked(config) if layout.endswith("_unpacked") else config, False)
+
+    # Two student replicas on one teacher replica: two waves per request, issued on the main thread.
+    config = with_layout(base_config(tmp / "synchronous"), {"dp_size": 2}, {"dp_size": 1})
+    config["kd"]["overlap_teacher"] = False
+    runs["synchronous_teacher"] = (config, False)
+    config = with_layout(base_config(tmp / "bf16"), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
+    config["kd"]["logits_transport"] = "full_bf16"
+    runs["bf16_transport"] = (config, False)
+    config = with_layout(base_config(tmp / "topk"), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
+    config["kd"].update(logits_transport="topk", topk=32, topk_tail_samples=16)
+    runs["topk_transport"] = (config, False)
+
+    for name, student in RESUMED.items():
+        config = with_layout(base_config(tmp / f"resume_{name}"), student, {"dp_size": 1})
+        config["checkpoint"] = {"enabled": True, "save_hf": True}
+        config["step_scheduler"]["ckpt_every_steps"] = 2
+        first = copy.deepcopy(config)
+        # Stops after step 3 of a 5-step schedule; the latest checkpoint is step 2.
+        first["step_scheduler"]["max_steps"] = 3
+        first["lr_scheduler"]["total_steps"] = STEPS
+        runs[f"resume_{name}_first"] = (first, False)
+        runs[f"resume_{name}"] = (config, True)
+
+    # The reference's models, saved as Hugging Face directories.
+    from meshkd.recipe.models import load_causal_lm, save_hf_model
+
+    config = with_layout(base_config(tmp / "safetensors"), {"dp_size": 1, "pp_size": 2},
+                         {"dp_size": 1, "tp_size": 2})
+    for key in ("model", "teacher_model"):
+        section = config[key]
+        directory = tmp / "safetensors" / key
+        save_hf_model(load_causal_lm(random_init=section["random_init"], seed=section["seed"]), None, directory)
+        config[key] = {"path": str(directory), "tokenizer": "byte"}
+    runs["safetensors"] = (config, False)
+
+    for family, extra in ZERO_KD_FAMILIES.items():
+        config = with_layout(base_config(tmp / f"zero_kd_{family}"), {"dp_size": 1}, {"dp_size": 1, "tp_size": 2})
+        section = {**config["model"], "random_init": {**config["model"]["random_init"], "model_type": family, **extra}}
+        config["model"], config["teacher_model"] = section, copy.deepcopy(section)
+        config["step_scheduler"]["max_steps"] = 1
+        runs[f"zero_kd_{family}"] = (config, False)
+
+    config = base_config(tmp / "moe")
+    config["teacher_model"]["random_init"].update(model_type="qwen3_moe", head_dim=8, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=16)
+    config["logging"]["run_dir"] = str(tmp / "moe" / "single")
+    runs["moe_teacher_single"] = (with_layout(config, {"dp_size": 1}, {"dp_size": 1}), False)
+    config["logging"]["run_dir"] = str(tmp / "moe" / "ep2")
+    runs["moe_teacher_ep2"] = (with_layout(config, {"dp_size": 1}, {"dp_size": 1, "tp_size": 2, "ep_size": 2}), False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> RecipeRuns:
+    return RecipeRuns(recipe_configs(tmp_path_factory.mktemp("recipe")))
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> list[dict]:
+    return runs.records("reference")
+
+
 def test_reference_run_learns(reference):
     losses = curve(reference)[::3]
     assert len(losses) == STEPS and losses[-1] < losses[0]
@@ -122,13 +211,11 @@ def test_reference_run_learns(reference):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_loss_curve_equals_single_process(layout, request, tmp_path):
-    student, teacher = LAYOUTS[layout]
-    config = with_layout(base_config(tmp_path), student, teacher)
-    expected = request.getfixturevalue("reference")
-    if layout.endswith("_unpacked"):
-        config, expected = unpacked(config), request.getfixturevalue("unpacked_reference")
-    records = train_in_world(config_world_size(config), config)
+def test_layout_loss_curve_equals_single_process(layout, runs, reference):
+    student, _ = LAYOUTS[layout]
+    name = f"layout_{layout}"
+    config, records = runs.configs[name], runs.records(name)
+    expected = runs.records("unpacked_reference") if layout.endswith("_unpacked") else reference
     assert curve(records) == pytest.approx(curve(expected), rel=1e-4)
     # Every student rank (each pipeline stage, each replica) logs the values rank 0 wrote to the file.
     logged = logged_per_rank(config)
@@ -138,52 +225,30 @@ def test_layout_loss_curve_equals_single_process(layout, request, tmp_path):
         assert records_of_rank == logged[0], f"rank {rank} logged other values than rank 0"
 
 
-def config_world_size(config: dict) -> int:
-    from meshkd.recipe.config import required_world_size
-
-    return required_world_size(config_from_dict(config))
+def test_synchronous_teacher_loop_gives_the_same_curve(runs, reference):
+    assert curve(runs.records("synchronous_teacher")) == pytest.approx(curve(reference), rel=1e-4)
 
 
-def test_synchronous_teacher_loop_gives_the_same_curve(reference, tmp_path):
-    # Two student replicas on one teacher replica: two waves per request, issued on the main thread.
-    config = with_layout(base_config(tmp_path), {"dp_size": 2}, {"dp_size": 1})
-    config["kd"]["overlap_teacher"] = False
-    assert curve(train_in_world(3, config)) == pytest.approx(curve(reference), rel=1e-4)
+def test_bf16_logits_transport_follows_the_full_curve(runs, reference):
+    assert curve(runs.records("bf16_transport")) == pytest.approx(curve(reference), rel=1e-3)
 
 
-def test_bf16_logits_transport_follows_the_full_curve(reference, tmp_path):
-    config = with_layout(base_config(tmp_path), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
-    config["kd"]["logits_transport"] = "full_bf16"
-    assert curve(train_in_world(3, config)) == pytest.approx(curve(reference), rel=1e-3)
-
-
-def test_topk_logits_transport_trains_close_to_the_full_curve(reference, tmp_path):
+def test_topk_logits_transport_trains_close_to_the_full_curve(runs, reference):
     # The tiny random teacher is nearly uniform over 262 tokens, the hardest case for top-k: its KD (about
     # 0.01 here) is estimated from 32 kept and 16 sampled tokens, and its noisier gradient moves the
     # student a little differently (measured: 2.8% off the full curve after 5 steps). Accuracy on real
     # teacher logits is measured by meshkd bench.
-    config = with_layout(base_config(tmp_path), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
-    config["kd"].update(logits_transport="topk", topk=32, topk_tail_samples=16)
-    records = [r for r in train_in_world(3, config) if r["kind"] == "train"]
+    records = [r for r in runs.records("topk_transport") if r["kind"] == "train"]
     expected = [r for r in reference if r["kind"] == "train"]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected], rel=5e-2)
     assert [r["kd_loss"] for r in records] == pytest.approx([r["kd_loss"] for r in expected], abs=0.02)
 
 
-@pytest.mark.parametrize(
-    "student", [{"dp_size": 1}, {"dp_size": 1, "pp_size": 2}, {"dp_size": 1, "cp_size": 2}], ids=["plain", "pp2", "cp2"]
-)
-def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp_path):
-    config = with_layout(base_config(tmp_path), student, {"dp_size": 1})
-    config["checkpoint"] = {"enabled": True, "save_hf": True}
-    config["step_scheduler"]["ckpt_every_steps"] = 2
-    first = copy.deepcopy(config)
-    # Stops after step 3 of a 5-step schedule; the latest checkpoint is step 2.
-    first["step_scheduler"]["max_steps"] = 3
-    first["lr_scheduler"]["total_steps"] = STEPS
-    world_size = config_world_size(config)
-    train_in_world(world_size, first)
-    records = train_in_world(world_size, config, resume=True)
+@pytest.mark.parametrize("student", list(RESUMED))
+def test_resume_after_a_stop_continues_the_curve_exactly(student, runs, reference):
+    runs.records(f"resume_{student}_first")
+    name = f"resume_{student}"
+    config, records = runs.configs[name], runs.records(name)
     resumed = [r for r in records if r["kind"] == "train" and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4, 5]
     assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
@@ -200,45 +265,23 @@ def test_resume_after_a_stop_continues_the_curve_exactly(student, reference, tmp
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-def test_models_saved_as_safetensors_load_in_shards_with_the_same_curve(reference, tmp_path):
+def test_models_saved_as_safetensors_load_in_shards_with_the_same_curve(runs, reference):
     """The reference's models, saved as Hugging Face directories: each rank reads only its share (a
     pipelined student, a tensor-parallel teacher) and training follows the reference curve."""
-    from meshkd.recipe.models import load_causal_lm, save_hf_model
-
-    config = with_layout(base_config(tmp_path), {"dp_size": 1, "pp_size": 2}, {"dp_size": 1, "tp_size": 2})
-    for key in ("model", "teacher_model"):
-        section = config[key]
-        directory = tmp_path / key
-        save_hf_model(load_causal_lm(random_init=section["random_init"], seed=section["seed"]), None, directory)
-        config[key] = {"path": str(directory), "tokenizer": "byte"}
-    assert curve(train_in_world(4, config)) == pytest.approx(curve(reference), rel=1e-4)
+    assert curve(runs.records("safetensors")) == pytest.approx(curve(reference), rel=1e-4)
 
 
-@pytest.mark.parametrize("family", ["granite", "gemma2"])
-def test_a_teacher_identical_to_the_student_gives_zero_kd(family, tmp_path):
+@pytest.mark.parametrize("family", list(ZERO_KD_FAMILIES))
+def test_a_teacher_identical_to_the_student_gives_zero_kd(family, runs):
     """Families whose forward scales embeddings, residuals and logits (Granite) or soft-caps attention and
     logits (Gemma 2): the tensor-parallel teacher's logits are the student's, so KD starts at 0."""
-    extra = {"granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
-                         "logits_scaling": 4.0},
-             "gemma2": {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": 3.0,
-                        "attn_logit_softcapping": 5.0}}[family]
-    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1, "tp_size": 2})
-    section = {**config["model"], "random_init": {**config["model"]["random_init"], "model_type": family, **extra}}
-    config["model"], config["teacher_model"] = section, copy.deepcopy(section)
-    config["step_scheduler"]["max_steps"] = 1
-    records = train_in_world(3, config)
+    records = runs.records(f"zero_kd_{family}")
     first = next(r for r in records if r["kind"] == "train")
     assert abs(first["kd_loss"]) < 1e-6, first
     before = next(r for r in records if r["kind"] == "eval")
     assert before["val_loss"] == pytest.approx(before["teacher_val_loss"], rel=1e-5), before
 
 
-def test_moe_teacher_with_experts_spread_over_its_ranks_gives_the_single_process_curve(tmp_path):
-    config = base_config(tmp_path)
-    config["teacher_model"]["random_init"].update(model_type="qwen3_moe", head_dim=8, num_experts=4,
-                                                  num_experts_per_tok=2, moe_intermediate_size=16)
-    config["logging"]["run_dir"] = str(tmp_path / "single")
-    expected = train_in_world(2, with_layout(config, {"dp_size": 1}, {"dp_size": 1}))
-    config["logging"]["run_dir"] = str(tmp_path / "ep2")
-    records = train_in_world(3, with_layout(config, {"dp_size": 1}, {"dp_size": 1, "tp_size": 2, "ep_size": 2}))
-    assert curve(records) == pytest.approx(curve(expected), rel=1e-4)
+def test_moe_teacher_with_experts_spread_over_its_ranks_gives_the_single_process_curve(runs):
+    expected = runs.records("moe_teacher_single")
+    assert curve(runs.records("moe_teacher_ep2")) == pytest.approx(curve(expected), rel=1e-4)

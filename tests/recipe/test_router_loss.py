@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from meshkd.core.packing import configure_packing
 from meshkd.recipe.models import load_causal_lm
 from meshkd.recipe.router_loss import RouterLoss
-from tests.recipe.test_recipe import config_world_size, curve, train_in_world
+from tests.recipe.test_recipe import RecipeRuns, curve
 from tests.tiny import base_config, with_layout
 
 SHAPE = dict(vocab_size=262, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -64,54 +65,76 @@ def moe_student_config(tmp_path, coefficient: float | None = 0.05, family: str =
     return config
 
 
-@pytest.mark.world
-def test_moe_students_train_with_the_router_loss_in_every_layout(tmp_path):
-    single = with_layout(moe_student_config(tmp_path / "single"), {"dp_size": 1}, None)
-    reference = [r for r in train_in_world(1, single) if r["kind"] == "train"]
-    for record in reference:
-        objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
-        assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
-    exported = dict(load_causal_lm(path=tmp_path / "single" / "run" / "hf_student").named_parameters())
-    # Whole experts spread over the tp ranks (tp2_ep2), or over the dp ranks, which hold different rows (dp2_ep2).
-    layouts = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None),
-               ("tp2_ep2", {"dp_size": 1, "tp_size": 2, "ep_size": 2}, {"dp_size": 1}),
-               ("dp2_ep2", {"dp_size": 2, "ep_size": 2}, {"dp_size": 1}))
-    for name, student, teacher in layouts:
-        config = with_layout(moe_student_config(tmp_path / name), student, teacher)
-        records = train_in_world(config_world_size(config), config)
-        assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
-        routed = [r["router_loss"] for r in records if r["kind"] == "train"]
-        assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
-        for key, parameter in load_causal_lm(path=tmp_path / name / "run" / "hf_student").named_parameters():
-            torch.testing.assert_close(parameter, exported[key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
+# Whole experts spread over the tp ranks (tp2_ep2), or over the dp ranks, which hold different rows (dp2_ep2).
+LAYOUTS = (("dp2", {"dp_size": 2}, {"dp_size": 1}), ("tp2", {"dp_size": 1, "tp_size": 2}, None),
+           ("tp2_ep2", {"dp_size": 1, "tp_size": 2, "ep_size": 2}, {"dp_size": 1}),
+           ("dp2_ep2", {"dp_size": 2, "ep_size": 2}, {"dp_size": 1}))
+SPLIT_LAYOUTS = (("pp2", {"dp_size": 1, "pp_size": 2}), ("cp2", {"dp_size": 1, "cp_size": 2}))
+
+
+def router_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
+    """Every run of this module: name -> (config, resume)."""
+    runs = {"single": (with_layout(moe_student_config(tmp / "single"), {"dp_size": 1}, None), False)}
+    for name, student, teacher in LAYOUTS:
+        runs[name] = (with_layout(moe_student_config(tmp / name), student, teacher), False)
     # Experts over the dp ranks checkpoint and resume: stopped after step 3 (checkpoint of step 2), resumed.
-    config = with_layout(moe_student_config(tmp_path / "resumed"), {"dp_size": 2, "ep_size": 2}, {"dp_size": 1})
+    config = with_layout(moe_student_config(tmp / "resumed"), {"dp_size": 2, "ep_size": 2}, {"dp_size": 1})
     config["step_scheduler"]["ckpt_every_steps"] = 2
     first = copy.deepcopy(config)
     first["step_scheduler"]["max_steps"] = 3
     first["lr_scheduler"]["total_steps"] = config["step_scheduler"]["max_steps"]
-    train_in_world(3, first)
-    resumed = [r for r in train_in_world(3, config, resume=True) if r["kind"] == "train" and r["step"] > 2]
+    runs["resumed_first"], runs["resumed"] = (first, False), (config, True)
+    runs["off"] = (with_layout(moe_student_config(tmp / "off", 0.0), {"dp_size": 1}, None), False)
+    # The default coefficient (the model config's), 3 steps, one process and split over pipeline stages or cp.
+    for family in MOE:
+        base = moe_student_config(tmp / family, None, family)
+        base["step_scheduler"]["max_steps"] = 3
+        base["checkpoint"] = {"enabled": False}
+        runs[f"{family}_single"] = (with_layout(base, {"dp_size": 1}, None), False)
+        for name, student in SPLIT_LAYOUTS:
+            config = with_layout(base, student, None)
+            config["logging"]["run_dir"] = str(tmp / family / name)
+            runs[f"{family}_{name}"] = (config, False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> RecipeRuns:
+    return RecipeRuns(router_runs(tmp_path_factory.mktemp("router")))
+
+
+def exported_student(runs: RecipeRuns, name: str) -> dict[str, torch.Tensor]:
+    return dict(load_causal_lm(path=Path(runs.configs[name]["logging"]["run_dir"], "hf_student")).named_parameters())
+
+
+@pytest.mark.world
+def test_moe_students_train_with_the_router_loss_in_every_layout(runs):
+    reference = [r for r in runs.records("single") if r["kind"] == "train"]
+    for record in reference:
+        objective = 0.5 * record["ce_loss"] + 0.5 * record["kd_loss"] + 0.05 * record["router_loss"]
+        assert record["loss"] == pytest.approx(objective, rel=1e-6) and record["router_loss"] > 0
+    exported = exported_student(runs, "single")
+    for name, _, _ in LAYOUTS:
+        records = runs.records(name)
+        assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
+        routed = [r["router_loss"] for r in records if r["kind"] == "train"]
+        assert routed == pytest.approx([r["router_loss"] for r in reference], rel=1e-4), name
+        for key, parameter in exported_student(runs, name).items():
+            torch.testing.assert_close(parameter, exported[key], rtol=1e-3, atol=1e-5, msg=f"{name} {key}")
+    runs.records("resumed_first")
+    resumed = [r for r in runs.records("resumed") if r["kind"] == "train" and r["step"] > 2]
     assert curve(resumed) == pytest.approx(curve(reference)[6:], rel=1e-4)
-    off = with_layout(moe_student_config(tmp_path / "off", 0.0), {"dp_size": 1}, None)
-    assert all("router_loss" not in r for r in train_in_world(1, off))
+    assert all("router_loss" not in r for r in runs.records("off"))
 
 
 @pytest.mark.world
 @pytest.mark.parametrize("family", list(MOE))
-def test_pipelined_and_context_parallel_students_train_the_same_router_loss(tmp_path, family):
+def test_pipelined_and_context_parallel_students_train_the_same_router_loss(runs, family):
     """The default coefficient (the model config's): each stage and cp shard adds its part of the loss."""
-    base = moe_student_config(tmp_path, None, family)
-    base["step_scheduler"]["max_steps"] = 3
-    base["checkpoint"] = {"enabled": False}
-    single = with_layout(base, {"dp_size": 1}, None)
-    reference = [r for r in train_in_world(1, single) if r["kind"] == "train"]
+    reference = [r for r in runs.records(f"{family}_single") if r["kind"] == "train"]
     assert all(r["router_loss"] > 0 for r in reference)
-    layouts = (("pp2", {"dp_size": 1, "pp_size": 2}, None), ("cp2", {"dp_size": 1, "cp_size": 2}, None))
-    for name, student, teacher in layouts:
-        config = with_layout(base, student, teacher)
-        config["logging"]["run_dir"] = str(tmp_path / name)
-        records = [r for r in train_in_world(2, config) if r["kind"] == "train"]
+    for name, _ in SPLIT_LAYOUTS:
+        records = [r for r in runs.records(f"{family}_{name}") if r["kind"] == "train"]
         assert curve(records) == pytest.approx(curve(reference), rel=1e-4), name
         assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
         routed = [r["router_loss"] for r in records]
