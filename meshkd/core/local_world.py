@@ -3,8 +3,11 @@
 The test suite (many checks per world, because starting processes is the expensive part) and the
 benchmarks run their multi-rank code this way. Each rank gets MASTER_ADDR / MASTER_PORT / RANK /
 WORLD_SIZE, joins the group (gloo, or NCCL with GPU `rank`), runs `target(rank, *args)` and leaves the
-group. `target` must be importable by name (a module-level function or a picklable object): the
-processes are spawned, not forked.
+group. `target` must be importable by name (a module-level function or a picklable object): the ranks
+start from a fresh interpreter, never a fork of the caller (whose threads and process groups they must
+not inherit). They are forked from multiprocessing's forkserver, a clean process that has imported torch
+once (`_PRELOAD`), so each rank does not pay that import again: starting ranks is most of a test world's
+cost.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
+
+# Imported once by the forkserver that every rank is forked from (CUDA is not initialised by importing).
+_PRELOAD = ["torch", "torch.distributed", "transformers"]
 
 
 def free_port() -> int:
@@ -47,14 +53,15 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
 
 def spawn_world(world_size: int, target: Callable[..., None], args: Sequence[Any] = (), *, backend: str = "gloo",
                 timeout_s: float = 60.0, deadline_s: float | None = None) -> str | None:
-    """Run `target(rank, *args)` on `world_size` spawned ranks and wait for them.
+    """Run `target(rank, *args)` on `world_size` new rank processes and wait for them.
 
     `timeout_s` bounds each collective of the default group; `deadline_s` (None: no limit) the whole
     world, after which the ranks still running are killed. Returns None when every rank exited cleanly,
     else why not (the first rank that failed, or the deadline).
     """
+    mp.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its forkserver
     context = mp.start_processes(_rank_main, args=(world_size, free_port(), backend, timeout_s, target, list(args)),
-                                 nprocs=world_size, start_method="spawn", join=False)
+                                 nprocs=world_size, start_method="forkserver", join=False)
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         while not context.join(timeout=1.0):
