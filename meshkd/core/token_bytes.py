@@ -50,7 +50,7 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     byte_level = "ByteLevel" in kinds
     metaspace = "Metaspace" in kinds or _replaces_metaspace(backend.get("decoder"))
     wordpiece_prefix = model.get("continuing_subword_prefix") if model.get("type") == "WordPiece" else None
-    alphabet = {symbol: byte for byte, symbol in enumerate(_byte_alphabet())}
+    alphabet = {symbol: byte for byte, symbol in enumerate(byte_alphabet())}
     special = set(tokenizer.all_special_ids) | {
         i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False)
     }
@@ -91,8 +91,10 @@ def _replaces_metaspace(decoder) -> bool:
     return any(_replaces_metaspace(inner) for inner in decoder.get("decoders") or [])
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's printable spelling of the 256 byte values, indexed by byte (the byte-level BPE alphabet)."""
+    # Printable Latin-1 bytes spell themselves; the rest are shifted past 255 so no token is whitespace or
+    # a control character.
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
     spelling = {byte: chr(byte) for byte in printable}
     shifted = 0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshkd.core.token_bytes import byte_alphabet
 from meshkd.parallel.pruning import prune_layers
 from meshkd.parallel.sharded_loading import causal_lm_class, default_attn_implementation
 
@@ -144,21 +145,6 @@ def byte_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=BYTE_EOS_TOKEN, pad_token=BYTE_PAD_TOKEN)
     assert tokenizer.eos_token_id == 256 and tokenizer.pad_token_id == 257 and len(tokenizer) == 258
     return tokenizer
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable spelling of the 256 byte values, indexed by byte (the byte-level BPE alphabet)."""
-    # Printable Latin-1 bytes spell themselves; the rest are shifted past 255 so no token is whitespace or
-    # a control character.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    spelling = {byte: chr(byte) for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in spelling:
-            spelling[byte] = chr(256 + shifted)
-            shifted += 1
-    return [spelling[byte] for byte in range(256)]
 
 
 def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_size: int,
