@@ -76,3 +76,16 @@ def rounded_update_share(parameters, step: float, *, group: dist.ProcessGroup | 
         counts = counts.to(group_device(group))
         dist.all_reduce(counts, group=group)
     return float(counts[0] / counts[1].clamp(min=1))
+
+
+def rounded_update_warning(parameters, lr: float, *, dtype: str, group: dist.ProcessGroup | None) -> str | None:
+    """What to tell the user of pure `dtype` weights that an update of the peak `lr` cannot move (None: all move).
+
+    Collective over `group`, like `rounded_update_share`."""
+    share = rounded_update_share(parameters, lr, group=group)
+    if share == 0:
+        return None
+    return (f"model.pure_half_precision: the weights and optimizer states are {dtype}; an update of the peak lr "
+            f"{lr:g} (an Adam step's size) is below half a {dtype} step for {share:.1%} of the loaded weights and "
+            f"rounds away, so they do not learn. Without the key the student keeps float32 master weights and "
+            f"computes in {dtype} (about 16 bytes a parameter with AdamW, against 8)")

@@ -27,10 +27,10 @@ import yaml
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
-from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherRequest
+from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherRequest, TeacherSource
 from meshkd.core.topology import KDDistributedSetups
 from meshkd.parallel.data_parallel import parallelize_student
-from meshkd.parallel.mixed_precision import rounded_update_share
+from meshkd.parallel.mixed_precision import rounded_update_warning
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
@@ -106,42 +106,53 @@ class StudentTrainer:
         return self._model.get_output_embeddings().weight.shape[0], teacher
 
     def lay_out(self, vocab_size: int, bridge: KDMeshBridge | None) -> None:
-        """Lay out the models (teacher first, as its ranks do), then the optimizer and the teacher source."""
-        config, setup = self.config, self.setup
-        self.vocab_size = vocab_size
-        self.bridge = bridge
-        if self._cache_manifest is not None:
-            datasets = {"train": self.train_set, "validation": self.val_set}
-            self.teacher = CachedTeacher(config.kd.teacher_cache, self._cache_manifest, datasets, device=self.device,
-                                         asked=rows_asked(config, datasets, dp_size=self.dp_size))
-        elif bridge is None:
-            runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
-            self.teacher = LocalTeacher(TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed))
-        else:
-            self.teacher = TeacherClient(bridge)
-        self._teacher = None
-        # Hooks on the routers the model declares, on the whole model: pipeline stages keep theirs.
-        self.router_loss = RouterLoss.for_student(self._model, config.kd.router_aux_loss_coef)
-        compute_dtype = resolve_dtype(config.model.dtype)
-        if setup.pp_size > 1:
-            self.pipeline = StudentPipeline(self._model, setup, device=self.device, schedule=setup.pp_schedule,
-                                            num_micro_batches=self.num_micro_batches, router_loss=self.router_loss,
-                                            compute_dtype=compute_dtype)
-            self.model = self.pipeline.stage_model
-        else:
-            self.pipeline = None
-            # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
-            if not is_empty(self._model):  # else `load_shards` gives it storage on the device
-                self._model.to(self.device)
-            self.model = parallelize_student(self._model, setup, compute_dtype=compute_dtype)
-        if self._checkpoint is not None:
-            with about("model"):
-                load_shards(self.model, self._checkpoint, device=self.device)
-        del self._model, self._checkpoint
+        """Lay out the models (teacher first, as its ranks do), then the optimizer, the step and evaluations."""
+        self.vocab_size, self.bridge = vocab_size, bridge
+        self.teacher = self._setup_teacher_source()
+        self.model, self.pipeline = self._setup_model()
         self.optimizer, self.scheduler = self._setup_optimizer()
         self._setup_step()
-        if config.model.pure_half_precision:
-            self._warn_rounded_updates()
+        if self.config.model.pure_half_precision:
+            warning = rounded_update_warning(self.model.parameters(), self.config.optimizer.lr,
+                                             dtype=self.config.model.dtype, group=self.student_group)
+            if warning:
+                warn0(warning)
+
+    def _setup_teacher_source(self) -> TeacherSource:
+        """From a cache, the teacher on these ranks (shared meshes, laid out here), or on its own ranks."""
+        config = self.config
+        if self._cache_manifest is not None:
+            datasets = {"train": self.train_set, "validation": self.val_set}
+            return CachedTeacher(config.kd.teacher_cache, self._cache_manifest, datasets, device=self.device,
+                                 asked=rows_asked(config, datasets, dp_size=self.dp_size))
+        if self.bridge is not None:
+            return TeacherClient(self.bridge)
+        runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
+        self._teacher = None
+        return LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=config.kd, seed=config.seed))
+
+    def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
+        """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""
+        config, setup, model = self.config, self.setup, self._model
+        # Hooks on the routers the model declares, on the whole model: pipeline stages keep theirs.
+        self.router_loss = RouterLoss.for_student(model, config.kd.router_aux_loss_coef)
+        compute_dtype = resolve_dtype(config.model.dtype)
+        pipeline = None
+        if setup.pp_size > 1:
+            pipeline = StudentPipeline(model, setup, device=self.device, schedule=setup.pp_schedule,
+                                       num_micro_batches=self.num_micro_batches, router_loss=self.router_loss,
+                                       compute_dtype=compute_dtype)
+            laid_out = pipeline.stage_model
+        else:
+            # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
+            if not is_empty(model):  # else `load_shards` gives it storage on the device
+                model.to(self.device)
+            laid_out = parallelize_student(model, setup, compute_dtype=compute_dtype)
+        if self._checkpoint is not None:
+            with about("model"):
+                load_shards(laid_out, self._checkpoint, device=self.device)
+        del self._model, self._checkpoint
+        return laid_out, pipeline
 
     def _setup_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         config, opt = self.config, self.config.optimizer
@@ -166,17 +177,6 @@ class StudentTrainer:
                                      teacher=self.teacher, val_set=self.val_set, val_prompts=self.val_prompts,
                                      completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
                                      group=self.student_group, device=self.device)
-
-    def _warn_rounded_updates(self) -> None:
-        """Say how much of a pure half-precision student an update of the peak lr cannot move."""
-        lr, dtype = self.config.optimizer.lr, self.config.model.dtype
-        share = rounded_update_share(self.model.parameters(), lr, group=self.student_group)
-        if share > 0:
-            warn0(f"model.pure_half_precision: the weights and optimizer states are {dtype}; an update of the "
-                  f"peak lr {lr:g} (an Adam step's size) is below half a {dtype} step for {share:.1%} of the "
-                  f"loaded weights and rounds away, so they do not learn. Without the key the student keeps "
-                  f"float32 master weights and computes in {dtype} (about 16 bytes a parameter with AdamW, "
-                  f"against 8)")
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
