@@ -40,7 +40,7 @@ import torch
 
 from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
 from meshkd.recipe.data import PackedDataset, build_run_datasets, padding_rows
-from meshkd.recipe.train_step import TrainStep, sum_over_ranks, valid_tokens
+from meshkd.recipe.train_step import TrainStep, step_items, sum_over_ranks
 
 
 def row_seed(seed: int, step: int, row: int) -> int:
@@ -314,9 +314,10 @@ class OnPolicyStep:
             finally:
                 made.put(None)  # past the last request, or in place of the ones a failure left unmade
             generation_s = time.perf_counter() - started
-            valid = valid_tokens(rows, ignore_index=kd.ignore_index)
-            metrics = self.train_step((({"micro_batch": micro_batch, "step_valid": valid}, answer)
-                                       for micro_batch, answer in feed), skipped_steps=skipped_steps)
+            # The feed answers `rows` in order: each answer goes with its row's item, which holds the step's count.
+            items = step_items(rows, ignore_index=kd.ignore_index)
+            metrics = self.train_step(((item, answer) for item, (_, answer) in zip(items, feed)),
+                                      skipped_steps=skipped_steps)
         tokens, completions = sum_over_ranks(figures[:2], self.setup, device=self.train_step.device)
         metrics.update(generated_tokens=tokens, mean_completion_length=tokens / max(completions, 1.0),
                        on_policy_share=figures[2] / count, generation_s=generation_s,
