@@ -27,6 +27,14 @@ def print0(*args: Any) -> None:
         print(*args, flush=True)
 
 
+def progress_bar(total: int, *, initial: int, desc: str, enabled: bool):
+    """A tqdm bar on the logging rank when `enabled` (`logging.progress_bar`); a silent one elsewhere."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                disable=not (is_logging_rank() and enabled))
+
+
 WARNED_ENV = "MESHKD_WARNED"
 """Environment variable with the warnings `meshkd train` already printed (JSON list): its workers skip them."""
 warned: list[str] = []  # what this process warned, in order

@@ -2,12 +2,11 @@
 
 Set-up, one component each: the models and data (`load`), the layout, the optimizer and the teacher
 source (`lay_out`), the step and the evaluations (`_setup_step`), the checkpoint and metrics (`resume`).
-Then the loop (`_train`): `data.iterate_batches` gives this data-parallel rank's share of each global
-batch, cut into micro-batches (`_step_items`); the teacher source (`meshkd.core.teacher_protocol`; from
-`kd.teacher_cache` a `meshkd.recipe.teacher_cache.CachedTeacher`) pairs each with its teacher answer in a
-`TeacherFeed`, fetched ahead with `kd.overlap_teacher` so the teacher's forward, or the cache's read,
-overlaps the student's step; `meshkd.recipe.train_step.TrainStep` trains on a step's pairs. With
-`kd.mode: on_policy` each step's micro-batches are first completed by the student itself
+Then the loop (`_train`): `meshkd.recipe.step_data.StepData` pairs this data-parallel rank's micro-batches
+with the teacher source's answers (`meshkd.core.teacher_protocol`; from `kd.teacher_cache` a
+`meshkd.recipe.teacher_cache.CachedTeacher`), fetched ahead with `kd.overlap_teacher` so the teacher's
+forward, or the cache's read, overlaps the student's step; `meshkd.recipe.train_step.TrainStep` trains on a
+step's pairs. With `kd.mode: on_policy` each step's micro-batches are first completed by the student itself
 (`meshkd.recipe.on_policy.OnPolicyStep`). Evaluations: `meshkd.recipe.evaluation`.
 """
 
@@ -18,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import yaml
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
-from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherRequest, TeacherSource
+from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherSource
 from meshkd.core.topology import KDDistributedSetups
 from meshkd.parallel.data_parallel import parallelize_student
 from meshkd.parallel.mixed_precision import rounded_update_warning
@@ -39,14 +37,15 @@ from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
-from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, warn0
+from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
 from meshkd.recipe.models import resolve_dtype
 from meshkd.recipe.on_policy import OnPolicyStep, StudentCompletions, build_prompt_set
 from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
+from meshkd.recipe.step_data import NextStep, StepData
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
-from meshkd.recipe.train_step import TrainStep, enable_activation_checkpointing, micro_batches, step_items
+from meshkd.recipe.train_step import TrainStep, build_optimizer, enable_activation_checkpointing
 
 
 class StudentTrainer:
@@ -110,7 +109,7 @@ class StudentTrainer:
         self.vocab_size, self.bridge = vocab_size, bridge
         self.teacher = self._setup_teacher_source()
         self.model, self.pipeline = self._setup_model()
-        self.optimizer, self.scheduler = self._setup_optimizer()
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.config)
         self._setup_step()
         if self.config.model.pure_half_precision:
             warning = rounded_update_warning(self.model.parameters(), self.config.optimizer.lr,
@@ -153,16 +152,6 @@ class StudentTrainer:
                 load_shards(laid_out, self._checkpoint, device=self.device)
         del self._model, self._checkpoint
         return laid_out, pipeline
-
-    def _setup_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        config, opt = self.config, self.config.optimizer
-        if opt.name == "adamw":
-            optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                                          betas=tuple(opt.betas), eps=opt.eps, foreach=False)
-        else:
-            optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
-        factor = config.lr_scheduler.factor(config.step_scheduler.max_steps)
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     def _setup_step(self) -> None:
         """The training step (on-policy: wrapped in the completions' step) and the evaluations."""
@@ -251,21 +240,9 @@ class StudentTrainer:
             if computed:
                 self.metrics.log("eval", self.start_step, before)
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
-        text = self._batches(self.train_set)
-        if self.on_policy_step is not None:
-            prompts = None if self.train_prompts is None else self._batches(self.train_prompts)
-            feed = TeacherFeed(())  # every step makes its own feed from the student's completions
-
-            def next_step() -> dict[str, float]:
-                micro_batches = self._micro_batches(next(text))
-                return self.on_policy_step(micro_batches, micro_batches if prompts is None else
-                                           self._micro_batches(next(prompts)),
-                                           step=self.scheduler.last_epoch, skipped_steps=self.skipped_steps)
-        else:
-            feed = self._teacher_feed(self._step_items(text))
-
-            def next_step() -> dict[str, float]:
-                return self.step(feed, skipped_steps=self.skipped_steps)
+        feed, next_step = StepData(config, dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
+                                   device=self.device).steps(self.train_set, self.train_prompts, teacher=self.teacher,
+                                                             train_step=self.step, on_policy_step=self.on_policy_step)
         with feed:
             step, saved = self._train_steps(next_step)
             # A prefetched request in flight completes (its answer is dropped); the bridge is free again.
@@ -286,10 +263,11 @@ class StudentTrainer:
         if is_logging_rank():
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
-    def _train_steps(self, next_step: Callable[[], dict[str, float]]) -> tuple[int, int]:
+    def _train_steps(self, next_step: NextStep) -> tuple[int, int]:
         """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved)."""
         config, steps = self.config, self.config.step_scheduler
-        progress = self._progress(steps.max_steps)
+        progress = progress_bar(steps.max_steps, initial=self.start_step, desc="distill",
+                                enabled=config.logging.progress_bar)
         step = saved = self.start_step
         self.model.train()
         while step < steps.max_steps:
@@ -297,7 +275,7 @@ class StudentTrainer:
                 if self._stop_agreed():
                     break
                 started = time.perf_counter()
-                metrics = next_step()
+                metrics = next_step(self.skipped_steps)
             step += 1
             self.skipped_steps += metrics["skipped"]
             elapsed = time.perf_counter() - started
@@ -316,12 +294,6 @@ class StudentTrainer:
         progress.close()
         return step, saved
 
-    def _progress(self, total: int):
-        from tqdm import tqdm
-
-        return tqdm(total=total, initial=self.start_step, desc="distill", dynamic_ncols=True,
-                    disable=not (is_logging_rank() and self.config.logging.progress_bar))
-
     def _stopped(self, step: int, saved: int) -> None:
         """After an agreed stop at `step`: checkpoint it (unless it is on disk or nothing was trained)."""
         self.summary["stopped_at_step"] = step
@@ -332,36 +304,6 @@ class StudentTrainer:
             where = ckpt.checkpoint_dir(self.checkpoint_root, step)
             note = f"resume from {where} with --resume" if step else "nothing trained yet"
         print0(f"meshkd: stopped at step {step} on {self._stop.reason()}; {note}")
-
-    # ---- the data of a step ----
-
-    def _batches(self, rows) -> Iterator[dict]:
-        """This dp rank's share of each remaining step's global batch of `rows`."""
-        steps = self.config.step_scheduler
-        return data.iterate_batches(rows, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank,
-                                    dp_size=self.dp_size, seed=self.config.dataset.seed, start_step=self.start_step)
-
-    def _micro_batches(self, batch: dict) -> list[dict]:
-        return micro_batches(batch, size=self.config.step_scheduler.local_batch_size, device=self.device)
-
-    def _step_items(self, batches: Iterator[dict]) -> Iterator[dict]:
-        """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
-        for _ in range(self.start_step, self.config.step_scheduler.max_steps):
-            yield from step_items(self._micro_batches(next(batches)), ignore_index=self.config.kd.ignore_index)
-
-    def _teacher_feed(self, items: Iterator[dict]) -> TeacherFeed:
-        """(item, encoded teacher answer) in order; the answers are None when the loss needs no teacher.
-
-        With `kd.overlap_teacher` a teacher on its own ranks is asked for the next micro-batch while this
-        one trains (the next step's micro-batches under pipeline parallel, whose schedule takes a whole step
-        at once): the same requests in the same order, so the same answers.
-        """
-        kd = self.config.kd
-        if kd.kd_ratio == 0:
-            return TeacherFeed((item, None) for item in items)
-        depth = (self.num_micro_batches if self.pipeline is not None else 1) if kd.overlap_teacher else 0
-        return self.teacher.prefetch(items, depth=depth,
-                                     batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport))
 
     # ---- checkpoints, export ----
 

@@ -57,6 +57,19 @@ def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, 
     return tensor.tolist()
 
 
+def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer,
+                                                             torch.optim.lr_scheduler.LRScheduler]:
+    """The `optimizer` section's optimizer over the laid-out model's parameters, and the `lr_scheduler`'s schedule."""
+    opt = config.optimizer
+    if opt.name == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
+                                      betas=tuple(opt.betas), eps=opt.eps, foreach=False)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+    factor = config.lr_scheduler.factor(config.step_scheduler.max_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """`model.activation_checkpointing`: each decoder layer recomputes its activations in backward.
 
