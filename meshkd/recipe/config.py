@@ -85,6 +85,15 @@ class GenerationSettingsConfig:
 
 
 @dataclass
+class CrossTokenizerConfig:
+    """A teacher with another tokenizer (`meshkd.recipe.aligned_data`): both tokenizations of each row,
+    aligned by bytes; the teacher's answer projected onto the student's vocabulary."""
+
+    loss: str = "projection"  # projection: as NeMo RL's X-Token, then kd.divergence and kd.logits_transport
+    teacher_sequence_length: int | None = None  # teacher tokens per row; None: step_scheduler.sequence_length
+
+
+@dataclass
 class KDConfig:
     kd_ratio: float = 0.5
     temperature: float = 1.0
@@ -105,6 +114,7 @@ class KDConfig:
     # dense student); 0: off (meshkd.recipe.router_loss)
     router_aux_loss_coef: float | None = None
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
+    cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one
 
     @property
     def evaluates_samples(self) -> bool:
@@ -224,6 +234,14 @@ class KDRecipeConfig:
         """The teacher's own layout: `teacher_distributed` on separate meshes, else the student's."""
         return self.teacher_distributed if self.separate_meshes and self.teacher_distributed else self.distributed
 
+    @property
+    def teacher_sequence_length(self) -> int:
+        """Teacher tokens per row: `kd.cross_tokenizer.teacher_sequence_length`, else the student's."""
+        cross = self.kd.cross_tokenizer
+        if cross is not None and cross.teacher_sequence_length is not None:
+            return cross.teacher_sequence_length
+        return self.step_scheduler.sequence_length
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -302,6 +320,7 @@ def validate(config: KDRecipeConfig) -> None:
     if kd.max_skipped_steps < 0:
         raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
     _check_on_policy(config)
+    _check_cross_tokenizer(config)
     router = kd.router_aux_loss_coef
     if router is not None and not (router >= 0 and math.isfinite(router)):
         raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
@@ -392,6 +411,30 @@ def _check_on_policy(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
                           f"model on each rank's own prompts, which pipeline and context parallel students do not "
                           f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+
+
+def _check_cross_tokenizer(config: KDRecipeConfig) -> None:
+    cross, kd, student = config.kd.cross_tokenizer, config.kd, config.distributed
+    if cross is None:
+        return
+    if cross.loss != "projection":
+        raise ConfigError(f"kd.cross_tokenizer.loss must be projection, got {cross.loss!r} (ULD and GOLD's hybrid "
+                          "are in meshkd.core.cross_tokenizer_loss, not yet in the recipe)")
+    if cross.teacher_sequence_length is not None and cross.teacher_sequence_length < 2:
+        raise ConfigError(f"kd.cross_tokenizer.teacher_sequence_length must be >= 2 or null, "
+                          f"got {cross.teacher_sequence_length}")
+    unsupported = {"kd.mode: on_policy": kd.mode == "on_policy", "kd.generation.evaluate": kd.evaluates_samples,
+                   "kd.teacher_cache": kd.teacher_cache is not None,
+                   f"distributed.pp_size {student.pp_size}": student.pp_size > 1,
+                   f"distributed.cp_size {student.cp_size}": student.cp_size > 1}
+    if kd.divergence == "reverse_kl":
+        raise ConfigError("kd.divergence reverse_kl with kd.cross_tokenizer: the projected teacher gives no "
+                          "probability to student tokens no teacher token maps to (an infinite reverse KL); use "
+                          "forward_kl or jsd")
+    refused = [name for name, used in unsupported.items() if used]
+    if refused:
+        raise ConfigError(f"kd.cross_tokenizer does not yet work with {', '.join(refused)}: the student's rows carry "
+                          "the teacher's tokenization whole (students use dp and tp)")
 
 
 def _check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None:

@@ -27,16 +27,15 @@ Batch layout (every tensor int64, [rows, sequence_length]):
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from meshkd.recipe.documents import describe_patterns, match_files, read_documents
+from meshkd.recipe.documents import check_arguments, describe_patterns, match_files, read_documents
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +46,6 @@ IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 """Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
 
-_FORMATS = ("text", "jsonl")
 # Documents are tokenized this many at a time: big enough for the fast tokenizer's batch encoding to
 # pay off, small enough that the token lists of a large corpus never exist all at once as Python lists.
 _TOKENIZE_CHUNK = 256
@@ -56,7 +54,9 @@ _TOKENIZE_CHUNK = 256
 class PackedDataset:
     """NEAT-packed rows of one split: four int64 tensors [num_rows, sequence_length] (see `BATCH_KEYS`).
 
-    `dataset[index]` returns the batch dict of the selected rows (an int, slice or index tensor).
+    `dataset[index]` returns the batch dict of the selected rows (an int, slice or index tensor). `extra`
+    holds more per-row fields, name -> (int64 tensor [num_rows, any length], its padding value), returned
+    with the others (`meshkd.recipe.aligned_data`: the teacher's own tokenization of each row).
     """
 
     def __init__(
@@ -68,9 +68,12 @@ class PackedDataset:
         attention_mask: torch.Tensor,
         pad_token_id: int,
         num_documents: int,
+        extra: dict[str, tuple[torch.Tensor, int]] | None = None,
     ):
         tensors = (input_ids, labels, position_ids, attention_mask)
         assert all(t.dim() == 2 and t.dtype == torch.int64 and t.shape == input_ids.shape for t in tensors)
+        self.extra = dict(extra or {})
+        assert all(t.dim() == 2 and t.shape[0] == len(input_ids) for t, _ in self.extra.values())
         self.input_ids = input_ids
         self.labels = labels
         self.position_ids = position_ids
@@ -99,7 +102,14 @@ class PackedDataset:
         """
         if isinstance(index, int):
             index = [index]
-        return {key: getattr(self, key)[index] for key in BATCH_KEYS}
+        return {key: getattr(self, key)[index] for key in BATCH_KEYS} | {
+            key: tensor[index] for key, (tensor, _) in self.extra.items()}
+
+    def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
+        """`num_rows` rows of pure padding with every key of a batch (`padding_rows` and the extra fields')."""
+        return padding_rows(num_rows, self.sequence_length, self.pad_token_id) | {
+            key: torch.full((num_rows, tensor.shape[1]), value, dtype=tensor.dtype)
+            for key, (tensor, value) in self.extra.items()}
 
     def __repr__(self) -> str:
         return (
@@ -122,6 +132,7 @@ def build_datasets(
     encoding_errors: str = "replace",
     on_bad_file: str = "read",
     pack: bool = True,
+    pack_texts: Callable[[list[str]], PackedDataset] | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack a corpus; returns `(train, val)`.
 
@@ -146,6 +157,8 @@ def build_datasets(
             `encoding_errors`), "error" raises ValueError naming it, "skip" leaves it out with a warning.
         pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
             padded batch, whose mask holds 1 for tokens and 0 for padding.
+        pack_texts: makes a split's rows from its texts in place of `tokenizer`'s packing (both
+            tokenizations of a cross-tokenizer run: `meshkd.recipe.aligned_data`).
 
     Raises:
         FileNotFoundError: a pattern matches no file.
@@ -183,9 +196,10 @@ def build_datasets(
     train_texts = [text for i, text in enumerate(documents) if i not in val_indices]
     val_texts = [text for i, text in enumerate(documents) if i in val_indices]
 
-    pad_token_id = _pad_token_id(tokenizer)
-    train = _pack(_tokenize(tokenizer, train_texts), sequence_length, pad_token_id, pack=pack)
-    val = _pack(_tokenize(tokenizer, val_texts), sequence_length, pad_token_id, pack=pack)
+    if pack_texts is None:
+        def pack_texts(texts: list[str]) -> PackedDataset:
+            return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
+    train, val = pack_texts(train_texts), pack_texts(val_texts)
     for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
         if texts and len(split) == 0:
             raise ValueError(
@@ -196,7 +210,9 @@ def build_datasets(
 
 
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
-                       text_key: str | None = None, pack: bool | None = None) -> tuple[PackedDataset, PackedDataset]:
+                       text_key: str | None = None, pack: bool | None = None,
+                       pack_texts: Callable[[list[str]], PackedDataset] | None = None,
+                       ) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says;
     `text_key` and `pack` in place of the section's (on-policy prompts read another field, one per row)."""
     from meshkd.recipe.config import expand_path
@@ -205,7 +221,7 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
         tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=sequence_length,
         val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=text_key or dataset.text_key,
         format=dataset.format, max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars,
-        pack=dataset.packing if pack is None else pack, on_bad_file=dataset.on_bad_file,
+        pack=dataset.packing if pack is None else pack, on_bad_file=dataset.on_bad_file, pack_texts=pack_texts,
     )
 
 
@@ -334,40 +350,14 @@ def _eval_batches(
     for step in range(math.ceil(len(dataset) / rows_per_step)):
         start = step * rows_per_step + dp_rank * batch_size
         batch = dataset[start : start + batch_size]
-        missing = batch_size - batch["input_ids"].shape[0]
-        pad = padding_rows(missing, dataset.sequence_length, dataset.pad_token_id)
+        pad = dataset.padding(batch_size - batch["input_ids"].shape[0])
         # Concatenating also copies the slice, so a consumer that edits a batch in place (a CPU .to() is a
         # no-op) cannot change the dataset, as with training batches.
-        yield {key: torch.cat([batch[key], pad[key]]) for key in BATCH_KEYS}
+        yield {key: torch.cat([batch[key], pad[key]]) for key in batch}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Reading
-
-
-def check_arguments(
-    sequence_length: int,
-    val_fraction: float,
-    format: str | None,
-    max_documents: int | None,
-    max_document_chars: int | None,
-    encoding_errors: str,
-) -> None:
-    if not isinstance(sequence_length, int) or sequence_length < 2:
-        # One token has no next-token target, so a row needs two to train on anything.
-        raise ValueError(f"sequence_length must be an integer >= 2, got {sequence_length!r}")
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if format is not None and format not in _FORMATS:
-        raise ValueError(f"format must be one of {_FORMATS} or None (by extension), got {format!r}")
-    if max_documents is not None and max_documents < 1:
-        raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
-    if max_document_chars is not None and max_document_chars < 1:
-        raise ValueError(f"max_document_chars must be >= 1 or None, got {max_document_chars}")
-    try:
-        codecs.lookup_error(encoding_errors)
-    except LookupError:
-        raise ValueError(f"unknown encoding_errors handler {encoding_errors!r} (e.g. 'strict', 'replace')") from None
 
 
 def _permutation(size: int, seed: int) -> list[int]:
@@ -381,7 +371,8 @@ def _permutation(size: int, seed: int) -> list[int]:
 # Tokenizing and packing
 
 
-def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padding takes: the tokenizer's pad token, else its EOS, else 0."""
     for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return int(token_id)

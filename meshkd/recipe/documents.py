@@ -10,6 +10,7 @@ the process of global rank 0 only, once per file, since every rank reads the sam
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -37,6 +38,7 @@ def match_files(patterns: list) -> list[str]:
 
 
 BAD_FILE_POLICIES = ("read", "error", "skip")
+_FORMATS = ("text", "jsonl")
 
 
 def not_text(data: bytes) -> str | None:
@@ -133,3 +135,29 @@ def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str
         if not isinstance(text, str):
             raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
         yield text
+
+
+def check_arguments(
+    sequence_length: int,
+    val_fraction: float,
+    format: str | None,
+    max_documents: int | None,
+    max_document_chars: int | None,
+    encoding_errors: str,
+) -> None:
+    """ValueError naming the first invalid reading or packing argument of `meshkd.recipe.data.build_datasets`."""
+    if not isinstance(sequence_length, int) or sequence_length < 2:
+        # One token has no next-token target, so a row needs two to train on anything.
+        raise ValueError(f"sequence_length must be an integer >= 2, got {sequence_length!r}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if format is not None and format not in _FORMATS:
+        raise ValueError(f"format must be one of {_FORMATS} or None (by extension), got {format!r}")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
+    if max_document_chars is not None and max_document_chars < 1:
+        raise ValueError(f"max_document_chars must be >= 1 or None, got {max_document_chars}")
+    try:
+        codecs.lookup_error(encoding_errors)
+    except LookupError:
+        raise ValueError(f"unknown encoding_errors handler {encoding_errors!r} (e.g. 'strict', 'replace')") from None

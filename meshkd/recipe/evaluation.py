@@ -26,6 +26,7 @@ from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import data
+from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.metrics import is_logging_rank, read_metrics
 from meshkd.recipe.on_policy import StudentCompletions
@@ -70,7 +71,8 @@ class Evaluation:
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
         """Validation CE (and perplexity) of the student, and of the teacher when asked."""
         ignore = self.config.kd.ignore_index
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # student CE, teacher CE, tokens
+        # student CE, teacher CE, student tokens, teacher tokens (its own with kd.cross_tokenizer)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         self.model.eval()
         for batch in self._batches(self.val_set):
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
@@ -83,16 +85,18 @@ class Evaluation:
             sums[0] += cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1).double()
             if with_teacher:  # 0 at ignored labels
                 sums[1] -= answer["log_probs"].sum().double()
+                sums[3] += (teacher_side(micro_batch)["labels"] != ignore).sum()
             sums[2] += (labels != ignore).sum()
         self.model.train()
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
             sums = broadcast_tensors_from_last_stage(last, pp_group=self.setup.pp_group)["sums"]
-        student_sum, teacher_sum, count = sum_over_ranks(sums, self.setup, device=self.device, and_cp=True)
+        student_sum, teacher_sum, count, teacher_count = sum_over_ranks(sums, self.setup, device=self.device,
+                                                                        and_cp=True)
         count = max(count, 1.0)
         result = {"val_loss": student_sum / count, "val_perplexity": math.exp(min(student_sum / count, 50.0))}
         if with_teacher:
-            result["teacher_val_loss"] = teacher_sum / count
+            result["teacher_val_loss"] = teacher_sum / max(teacher_count, 1.0)
         return result
 
     @torch.no_grad()

@@ -106,7 +106,8 @@ def load_causal_lm(
 
 
 def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str | None = None):
-    """Load the tokenizer of a local Hugging Face directory or a GGUF file (sources as in `load_causal_lm`).
+    """Load the tokenizer of a local Hugging Face directory or a GGUF file (sources as in `load_causal_lm`),
+    or of a directory holding a tokenizer alone (its `tokenizer.json`, as `save_pretrained` writes it).
 
     The pad token is set: to the tokenizer's own, else to its eos token (padding positions are masked out of
     every loss, so reusing eos is harmless). Raises ValueError when neither exists or no source is given
@@ -117,7 +118,10 @@ def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str
     if path is None and gguf_file is None:
         raise ValueError("load_tokenizer needs `path` (optionally with `gguf_file`); use byte_tokenizer() for "
                          "random-init models")
-    directory, gguf_name = resolve_source(path, gguf_file)
+    if gguf_file is None and path is not None and Path(path, "tokenizer.json").is_file():
+        directory, gguf_name = Path(path).expanduser(), None  # a tokenizer's own directory (no model)
+    else:
+        directory, gguf_name = resolve_source(path, gguf_file)
     kwargs = {"gguf_file": gguf_name} if gguf_name is not None else {}
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
     if tokenizer.pad_token is None:
@@ -148,17 +152,26 @@ def byte_tokenizer():
 
 
 def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_size: int,
-                      teacher_vocab_size: int) -> int:
+                      teacher_vocab_size: int, cross_tokenizer: bool = False) -> int:
     """Check that student and teacher share one vocabulary and return the logit width KD compares.
 
     The teacher reads the student's token ids, so the two must map every token to the same id. Embedding
     tables are often padded past the tokenizer (Qwen2.5: 152064 rows in one size, 151936 in another); the
     rows past the smaller table exist in one model only, so KD compares the first
-    `min(student_vocab_size, teacher_vocab_size)` logits.
+    `min(student_vocab_size, teacher_vocab_size)` logits. With `cross_tokenizer` (`kd.cross_tokenizer`) the
+    teacher reads its own tokens and answers on the student's vocabulary: each tokenizer must fit its own
+    model, and KD compares all `student_vocab_size` logits.
 
     Raises ValueError when the token->id mappings differ (with a few differing tokens as examples) or when
-    the tokenizer does not fit in one of the embedding tables.
+    a tokenizer does not fit in its embedding table.
     """
+    if cross_tokenizer:
+        for name, tokenizer, rows in (("student", student_tokenizer, student_vocab_size),
+                                      ("teacher", teacher_tokenizer, teacher_vocab_size)):
+            if _num_tokens(tokenizer) > rows:
+                raise ValueError(f"the {name}'s tokenizer has {_num_tokens(tokenizer)} tokens but its embedding "
+                                 f"table {rows} rows")
+        return student_vocab_size
     student_vocab = student_tokenizer.get_vocab()
     teacher_vocab = teacher_tokenizer.get_vocab()
     if student_vocab != teacher_vocab:
@@ -170,15 +183,20 @@ def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_siz
                     break
         raise ValueError(
             f"student and teacher use different tokenizers ({len(student_vocab)} vs {len(teacher_vocab)} tokens); "
-            f"logit distillation needs one token->id mapping. Differing tokens: {'; '.join(examples)}"
+            f"set kd.cross_tokenizer to distill across them (same-tokenizer KD needs one token->id mapping). "
+            f"Differing tokens: {'; '.join(examples)}"
         )
-    num_tokens = max(len(student_tokenizer), max(student_vocab.values(), default=-1) + 1)
+    num_tokens = _num_tokens(student_tokenizer)
     too_small = {name: size for name, size in (("student", student_vocab_size), ("teacher", teacher_vocab_size))
                  if size < num_tokens}
     if too_small:
         raise ValueError(f"the tokenizer has {num_tokens} tokens but the embedding table of "
                          + ", ".join(f"the {name} has {size} rows" for name, size in too_small.items()))
     return min(student_vocab_size, teacher_vocab_size)
+
+
+def _num_tokens(tokenizer) -> int:
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
 def save_hf_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike[str], *,

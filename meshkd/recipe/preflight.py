@@ -140,7 +140,13 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
         teacher_rows = _embedding_rows(teacher)
     with about("model.tokenizer / teacher_model.tokenizer"):
         vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
-                                              teacher_vocab_size=teacher_rows)
+                                              teacher_vocab_size=teacher_rows,
+                                              cross_tokenizer=config.kd.cross_tokenizer is not None)
+        if config.kd.cross_tokenizer is not None:  # byte spans come from the fast tokenizers' offset mappings
+            for name, side in (("model", tokenizer), ("teacher_model", teacher_tokenizer)):
+                if not getattr(side, "is_fast", False):
+                    raise ValueError(f"{name}.tokenizer: kd.cross_tokenizer aligns tokens by their byte offsets, "
+                                     f"which {type(side).__name__} (not a fast tokenizer) does not give")
 
     checked = Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
                         student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
@@ -152,11 +158,11 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
         with about(label):
             attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
         limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and steps.sequence_length > limit:
-            raise ConfigError(
-                f"step_scheduler.sequence_length({steps.sequence_length}) exceeds {label}'s "
-                f"max_position_embeddings({limit})"
-            )
+        key, length = "step_scheduler.sequence_length", steps.sequence_length
+        if label == "teacher_model" and config.kd.cross_tokenizer is not None:
+            key, length = "kd.cross_tokenizer.teacher_sequence_length", config.teacher_sequence_length
+        if limit is not None and length > limit:
+            raise ConfigError(f"{key}({length}) exceeds {label}'s max_position_embeddings({limit})")
     for key, layout, label, _, _ in roles:
         if layout.ep_size > 1 and layout.ep_size != layout.tp_size:  # whole experts over the data-parallel ranks
             if label == "teacher_model":

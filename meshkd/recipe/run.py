@@ -91,7 +91,8 @@ class KDRecipe:
         student_rows, teacher_rows = sizes.tolist()
         with about("model.tokenizer / teacher_model.tokenizer"):
             vocab_size = models.common_vocab_size(checked.tokenizer, checked.teacher_tokenizer,
-                                                  student_vocab_size=student_rows, teacher_vocab_size=teacher_rows)
+                                                  student_vocab_size=student_rows, teacher_vocab_size=teacher_rows,
+                                                  cross_tokenizer=self.config.kd.cross_tokenizer is not None)
         if self.setups.student.tp_size > 1 and student_rows != vocab_size:
             raise ValueError(
                 f"model: vocabulary {student_rows} differs from the common vocabulary {vocab_size}: not supported "

@@ -33,6 +33,7 @@ from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
+from meshkd.recipe.aligned_data import aligned_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
@@ -44,7 +45,7 @@ from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
 from meshkd.recipe.step_data import NextStep, StepData
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
-from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
+from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 from meshkd.recipe.train_step import TrainStep, build_optimizer, enable_activation_checkpointing
 
 
@@ -87,9 +88,14 @@ class StudentTrainer:
                 enable_activation_checkpointing(self._model)
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
+        self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher else None
         with about("dataset"):
+            both = aligned_packing(self.tokenizer, checked.teacher_tokenizer, sequence_length=steps.sequence_length,
+                                   teacher_sequence_length=config.teacher_sequence_length,
+                                   pack=config.dataset.packing) if config.kd.cross_tokenizer else None
             self.train_set, self.val_set = data.build_run_datasets(self.tokenizer, config.dataset,
-                                                                   sequence_length=steps.sequence_length)
+                                                                   sequence_length=steps.sequence_length,
+                                                                   pack_texts=both)
             self.train_prompts = self.val_prompts = None
             if config.dataset.prompt_key and config.kd.generates:
                 self.train_prompts, self.val_prompts = build_prompt_set(
@@ -128,7 +134,8 @@ class StudentTrainer:
             return TeacherClient(self.bridge)
         runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
         self._teacher = None
-        return LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=config.kd, seed=config.seed))
+        return LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=config.kd, seed=config.seed,
+                                           vocabulary_map=self._vocabulary_map))
 
     def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
         """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""

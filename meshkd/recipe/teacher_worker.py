@@ -4,7 +4,10 @@ On separate meshes the teacher-only ranks run a `TeacherWorker`: it builds the t
 where the checkpoint allows (`meshkd.parallel.sharded_loading`), lays it out with `TeacherRunner`, reads
 this rank's share, and serves the student through `meshkd.core.teacher_protocol.TeacherServer` until the
 student sends STOP_TEACHER. `TeacherForward` is the answer to one request (the runner's logits cut to the
-common vocabulary, encoded as asked); on shared meshes the student trainer calls it directly.
+common vocabulary, encoded as asked); on shared meshes the student trainer calls it directly. A teacher with
+another tokenizer (`kd.cross_tokenizer`) reads its own tokenization of the rows and projects its answer onto
+the student's vocabulary at the aligned positions (`meshkd.recipe.aligned_data`) before encoding it, so the
+transport and the student's loss are those of one tokenizer; its log-probabilities of labels are of its own.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import torch
 
 from meshkd.core.bridge import KDMeshBridge
+from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map, project_teacher_logits
 from meshkd.core.logits_codec import LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
+from meshkd.recipe.aligned_data import TEACHER_POSITIONS, teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
 from meshkd.recipe.loaders import load_section_model_for_layout
@@ -27,20 +32,41 @@ class TeacherForward:
     """The teacher's answer to a request: its logits over the common vocabulary, encoded as asked.
 
     `encodes`: whether this rank encodes (the rank that sends the answer); elsewhere the answer is None.
+    `vocabulary_map`: a teacher with another tokenizer; its answers are projected onto the student's
+    `vocab_size` entries.
     """
 
-    def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True):
+    def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True,
+                 vocabulary_map: VocabularyMap | None = None):
         self.runner = runner
         self.vocab_size = vocab_size
         self.kd = kd
         self.seed = seed
         self.encodes = encodes
+        self.vocabulary_map = vocabulary_map
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
-        logits = self.runner.logits(request.batch)
+        logits = self.runner.logits(teacher_side(request.batch))
         if logits is None or not self.encodes:
             return None
-        return self.encode(logits[..., : self.vocab_size], request.batch, request.logits_transport)
+        if self.vocabulary_map is None:
+            logits = logits[..., : self.vocab_size]
+        elif request.logits_transport != LABEL_LOG_PROBS:
+            logits = self.project(logits, request.batch[TEACHER_POSITIONS])
+        return self.encode(logits, request.batch, request.logits_transport)
+
+    def project(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[rows, student sequence, student vocab]: at each student position paired with a teacher one
+        (`positions`, -1: none), the teacher's distribution there projected onto the student's vocabulary
+        (as logits at `kd.temperature`); 0 elsewhere (positions KD does not count)."""
+        rows, length = positions.shape
+        paired = positions >= 0
+        row_index = torch.arange(rows, device=positions.device)[:, None].expand(rows, length)[paired]
+        projected = project_teacher_logits(logits[row_index, positions[paired]], self.vocabulary_map,
+                                           temperature=self.kd.temperature, student_vocab_size=self.vocab_size)
+        result = projected.new_zeros(rows, length, self.vocab_size)
+        result[paired] = projected
+        return result
 
     def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
         """Encode as `mode`, or give each label's log-probability (`LABEL_LOG_PROBS`).
@@ -48,12 +74,21 @@ class TeacherForward:
         Each row's tail samples are seeded by that row's tokens, so a resumed run, and a teacher cache
         written ahead of time, draw the same ones whatever the rows are batched with."""
         kd = self.kd
-        if mode == LABEL_LOG_PROBS:
-            return label_log_probs(logits, batch["labels"], ignore_index=kd.ignore_index)
+        if mode == LABEL_LOG_PROBS:  # of the teacher's own tokens, whichever tokenizer
+            return label_log_probs(logits, teacher_side(batch)["labels"], ignore_index=kd.ignore_index)
         # One host sync for the whole batch, not one per row.
         seeds = [self.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()]
         return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
+
+
+def teacher_vocabulary_map(config: KDRecipeConfig, checked) -> VocabularyMap | None:
+    """With `kd.cross_tokenizer`, how the teacher's vocabulary projects onto the student's (from the
+    preflight's two tokenizers); None when the two share one."""
+    if config.kd.cross_tokenizer is None:
+        return None
+    with about("model.tokenizer / teacher_model.tokenizer"):
+        return build_vocabulary_map(checked.tokenizer, checked.teacher_tokenizer)
 
 
 def load_teacher(config: KDRecipeConfig) -> tuple[torch.nn.Module, Checkpoint | None]:
@@ -83,6 +118,7 @@ class TeacherWorker:
 
     def load(self, checked) -> None:
         self.model, self._checkpoint = load_teacher(self.config)
+        self.vocabulary_map = teacher_vocabulary_map(self.config, checked)
 
     def vocab_rows(self) -> tuple[int, int]:
         """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
@@ -92,7 +128,7 @@ class TeacherWorker:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
         self.server = TeacherServer(bridge)
         self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
-                                      encodes=self.server.is_output)
+                                      encodes=self.server.is_output, vocabulary_map=self.vocabulary_map)
 
     def resume(self, resume: bool) -> None:
         """Nothing to restore: the teacher is frozen."""

@@ -40,6 +40,7 @@ from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
+from meshkd.recipe.aligned_data import kd_labels
 from meshkd.recipe.config import ConfigError, KDConfig
 from meshkd.recipe.metrics import warn0
 from meshkd.recipe.router_loss import RouterLoss
@@ -200,8 +201,8 @@ class TrainStep:
                                 chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
-        kd_loss = kd_loss_encoded(kd_logits, answer, labels, temperature=kd.temperature,
-                                  ignore_index=kd.ignore_index, num_valid_tokens=norm,
+        kd_loss = kd_loss_encoded(kd_logits, answer, kd_labels(micro_batch, kd.ignore_index),
+                                  temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                   chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
                                   jsd_beta=kd.jsd_beta) if kd.kd_ratio > 0 else None
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
