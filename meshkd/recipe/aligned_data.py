@@ -26,6 +26,15 @@ TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
 """The teacher's side of a row: its `input_ids`, `labels`, `position_ids`, `attention_mask`."""
 
 
+def run_packing(config, student_tokenizer, teacher_tokenizer) -> Callable[[list[str]], PackedDataset] | None:
+    """The `pack_texts` of a run's datasets (`data.build_run_datasets`): both sides' with `kd.cross_tokenizer`,
+    None (the student tokenizer's own packing) without."""
+    if config.kd.cross_tokenizer is None:
+        return None
+    return aligned_packing(student_tokenizer, teacher_tokenizer, sequence_length=config.step_scheduler.sequence_length,
+                           teacher_sequence_length=config.teacher_sequence_length, pack=config.dataset.packing)
+
+
 def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
                     pack: bool) -> Callable[[list[str]], PackedDataset]:
     """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides

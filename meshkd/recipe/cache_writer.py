@@ -31,12 +31,13 @@ from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.recipe import data
 from meshkd.recipe import teacher_cache as cache
+from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
-from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
+from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 from meshkd.recipe.world import init_world
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
@@ -60,8 +61,8 @@ class Shard:
 def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
     """Bytes of one cached row: the encoding training asks for, or each label's log-probability."""
     kd, sequence = config.kd, config.step_scheduler.sequence_length
-    if split == "validation":
-        return 4 * sequence
+    if split == "validation":  # of the teacher's own tokens
+        return 4 * config.teacher_sequence_length
     # `full` keeps the teacher's dtype (`meshkd.core.logits_codec`).
     full_bytes = 4 if config.teacher_model.dtype == "float32" else 2
     per_token = {"full": full_bytes * vocab_size, "full_bf16": 2 * vocab_size,
@@ -122,11 +123,12 @@ class CacheWriter:
         setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
                                               dist.get_world_size())
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
-        vocab_size = min(checked.student_vocab_rows, checked.teacher_vocab_rows)
+        vocab_size = cache.kd_vocab_size(config, checked.student_vocab_rows, checked.teacher_vocab_rows)
         with faults.on_every_rank("while reading the data and planning the cache", patient=True):
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
-                checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)))
+                checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length,
+                pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer))))
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
             row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}
@@ -155,7 +157,8 @@ class CacheWriter:
     def _resume(self, plan: list[Shard], hashes: dict, row_bytes: dict, checked, vocab_size: int) -> dict:
         """On rank 0: keep the shards a killed run completed for this plan, remove other files, check the space."""
         directory = self.directory
-        key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size)
+        key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size,
+                              teacher_tokenizer=checked.teacher_tokenizer)
         identity = cache.teacher_identity(self.config)
         plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
         (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
@@ -193,7 +196,8 @@ class CacheWriter:
         replicas = model_replicas(setup)
         mine = next(index for index, replica in enumerate(replicas) if dist.get_rank() in replica.ranks)
         output = dist.get_rank() == replicas[mine].output_rank
-        forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output)
+        forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output,
+                                 vocabulary_map=teacher_vocabulary_map(config, checked))
         progress = None
         if is_logging_rank() and config.logging.progress_bar:
             from tqdm import tqdm
@@ -264,6 +268,8 @@ class CacheWriter:
         manifest = {"format": cache.FORMAT, "version": cache.VERSION, "key": state["key"],
                     "teacher": state["identity"], "teacher_vocab_rows": checked.teacher_vocab_rows,
                     "seed": self.config.seed, "splits": splits, "shards": records, "summary": summary}
+        if self.config.kd.cross_tokenizer is not None:  # a training run reads its rows' teacher side with it
+            checked.teacher_tokenizer.save_pretrained(self.directory / cache.TEACHER_TOKENIZER)
         write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if computed_tokens else ""
         print0(f"meshkd cache-teacher: {self.directory} complete: {summary['rows']['train']} training and "

@@ -424,7 +424,6 @@ def _check_cross_tokenizer(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.cross_tokenizer.teacher_sequence_length must be >= 2 or null, "
                           f"got {cross.teacher_sequence_length}")
     unsupported = {"kd.mode: on_policy": kd.mode == "on_policy", "kd.generation.evaluate": kd.evaluates_samples,
-                   "kd.teacher_cache": kd.teacher_cache is not None,
                    f"distributed.pp_size {student.pp_size}": student.pp_size > 1,
                    f"distributed.cp_size {student.cp_size}": student.cp_size > 1}
     if kd.divergence == "reverse_kl":

@@ -57,6 +57,10 @@ def _embedding_rows(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def _names_tokenizer(section) -> bool:
+    return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
+
+
 def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflight:
     """Check everything that needs no process group; raises before any process or collective is involved.
 
@@ -128,9 +132,15 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
         student = load_section_skeleton(config.model)
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = None
-    if from_cache:  # the cache stands for the teacher: it was written with the student's tokenizer
+    if from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
         teacher_tokenizer = tokenizer
-        manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student))
+        if config.kd.cross_tokenizer is not None:
+            with about("teacher_model.tokenizer"):
+                named = _names_tokenizer(config.teacher_model)
+                teacher_tokenizer = (load_section_tokenizer(config.teacher_model) if named
+                                     else teacher_cache.cache_teacher_tokenizer(config))
+        manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student),
+                                             teacher_tokenizer=teacher_tokenizer)
         teacher_rows = manifest["teacher_vocab_rows"]
     else:
         with about("teacher_model.tokenizer"):

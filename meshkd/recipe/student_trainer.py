@@ -33,7 +33,7 @@ from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
-from meshkd.recipe.aligned_data import aligned_packing
+from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
@@ -90,12 +90,9 @@ class StudentTrainer:
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
         self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher else None
         with about("dataset"):
-            both = aligned_packing(self.tokenizer, checked.teacher_tokenizer, sequence_length=steps.sequence_length,
-                                   teacher_sequence_length=config.teacher_sequence_length,
-                                   pack=config.dataset.packing) if config.kd.cross_tokenizer else None
-            self.train_set, self.val_set = data.build_run_datasets(self.tokenizer, config.dataset,
-                                                                   sequence_length=steps.sequence_length,
-                                                                   pack_texts=both)
+            self.train_set, self.val_set = data.build_run_datasets(
+                self.tokenizer, config.dataset, sequence_length=steps.sequence_length,
+                pack_texts=run_packing(config, self.tokenizer, checked.teacher_tokenizer))
             self.train_prompts = self.val_prompts = None
             if config.dataset.prompt_key and config.kd.generates:
                 self.train_prompts, self.val_prompts = build_prompt_set(

@@ -14,6 +14,11 @@ A cache directory holds:
   Each has a sidecar `.json` (its rows and checksum), renamed into place after the shard: a shard that
   looks complete is complete.
 
+With `kd.cross_tokenizer` the teacher's answers are already projected onto the student's vocabulary, the
+key also holds the alignment settings, the teacher's tokenizer and the temperature (the projection applies
+it), and the teacher's tokenizer is saved in the cache (`teacher_tokenizer/`): a training run packs each
+row's teacher side with it, and one whose own `teacher_model` tokenizer differs is refused.
+
 Rows are the packed rows of the run's own data (`meshkd.recipe.data`). A student rank rebuilds its
 datasets and finds a row's answer by a hash of its tokens, positions and documents, whatever batch
 carries it; the digest of all row hashes refuses a dataset that packs differently. Top-k tail samples are
@@ -43,12 +48,14 @@ import torch
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
 from meshkd.recipe import data, documents, models
+from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.files import file_sha256, write_atomically
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
 SPLITS = ("train", "validation")
+TEACHER_TOKENIZER = "teacher_tokenizer"  # the cache's subdirectory with a cross-tokenizer teacher's tokenizer
 TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "seed", "attn_implementation")
 
 
@@ -63,8 +70,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int) -> dict[str, Any]:
-    """What the answers depend on, by the config key that sets each (a cache serves a run with the same key)."""
+def kd_vocab_size(config: KDRecipeConfig, student_vocab_rows: int, teacher_vocab_rows: int) -> int:
+    """The logits KD compares (`meshkd.recipe.models.common_vocab_size`, its tokenizers checked by the preflight)."""
+    return student_vocab_rows if config.kd.cross_tokenizer else min(student_vocab_rows, teacher_vocab_rows)
+
+
+def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tokenizer=None) -> dict[str, Any]:
+    """What the answers depend on, by the config key that sets each (a cache serves a run with the same key).
+
+    `teacher_tokenizer`: the teacher's, with `kd.cross_tokenizer`."""
     dataset, kd = config.dataset, config.kd
     files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
     key = {
@@ -79,6 +93,11 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int) -> dict[str
     }
     if kd.logits_transport == "topk":  # full encodings do not depend on the temperature: the loss applies it
         key.update({"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature})
+    if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
+        key.update({"kd.cross_tokenizer": {"loss": kd.cross_tokenizer.loss,
+                                           "teacher_sequence_length": config.teacher_sequence_length},
+                    "teacher_model.tokenizer": tokenizer_fingerprint(teacher_tokenizer),
+                    "kd.temperature": kd.temperature})
     return key
 
 
@@ -187,7 +206,16 @@ def _differs(field: str, cached: Any, current: Any) -> str:
     return f"{field}: the cache was written with {cached!r}, this run has {current!r}"
 
 
-def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int) -> dict:
+def cache_teacher_tokenizer(config: KDRecipeConfig):
+    """The teacher's tokenizer a cross-tokenizer cache holds (`TEACHER_TOKENIZER`); ConfigError if it has none."""
+    directory = Path(config.kd.teacher_cache, TEACHER_TOKENIZER)
+    if not directory.is_dir():
+        raise ConfigError(f"kd.cross_tokenizer: the cache {config.kd.teacher_cache} holds no teacher tokenizer "
+                          f"({directory}): it was written without kd.cross_tokenizer; rerun `meshkd cache-teacher`")
+    return models.load_tokenizer(path=directory)
+
+
+def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int, teacher_tokenizer=None) -> dict:
     """The preflight of training from `kd.teacher_cache`: the cache is complete and was written for this run.
 
     Compares every key field (data files and their content, data settings, sequence length, tokenizer,
@@ -202,8 +230,8 @@ def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int) -
         manifest = read_manifest(directory)
     except ValueError as error:
         raise ConfigError(f"kd.teacher_cache: {error}") from None
-    vocab_size = min(student_vocab_rows, manifest["teacher_vocab_rows"])
-    current = cache_key(config, tokenizer, vocab_size=vocab_size)
+    vocab_size = kd_vocab_size(config, student_vocab_rows, manifest["teacher_vocab_rows"])
+    current = cache_key(config, tokenizer, vocab_size=vocab_size, teacher_tokenizer=teacher_tokenizer)
     if config.teacher_model.path is not None or config.teacher_model.random_init is not None:
         current.update(teacher_identity(config))
     for field, value in current.items():
@@ -296,8 +324,8 @@ class CachedTeacher:
         for index, key in enumerate(row_hashes(batch)):
             if key not in self._where:
                 if logits_transport == LABEL_LOG_PROBS and not bool(batch["attention_mask"][index].any()):
-                    # A padding row of the last evaluation batch: no token, no target.
-                    rows.append({"log_probs": torch.zeros(1, batch["input_ids"].shape[1])})
+                    # A padding row of the last evaluation batch: no token, no target (of the teacher's own).
+                    rows.append({"log_probs": torch.zeros(1, teacher_side(batch)["input_ids"].shape[1])})
                     continue
                 raise ValueError(f"kd.teacher_cache: row {index} of this batch is not in the cache")
             split, number, offset = self._where[key]

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from meshkd.recipe.config import ConfigError, config_from_dict
-from tests.recipe.test_recipe import RecipeRuns, curve
+from meshkd.recipe.metrics import read_metrics
+from tests.recipe.test_recipe import TrainRun, config_world_size, curve
+from tests.recipe.test_teacher_cache import WriteCache
 from tests.tiny import STEPS, base_config, with_layout
+from tests.world import WorldsBySize
 
 pytestmark = pytest.mark.world
 
@@ -61,21 +64,59 @@ LAYOUTS = {
 }
 
 
-def cross_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
-    runs = {"reference": (cross_config(tmp / "reference", {"dp_size": 1}, None), False)}
+TOPK = {"logits_transport": "topk", "topk": 16, "topk_tail_samples": 4}
+
+
+def cached(config: dict, name: str, cache: Path, student: dict, teacher: dict | None = None,
+           kd: dict | None = None) -> dict:
+    """`config` (its teacher_model kept) at another layout, reading or writing the teacher cache `cache`."""
+    config = with_layout(config, student, teacher)
+    config["kd"].update(kd or {}, teacher_cache=str(cache))
+    config["logging"]["run_dir"] = str(cache.parent / name)
+    return config
+
+
+def cross_checks(tmp: Path) -> tuple[dict[str, dict], list]:
+    """name -> config of every run, and the (world size, check) list that trains or writes each."""
+    reference = cross_config(tmp / "reference", {"dp_size": 1}, None)
+    runs = {"reference": reference}
     for name, (student, teacher) in LAYOUTS.items():
-        runs[name] = (cross_config(tmp / name, student, teacher), False)
+        runs[name] = cross_config(tmp / name, student, teacher)
     same = cross_config(tmp / "same", {"dp_size": 1}, None, same_tokenizer=True)
     plain = copy.deepcopy(same)
     plain["kd"].pop("cross_tokenizer")
     plain["logging"]["run_dir"] = str(tmp / "plain" / "run")
-    runs["same_tokenizer"], runs["plain_kd"] = (same, False), (plain, False)
-    return runs
+    runs.update(same_tokenizer=same, plain_kd=plain)
+    live_topk = copy.deepcopy(reference)
+    live_topk["kd"].update(TOPK)
+    live_topk["logging"]["run_dir"] = str(tmp / "live_topk" / "run")
+    runs["live_topk"] = live_topk
+    for name, (student, teacher, kd) in {"topk": ({"dp_size": 1}, None, TOPK),
+                                         "tp2": ({"dp_size": 2}, {"dp_size": 1, "tp_size": 2}, None)}.items():
+        runs[f"write_{name}"] = cached(reference, f"write_{name}", tmp / f"cache_{name}" / "cache", student, teacher,
+                                       kd)
+        runs[f"cached_{name}"] = cached(reference, f"cached_{name}", tmp / f"cache_{name}" / "cache", student,
+                                        None, kd)
+    checks = []
+    for name, config in runs.items():
+        check = WriteCache(config, name) if name.startswith("write") else TrainRun(config, name=name)
+        checks.append((config_world_size(config), check))
+    return runs, checks
+
+
+class CrossRuns:
+    def __init__(self, tmp: Path) -> None:
+        self.configs, checks = cross_checks(tmp)
+        self._worlds = WorldsBySize(checks)
+
+    def records(self, name: str) -> list[dict]:
+        self._worlds.check(name)
+        return read_metrics(self.configs[name]["logging"]["run_dir"])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> RecipeRuns:
-    return RecipeRuns(cross_runs(tmp_path_factory.mktemp("cross_tokenizer")))
+def runs(tmp_path_factory) -> CrossRuns:
+    return CrossRuns(tmp_path_factory.mktemp("cross_tokenizer"))
 
 
 def test_one_tokenizer_through_the_cross_tokenizer_path_trains_plain_kd(runs):
@@ -110,12 +151,35 @@ def test_unsupported_combinations_are_refused_naming_the_key(tmp_path):
         bad["kd"]["cross_tokenizer"].update(change)
         with pytest.raises(ConfigError, match=key):
             config_from_dict(bad)
-    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"),
-                          ({"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}, "on_policy"),
-                          ({"teacher_cache": str(tmp_path)}, "kd.teacher_cache")):
+    on_policy = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}
+    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"), (on_policy, "on_policy")):
         bad = copy.deepcopy(config)
         bad["kd"].update(change)
         with pytest.raises(ConfigError, match=named):
             config_from_dict(bad)
     with pytest.raises(ConfigError, match="distributed.pp_size"):
         config_from_dict(with_layout(config, {"dp_size": 1, "pp_size": 2}, {"dp_size": 1}))
+
+
+@pytest.mark.parametrize("name, live", [("cached_topk", "live_topk"), ("cached_tp2", "student_dp2")])
+def test_a_run_from_a_cross_tokenizer_cache_follows_the_live_teacher(runs, name, live):
+    """Top-k answers cached by a one-rank teacher; full answers by a tp 2 teacher, read by a dp 2 student."""
+    records, expected = curve(runs.records(name)), curve(runs.records(live))
+    assert len(records) == len(expected) == 3 * STEPS
+    assert records == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    first = [next(r for r in runs.records(run) if r["kind"] == "eval") for run in (name, live)]
+    assert first[0]["teacher_val_loss"] == pytest.approx(first[1]["teacher_val_loss"], rel=1e-6)
+
+
+def test_the_cache_keeps_the_teachers_tokenizer_and_refuses_another(runs):
+    from meshkd.recipe.preflight import preflight
+
+    config = runs.configs["cached_topk"]
+    runs.records("cached_topk")
+    without_teacher = copy.deepcopy(config)
+    without_teacher.pop("teacher_model")  # the cache's own tokenizer packs the teacher's side
+    assert preflight(config_from_dict(without_teacher)).teacher_tokenizer is not None
+    other = copy.deepcopy(config)
+    other["teacher_model"]["tokenizer"] = "byte"
+    with pytest.raises(ConfigError, match="teacher_model.tokenizer"):
+        preflight(config_from_dict(other))
