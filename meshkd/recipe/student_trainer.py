@@ -28,6 +28,7 @@ import yaml
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
 from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherRequest, TeacherSource
+from meshkd.core.token_bytes import token_byte_lengths
 from meshkd.core.topology import KDDistributedSetups
 from meshkd.parallel.data_parallel import parallelize_student
 from meshkd.parallel.mixed_precision import rounded_update_warning
@@ -36,7 +37,7 @@ from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.evaluation import Evaluation
+from meshkd.recipe.evaluation import Evaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, warn0
@@ -176,7 +177,9 @@ class StudentTrainer:
         self.evaluation = Evaluation(config, self.setup, model=self.model, pipeline=self.pipeline,
                                      teacher=self.teacher, val_set=self.val_set, val_prompts=self.val_prompts,
                                      completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
-                                     group=self.student_group, device=self.device)
+                                     group=self.student_group, device=self.device,
+                                     byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
+                                     vocab_size=self.vocab_size)
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
@@ -251,6 +254,7 @@ class StudentTrainer:
             if computed:
                 self.metrics.log("eval", self.start_step, before)
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
+        self.summary.update(before_and_after(before, "_before"))
         text = self._batches(self.train_set)
         if self.on_policy_step is not None:
             prompts = None if self.train_prompts is None else self._batches(self.train_prompts)
@@ -275,9 +279,11 @@ class StudentTrainer:
             self._stopped(step, saved)
             return
         with self.faults.watch("the last evaluation", "student"):
-            after = self.evaluation.full(with_samples=self.config.kd.evaluates_samples)
+            # The teacher too: the KL and top-1 agreement after training (its own figures come back unchanged).
+            after = self.evaluation.full(with_teacher=True, with_samples=self.config.kd.evaluates_samples)
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
+        self.summary.update(before_and_after(after, "_after"))
         if self.skipped_steps:
             self.summary["skipped_steps"] = self.skipped_steps
         if config.checkpoint.enabled and config.checkpoint.save_hf:
