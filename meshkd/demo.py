@@ -5,8 +5,9 @@ The demo is a sequence of ordinary `meshkd` commands on the embedded `configs/de
 student's layers once (`meshkd prune`), optionally write the teacher's answers to a cache
 (`meshkd cache-teacher`), then `meshkd train` the KD run and, with --compare, the run it is compared with
 (CE only; or off-policy at about the same trained tokens for --on-policy). It ends with the validation
-losses, the share of the pruned student's gap to the teacher that healing closed, greedy completions of
-one prompt, and the loss curves.
+losses, the share of the pruned student's gap to the teacher that healing closed, bits per byte of the
+teacher and of the student before and after, the student's KL to the teacher and top-1 agreement with it
+before and after, greedy completions of one prompt, and the loss curves.
 """
 
 from __future__ import annotations
@@ -143,6 +144,26 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _figures_report(kd: dict, ce: dict | None) -> None:
+    """Bits per byte (comparable across tokenizers), and the KL to the teacher and top-1 agreement with it
+    (what distillation optimizes) before and after; "-" where a run did not report one (a teacher cache holds
+    no distribution for validation rows)."""
+
+    def figure(summary: dict, key: str, spec: str) -> str:
+        return format(summary[key], spec) if key in summary else "-"
+
+    print(f"\n{'':<46} {'bits/byte':>9}  {'KL(teacher||student)':>20}  {'top-1 agreement':>15}")
+    rows = [("teacher", kd, "teacher_val_bits_per_byte", None),
+            ("pruned student before healing", kd, "val_bits_per_byte_before", "_before"),
+            ("after KD healing", kd, "val_bits_per_byte_after", "_after")]
+    if ce is not None:
+        rows.append(("after CE-only healing", ce, "val_bits_per_byte_after", "_after"))
+    for label, summary, bits, suffix in rows:
+        kl = figure(summary, f"val_kl{suffix}", ".4f") if suffix else ""
+        top1 = figure(summary, f"val_top1_agreement{suffix}", ".1%") if suffix else ""
+        print(f"  {label:<44} {figure(summary, bits, '.4f'):>9}  {kl:>20}  {top1:>15}")
+
+
 def _demo_report(config, summaries: dict[str, dict]) -> None:
     """Losses, the share of the pruned student's gap to the teacher that healing closed, completions, curves."""
     kd = summaries["kd"]
@@ -160,6 +181,7 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
     print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
     for label, loss, note in rows:
         print(f"  {label:<44} {loss:.4f}" + (f"  ({note})" if note else ""))
+    _figures_report(kd, summaries.get("ce"))
     if "hf_dir" in kd:
         from meshkd.recipe.completions import compare_completions
 

@@ -47,8 +47,30 @@ from meshkd.core import wire
 LOGITS_MODES = ("full", "full_bf16", "topk")
 LABEL_LOG_PROBS = "label_log_probs"
 """What an evaluation asks of the teacher instead of logits: its log-probability of each label (4 bytes a token)."""
-TEACHER_ANSWERS = (*LOGITS_MODES, LABEL_LOG_PROBS)
+
+
+def with_label_log_probs(mode: str) -> str:
+    """What an evaluation asks for to get both an encoding of the logits (`mode`, one of `LOGITS_MODES`) and
+    each label's log-probability, in one request: the answer is the encoding with one more field,
+    "label_log_probs" [batch, sequence] float32 (0 at ignored labels); `split_label_log_probs` parts them."""
+    if mode not in LOGITS_MODES:
+        raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}")
+    return f"{mode}+{LABEL_LOG_PROBS}"
+
+
+WITH_LABEL_LOG_PROBS = tuple(with_label_log_probs(mode) for mode in LOGITS_MODES)
+TEACHER_ANSWERS = (*LOGITS_MODES, LABEL_LOG_PROBS, *WITH_LABEL_LOG_PROBS)
 """Everything a teacher request may ask for."""
+
+
+def split_label_log_probs(answer: dict[str, Any]) -> tuple[dict[str, Any], Tensor]:
+    """(the encoding of the logits, each label's log-probability) of a `with_label_log_probs` answer."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("label_log_probs"), Tensor):
+        raise ValueError("a teacher answer asked with_label_log_probs must hold a label_log_probs tensor")
+    encoded = {key: value for key, value in answer.items() if key != "label_log_probs"}
+    return encoded, answer["label_log_probs"]
+
+
 _FIELDS = {
     "full": {"mode", "logits"},
     "full_bf16": {"mode", "logits"},
@@ -290,5 +312,6 @@ def encoded_nbytes(encoded: Any) -> int:
     return wire.payload_nbytes(encoded)
 
 
-__all__ = ["LABEL_LOG_PROBS", "LOGITS_MODES", "TEACHER_ANSWERS", "check_encoded_logits", "decode_teacher_logits",
-           "encode_teacher_logits", "encode_teacher_rows", "encoded_nbytes", "label_log_probs"]
+__all__ = ["LABEL_LOG_PROBS", "LOGITS_MODES", "TEACHER_ANSWERS", "WITH_LABEL_LOG_PROBS", "check_encoded_logits",
+           "decode_teacher_logits", "encode_teacher_logits", "encode_teacher_rows", "encoded_nbytes", "label_log_probs",
+           "split_label_log_probs", "with_label_log_probs"]

@@ -11,6 +11,8 @@ API:
 - `kd_loss_encoded(student_logits, teacher, labels, ...)`: `kd_loss` against teacher logits in a
   transport encoding (`meshkd.core.logits_codec`: full, full_bf16, or top-k with a tail bucket).
 - `kd_objective(ce, kd, kd_ratio)`: (1 - kd_ratio) * ce + kd_ratio * kd.
+- `top1_agreements(student_logits, teacher_top, labels, *, ignore_index=-100)`: how many valid positions have
+  the teacher's likeliest token as the student's likeliest (an evaluation figure, no gradient).
 
 Conventions shared by both losses:
 - Logits are `[batch, sequence, vocab]` or `[tokens, vocab]`; labels have the logits' shape without the
@@ -295,6 +297,41 @@ def kd_objective(ce: Tensor | None, kd: Tensor | None, kd_ratio: float) -> Tenso
     if kd_ratio == 0:
         return ce
     return (1.0 - kd_ratio) * ce + kd_ratio * kd
+
+
+def top1_agreements(student_logits: Tensor, teacher_top: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    """How many valid positions have the teacher's likeliest token as the student's likeliest too (0-dim int64).
+
+    A position agrees when the student's logit at `teacher_top` is its largest (ties with another token
+    count as agreement: the teacher's choice is then one of the student's argmaxes). A DTensor student
+    sharded on the vocab dim compares per vocab slice and combines with two MAX all-reduces over that
+    axis; the full vocabulary is never gathered.
+
+    Args:
+        student_logits: [batch, sequence, vocab] or [tokens, vocab], or a vocab-sharded DTensor.
+        teacher_top: the teacher's likeliest token per position, the logits' shape without the vocab dim.
+        labels: same shape; positions holding `ignore_index` do not count.
+    """
+    _check_shapes(student_logits, labels)
+    labels, teacher_top = _full(labels), _full(teacher_top).long()
+    valid = labels != ignore_index
+    if isinstance(student_logits, DTensor):
+        local, group, offset = _vocab_shard(student_logits)
+        index = teacher_top.to(local.device) - offset
+        inside = (index >= 0) & (index < local.shape[-1])
+        if local.shape[-1]:  # a rank may hold an empty vocab slice
+            best = local.amax(-1).float()
+            at = torch.where(inside, local.gather(-1, index.clamp(0, local.shape[-1] - 1)[..., None])[..., 0].float(),
+                             -math.inf)
+        else:
+            best = at = torch.full(index.shape, -math.inf, device=local.device)
+        both = torch.stack([best, at])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        best, at = both[0], both[1]
+    else:
+        best = student_logits.amax(-1)
+        at = student_logits.gather(-1, teacher_top.to(student_logits.device)[..., None])[..., 0]
+    return ((at >= best) & valid.to(best.device)).sum()
 
 
 def _vocab_shard(logits: DTensor) -> tuple[Tensor, dist.ProcessGroup, int]:

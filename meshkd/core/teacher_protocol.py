@@ -45,8 +45,9 @@ class TeacherRequest:
     batch: Batch
     """input_ids [batch, sequence]; position_ids and attention_mask (NEAT document indices) as packed."""
     logits_transport: str
-    """The answer asked for: an encoding of the logits (`meshkd.core.logits_codec.LOGITS_MODES`), or the
-    teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation needs)."""
+    """The answer asked for: an encoding of the logits (`meshkd.core.logits_codec.LOGITS_MODES`), the
+    teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation of its loss needs), or
+    both in one answer (`with_label_log_probs(mode)`, what an evaluation of the KL needs besides)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"batch": self.batch, "logits_transport": self.logits_transport}

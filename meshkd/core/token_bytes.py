@@ -17,6 +17,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class TokenSpans:
@@ -69,6 +71,16 @@ def token_bytes(tokenizer) -> list[bytes | None]:
         else:
             table.append(token.encode())
     return table
+
+
+def token_byte_lengths(tokenizer, *, size: int = 0):
+    """UTF-8 byte length of each vocabulary id as an int64 tensor (0 for special tokens), from `token_bytes`.
+
+    What a label covers of its text: summed over held-out labels, the bytes that a loss per byte divides by
+    (`meshkd.recipe.evaluation`). `size` pads the table with zeros to at least that many ids (an output
+    embedding with rows past the tokenizer's vocabulary)."""
+    lengths = [len(piece) if piece is not None else 0 for piece in token_bytes(tokenizer)]
+    return torch.tensor(lengths + [0] * max(size - len(lengths), 0), dtype=torch.int64)
 
 
 def _component_types(component) -> set[str]:

@@ -1,10 +1,38 @@
 """The student's evaluations: held-out loss, the teacher's loss of the student's samples, the first one.
 
-`Evaluation.held_out` is the validation cross-entropy (and perplexity) of the student, with the
-teacher's beside it when asked; `samples` scores the student's greedy completions of the validation
-prompts by the teacher; `first` is step 0's evaluation, which a resumed run reads back from its run
-directory instead of computing it again. Every student rank takes part: sums over the dp and cp ranks,
-and from a pipelined student's last stage to the others, so every rank returns the same figures.
+`Evaluation.held_out` gives, on the validation rows:
+
+- `val_loss` (and `val_perplexity`): the student's cross-entropy per valid label, in nats; with the
+  teacher asked, `teacher_val_loss` beside it.
+- `val_nats_per_byte` / `val_bits_per_byte` (and `teacher_val_*` with the teacher): the loss per byte of
+  held-out text, which compares across tokenizers. A label covers the UTF-8 bytes of its token
+  (`meshkd.core.token_bytes.token_byte_lengths`, built once); special tokens such as EOS cover none and
+  are left out of both sums, as `meshkd.core.cross_tokenizer_loss.nll_and_bytes` does, so two
+  tokenizations of the same text divide the same bytes. Each side divides its own negative log-likelihood
+  by the bytes of its own labels; with one tokenizer the teacher's labels are the student's, so the bytes
+  are the same. A teacher with another tokenizer (`kd.cross_tokenizer`) is scored on its own tokenization
+  of the rows: `teacher_val_loss` per its own valid label, its bytes by its own tokens.
+- With the teacher asked and one vocabulary on both sides, what distillation optimizes: `val_kl`, the
+  forward KL(teacher || student) per valid label in nats at `kd.temperature` (the training's forward-KL
+  `kd_loss` is T^2 times it), against the teacher's answer in the run's `kd.logits_transport`: exact for
+  full and full_bf16, for topk the same top-k estimate the training uses (`meshkd.core.logits_codec`:
+  with a rest bucket a lower bound of the full KL, with sampled tail tokens an unbiased estimate); and
+  `val_top1_agreement`, the share of valid labels where the student's likeliest token is the teacher's
+  (the teacher's from its full logits, or the first of its top-k). Both over the vocabulary the two
+  share (the student's logits cut to it, as in training). One request per batch carries the encoding
+  and each label's log-probability (`with_label_log_probs`). A teacher cache holds only the labels'
+  log-probabilities for validation rows, and a teacher with another tokenizer answers over its own
+  vocabulary: these two figures are then left out, and the evaluation says why.
+
+Which evaluations ask the teacher: the first (step 0) and the last, one teacher request per validation
+batch each (`step_scheduler.val_batches` bounds them). The periodic ones (`val_every_steps`) report the
+student's figures only: they run between steps while a prefetching teacher feed may already be asking for
+the next step's micro-batches on the bridge, and they stay as cheap as the student's forward.
+
+`samples` scores the student's greedy completions of the validation prompts by the teacher; `first` is
+step 0's evaluation, which a resumed run reads back from its run directory instead of computing it again.
+Every student rank takes part: sums over the dp and cp ranks, and from a pipelined student's last stage to
+the others, so every rank returns the same figures.
 """
 
 from __future__ import annotations
@@ -19,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import gather_values, group_device
-from meshkd.core.logits_codec import LABEL_LOG_PROBS
-from meshkd.core.loss import cross_entropy_loss
+from meshkd.core.logits_codec import LABEL_LOG_PROBS, split_label_log_probs, with_label_log_probs
+from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, top1_agreements
 from meshkd.core.stage_broadcast import broadcast_tensors_from_last_stage
 from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
@@ -28,9 +56,25 @@ from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import data
 from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.metrics import is_logging_rank, read_metrics
+from meshkd.recipe.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions
+from meshkd.recipe.teacher_cache import CachedTeacher
 from meshkd.recipe.train_step import shard, student_logits, sum_over_ranks
+
+
+def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
+    """The summary's keys of an evaluation's figures: the student's with `suffix` ("_before" / "_after"), the
+    teacher's per byte as they are (the teacher does not train). Figures an evaluation did not report (an
+    older run's step 0 read back, or KL and top-1 from a teacher cache) are left out."""
+    student = ("val_nats_per_byte", "val_bits_per_byte", "val_kl", "val_top1_agreement")
+    teacher = ("teacher_val_nats_per_byte", "teacher_val_bits_per_byte")
+    return {**{key + suffix: figures[key] for key in student if key in figures},
+            **{key: figures[key] for key in teacher if key in figures}}
+
+
+# Slots of the held-out sums, added over batches and ranks.
+(_STUDENT_CE, _TEACHER_CE, _TOKENS, _TEACHER_TOKENS, _STUDENT_NLL, _TEACHER_NLL, _STUDENT_BYTES, _TEACHER_BYTES, _KL,
+ _TOP1) = range(10)
 
 
 class Evaluation:
@@ -43,16 +87,30 @@ class Evaluation:
         completions: makes the student's greedy `StudentCompletions` with its current weights.
         watch: `FaultWatch.watch`, around each teacher request.
         group: the student ranks' group (None: the world).
+        byte_lengths: UTF-8 bytes of each student vocabulary id (`token_byte_lengths`), 0 for specials.
+        teacher_byte_lengths: the same of the teacher's vocabulary (None: one tokenizer, `byte_lengths`).
+        vocab_size: the vocabulary the teacher's answers cover (the student's logits are cut to it).
     """
 
     def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, model: torch.nn.Module,
                  pipeline: StudentPipeline | None, teacher: TeacherSource, val_set, val_prompts,
                  completions: Callable[[], StudentCompletions], watch: Callable[[str, str], Any],
-                 group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 group: dist.ProcessGroup | None, device: torch.device, byte_lengths: torch.Tensor,
+                 vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None) -> None:
         self.config, self.setup, self.model, self.pipeline, self.teacher = config, setup, model, pipeline, teacher
         self.val_set, self.val_prompts, self.completions = val_set, val_prompts, completions
         self.watch, self.group, self.device = watch, group, device
+        self.byte_lengths, self.vocab_size = byte_lengths.to(device), vocab_size
+        self.teacher_byte_lengths = (self.byte_lengths if teacher_byte_lengths is None
+                                     else teacher_byte_lengths.to(device))
         self.dp_rank = setup.dp_mesh.get_local_rank()
+        self.without_distribution = None
+        """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
+        if isinstance(teacher, CachedTeacher) and teacher.answer_mode("validation") == LABEL_LOG_PROBS:
+            self.without_distribution = ("kd.teacher_cache holds only each label's log-probability for validation "
+                                         "rows, not the teacher's distribution")
+        if config.kd.cross_tokenizer is not None:
+            self.without_distribution = "with kd.cross_tokenizer the teacher predicts over its own vocabulary"
 
     def _batches(self, rows) -> Any:
         steps = self.config.step_scheduler
@@ -63,40 +121,84 @@ class Evaluation:
                 return
             yield batch
 
-    def _teacher_log_probs(self, batch: dict) -> dict:
+    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS) -> dict:
         with self.watch("the teacher request", "teacher"):
-            return self.teacher.request(batch, LABEL_LOG_PROBS)
+            return self.teacher.request(batch, transport)
 
     @torch.no_grad()
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
-        """Validation CE (and perplexity) of the student, and of the teacher when asked."""
-        ignore = self.config.kd.ignore_index
-        # student CE, teacher CE, student tokens, teacher tokens (its own with kd.cross_tokenizer)
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        """The held-out figures of the student, and of the teacher beside it when asked (module docstring)."""
+        kd = self.config.kd
+        with_distribution = with_teacher and self.without_distribution is None
+        if with_teacher and self.without_distribution is not None:
+            warn0(f"the evaluations report no val_kl or val_top1_agreement: {self.without_distribution}")
+        transport = with_label_log_probs(kd.logits_transport) if with_distribution else LABEL_LOG_PROBS
+        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         self.model.eval()
         for batch in self._batches(self.val_set):
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
-            answer = self._teacher_log_probs(micro_batch) if with_teacher else None
-            micro_batch, answer = shard(micro_batch, answer, self.setup, ignore_index=ignore)
-            labels = micro_batch["labels"]
+            answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
+            micro_batch, answer = shard(micro_batch, answer, self.setup, ignore_index=kd.ignore_index)
             logits = student_logits(self.model, self.pipeline, micro_batch)
             if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
                 continue
-            sums[0] += cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1).double()
-            if with_teacher:  # 0 at ignored labels
-                sums[1] -= answer["log_probs"].sum().double()
-                sums[3] += (teacher_side(micro_batch)["labels"] != ignore).sum()
-            sums[2] += (labels != ignore).sum()
+            self._add_batch(sums, logits, micro_batch["labels"], answer, teacher_side(micro_batch)["labels"],
+                            with_distribution=with_distribution)
         self.model.train()
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
             sums = broadcast_tensors_from_last_stage(last, pp_group=self.setup.pp_group)["sums"]
-        student_sum, teacher_sum, count, teacher_count = sum_over_ranks(sums, self.setup, device=self.device,
-                                                                        and_cp=True)
-        count = max(count, 1.0)
-        result = {"val_loss": student_sum / count, "val_perplexity": math.exp(min(student_sum / count, 50.0))}
+        return self._figures(sum_over_ranks(sums, self.setup, device=self.device, and_cp=True),
+                             with_teacher=with_teacher, with_distribution=with_distribution)
+
+    def _add_batch(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, answer: dict | None,
+                   teacher_labels: torch.Tensor, *, with_distribution: bool) -> None:
+        """Add one micro-batch's (this rank's share's) sums; `answer`: the teacher's, or None; `teacher_labels`:
+        those of its tokenization (the student's with one tokenizer)."""
+        kd, ignore = self.config.kd, self.config.kd.ignore_index
+        valid = labels != ignore
+        label_bytes = torch.where(valid, self.byte_lengths[labels.clamp(min=0)], 0)
+        # The labels that cover text: the loss per byte leaves out those that cover none (EOS).
+        text_labels = torch.where(label_bytes > 0, labels, ignore)
+        sums[_STUDENT_CE] += cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1).double()
+        sums[_STUDENT_NLL] += cross_entropy_loss(logits, text_labels, ignore_index=ignore, num_valid_tokens=1).double()
+        sums[_STUDENT_BYTES] += label_bytes.sum()
+        sums[_TOKENS] += valid.sum()
+        if answer is None:
+            return
+        encoded, log_probs = split_label_log_probs(answer) if with_distribution else (None, answer["log_probs"])
+        log_probs = log_probs.to(self.device).double()  # 0 at ignored labels
+        sums[_TEACHER_CE] -= log_probs.sum()
+        teacher_valid = teacher_labels != ignore
+        teacher_bytes = torch.where(teacher_valid, self.teacher_byte_lengths[teacher_labels.clamp(min=0)], 0)
+        sums[_TEACHER_TOKENS] += teacher_valid.sum()
+        sums[_TEACHER_NLL] -= torch.where(teacher_bytes > 0, log_probs, 0.0).sum()
+        sums[_TEACHER_BYTES] += teacher_bytes.sum()
+        if encoded is None:
+            return
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        kl = kd_loss_encoded(kd_logits, encoded, labels, temperature=kd.temperature, ignore_index=ignore,
+                             num_valid_tokens=1, chunk_size=kd.chunk_size or max(labels.numel(), 1))
+        sums[_KL] += kl.double() / kd.temperature**2
+        top = encoded["indices"][..., 0] if encoded["mode"] == "topk" else encoded["logits"].argmax(-1)
+        sums[_TOP1] += top1_agreements(kd_logits, top, labels, ignore_index=ignore)
+
+    @staticmethod
+    def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool) -> dict[str, float]:
+        tokens = max(sums[_TOKENS], 1.0)
+        loss = sums[_STUDENT_CE] / tokens
+        result = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
+        sides = [("val", _STUDENT_NLL, _STUDENT_BYTES)] + ([("teacher_val", _TEACHER_NLL, _TEACHER_BYTES)]
+                                                            if with_teacher else [])
         if with_teacher:
-            result["teacher_val_loss"] = teacher_sum / max(teacher_count, 1.0)
+            result["teacher_val_loss"] = sums[_TEACHER_CE] / max(sums[_TEACHER_TOKENS], 1.0)
+        for name, nll, num_bytes in sides:
+            if sums[num_bytes] > 0:  # held-out text of no byte (only special tokens): no loss per byte
+                result[f"{name}_nats_per_byte"] = sums[nll] / sums[num_bytes]
+                result[f"{name}_bits_per_byte"] = sums[nll] / sums[num_bytes] / math.log(2)
+        if with_distribution:
+            result["val_kl"] = sums[_KL] / tokens
+            result["val_top1_agreement"] = sums[_TOP1] / tokens
         return result
 
     @torch.no_grad()
@@ -108,7 +210,7 @@ class Evaluation:
         completer, sums = self.completions(), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
         for batch in self._batches(self.val_set if self.val_prompts is None else self.val_prompts):
             rows, tokens, completed = completer.rows(batch, [0] * batch["input_ids"].shape[0])
-            answer = self._teacher_log_probs(rows)
+            answer = self._teacher_answer(rows)
             sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed]
         nll, tokens, completions = sum_over_ranks(sums, self.setup, device=self.device)
         return {"teacher_nll_of_samples": nll / max(tokens, 1.0), "sample_length": tokens / max(completions, 1.0)}

@@ -26,6 +26,7 @@ import yaml
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
 from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherSource
+from meshkd.core.token_bytes import token_byte_lengths
 from meshkd.core.topology import KDDistributedSetups
 from meshkd.parallel.data_parallel import parallelize_student
 from meshkd.parallel.mixed_precision import rounded_update_warning
@@ -35,7 +36,7 @@ from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
 from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.evaluation import Evaluation
+from meshkd.recipe.evaluation import Evaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
@@ -75,7 +76,7 @@ class StudentTrainer:
     def load(self, checked: Preflight) -> None:
         """This rank's models and data (the teacher too on shared meshes)."""
         config, steps = self.config, self.config.step_scheduler
-        self.tokenizer = checked.tokenizer
+        self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
         section = dataclasses.replace(config.model, dtype=config.model.parameter_dtype())
@@ -92,7 +93,7 @@ class StudentTrainer:
         with about("dataset"):
             self.train_set, self.val_set = data.build_run_datasets(
                 self.tokenizer, config.dataset, sequence_length=steps.sequence_length,
-                pack_texts=run_packing(config, self.tokenizer, checked.teacher_tokenizer))
+                pack_texts=run_packing(config, self.tokenizer, self.teacher_tokenizer))
             self.train_prompts = self.val_prompts = None
             if config.dataset.prompt_key and config.kd.generates:
                 self.train_prompts, self.val_prompts = build_prompt_set(
@@ -169,7 +170,10 @@ class StudentTrainer:
         self.evaluation = Evaluation(config, self.setup, model=self.model, pipeline=self.pipeline,
                                      teacher=self.teacher, val_set=self.val_set, val_prompts=self.val_prompts,
                                      completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
-                                     group=self.student_group, device=self.device)
+                                     group=self.student_group, device=self.device,
+                                     byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
+                                     teacher_byte_lengths=token_byte_lengths(self.teacher_tokenizer)
+                                     if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size)
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
@@ -244,6 +248,7 @@ class StudentTrainer:
             if computed:
                 self.metrics.log("eval", self.start_step, before)
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
+        self.summary.update(before_and_after(before, "_before"))
         feed, next_step = StepData(config, dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
                                    device=self.device).steps(self.train_set, self.train_prompts, teacher=self.teacher,
                                                              train_step=self.step, on_policy_step=self.on_policy_step)
@@ -256,9 +261,11 @@ class StudentTrainer:
             self._stopped(step, saved)
             return
         with self.faults.watch("the last evaluation", "student"):
-            after = self.evaluation.full(with_samples=self.config.kd.evaluates_samples)
+            # The teacher too: the KL and top-1 agreement after training (its own figures come back unchanged).
+            after = self.evaluation.full(with_teacher=True, with_samples=self.config.kd.evaluates_samples)
         self.metrics.log("eval", step, after)
         self.summary["val_loss_after"] = after["val_loss"]
+        self.summary.update(before_and_after(after, "_after"))
         if self.skipped_steps:
             self.summary["skipped_steps"] = self.skipped_steps
         if config.checkpoint.enabled and config.checkpoint.save_hf:

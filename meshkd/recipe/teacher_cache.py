@@ -302,6 +302,10 @@ class CachedTeacher:
                 f"{held_val}; lower step_scheduler.val_batches or rerun `meshkd cache-teacher` with this run's settings"
             )
 
+    def answer_mode(self, split: str) -> str:
+        """What the cache holds for the rows of `split`: a `kd.logits_transport` encoding, or `LABEL_LOG_PROBS`."""
+        return self._answer_modes[split]
+
     def _shard(self, number: int):
         """The open shard, its sha256 checked on first use (ValueError naming the file if it does not match)."""
         with self._lock:

@@ -16,7 +16,7 @@ import torch
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map, project_teacher_logits
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs
+from meshkd.core.logits_codec import LABEL_LOG_PROBS, WITH_LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
@@ -69,13 +69,17 @@ class TeacherForward:
         return result
 
     def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
-        """Encode as `mode`, or give each label's log-probability (`LABEL_LOG_PROBS`).
+        """Encode as `mode`, or give each label's log-probability (`LABEL_LOG_PROBS`), or both in one answer
+        (`with_label_log_probs(mode)`, what an evaluation asks for the held-out KL beside the teacher's loss).
 
         Each row's tail samples are seeded by that row's tokens, so a resumed run, and a teacher cache
         written ahead of time, draw the same ones whatever the rows are batched with."""
         kd = self.kd
         if mode == LABEL_LOG_PROBS:  # of the teacher's own tokens, whichever tokenizer
             return label_log_probs(logits, teacher_side(batch)["labels"], ignore_index=kd.ignore_index)
+        if mode in WITH_LABEL_LOG_PROBS:
+            encoded = self.encode(logits, batch, mode.partition("+")[0])
+            return {**encoded, "label_log_probs": self.encode(logits, batch, LABEL_LOG_PROBS)["log_probs"]}
         # One host sync for the whole batch, not one per row.
         seeds = [self.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()]
         return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),

@@ -11,11 +11,14 @@ import torch
 
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
+    TEACHER_ANSWERS,
     check_encoded_logits,
     decode_teacher_logits,
     encode_teacher_logits,
     encoded_nbytes,
     label_log_probs,
+    split_label_log_probs,
+    with_label_log_probs,
 )
 
 
@@ -104,6 +107,20 @@ def test_label_log_probs_are_minus_the_per_token_cross_entropy():
     assert answer["log_probs"][0, 1] == 0 and answer["log_probs"][1, 4] == 0
     with pytest.raises(ValueError, match="do not fit"):
         label_log_probs(logits, labels[:, :4])
+
+
+def test_an_answer_with_label_log_probs_parts_into_the_encoding_and_them():
+    assert with_label_log_probs("topk") == "topk+label_log_probs" and "topk+label_log_probs" in TEACHER_ANSWERS
+    logits, labels = teacher_logits(), torch.tensor([[1, 2, -100], [0, 3, 4]])
+    encoded = encode_teacher_logits(logits, "topk", k=3)
+    log_probs = label_log_probs(logits, labels)["log_probs"]
+    parted, got = split_label_log_probs({**encoded, "label_log_probs": log_probs})
+    assert parted == encoded and got is log_probs
+    assert check_encoded_logits(parted, logits.shape) == "topk"
+    with pytest.raises(ValueError, match="logits mode must be one of"):
+        with_label_log_probs(LABEL_LOG_PROBS)
+    with pytest.raises(ValueError, match="must hold a label_log_probs tensor"):
+        split_label_log_probs(encoded)
 
 
 def test_encode_rejects_bad_arguments():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from meshkd.core.logits_codec import encode_teacher_logits
-from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_loss_encoded, kd_objective
+from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_loss_encoded, kd_objective, top1_agreements
 from tests.world import world_test
 
 
@@ -156,6 +156,23 @@ def test_kd_zero_when_student_equals_teacher():
         loss, grad = _value_and_grad(kd_loss, student, student.detach(), labels, chunk_size=chunk_size)
         assert abs(loss.item()) < 1e-12
         assert grad.abs().max() < 1e-12
+
+
+def test_top1_agreements_count_the_valid_positions_where_both_argmaxes_agree():
+    student, teacher, labels = _inputs((2, 5, 7), seed=5)
+    student = student.detach()
+    agree = (student.argmax(-1) == teacher.argmax(-1)) & (labels != -100)
+    assert 0 < int(agree.sum()) < 8, "both kinds of position occur"
+    assert top1_agreements(student, teacher.argmax(-1), labels).item() == int(agree.sum())
+    # A tie for the student's largest logit counts as agreement with either token.
+    student[0, 0, :2] = student[0, 0].max() + 1
+    labels[0, 0] = 0
+    for choice in (0, 1):
+        top = teacher.argmax(-1)
+        top[0, 0] = choice
+        expected = int(((student.argmax(-1) == top) & (labels != -100)).sum()) + (choice == 1)
+        assert top1_agreements(student, top, labels).item() == expected
+    assert top1_agreements(student, teacher.argmax(-1), torch.full_like(labels, -100)).item() == 0
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 4, 10])
@@ -619,6 +636,19 @@ def check_kd_topk_vocab_parallel():
     assert backward.get_total_counts() == 0
 
 
+def check_top1_vocab_parallel():
+    # Each vocab slice compares its own entries (vocab 5 on tp 4: a rank holds none); the same counts as plain.
+    for mesh, vocab in ((_tp4(), 10), (_tp4(), 5), (_dp2_tp2(), 11)):
+        student, teacher, labels = _inputs((3, 6, vocab), dtype=torch.float32, seed=vocab)
+        student = student.detach()
+        top = teacher.argmax(-1)
+        top[0, :] = vocab - 1  # the last (possibly short) slice owns it
+        student[0, 0, vocab - 1] = 100.0
+        want = top1_agreements(student, top, labels)
+        assert 0 < want.item() < 16
+        assert top1_agreements(_sharded(student, mesh), top, labels).item() == want.item()
+
+
 test_vocab_parallel = world_test(
     4,
     [
@@ -631,5 +661,6 @@ test_vocab_parallel = world_test(
         check_vocab_parallel_communication,
         check_kd_topk_vocab_parallel,
         check_divergences_vocab_parallel,
+        check_top1_vocab_parallel,
     ],
 )

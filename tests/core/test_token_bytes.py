@@ -2,8 +2,8 @@
 
 import pytest
 
-from meshkd.core.token_bytes import encode_with_byte_spans, token_bytes
-from tests.core.tokenizers_on_the_fly import TOKENIZERS
+from meshkd.core.token_bytes import encode_with_byte_spans, token_byte_lengths, token_bytes
+from tests.core.tokenizers_on_the_fly import CORPUS, TOKENIZERS
 
 
 def test_byte_tokenizer_splits_multibyte_characters_by_their_bytes():
@@ -29,3 +29,17 @@ def test_token_bytes_follow_each_backend():
 def test_add_bos_without_a_bos_token_raises():
     with pytest.raises(ValueError, match="has no bos_token"):
         encode_with_byte_spans(TOKENIZERS["byte"](), ["x"], add_bos=True)
+
+
+@pytest.mark.parametrize("name", ["byte", "bytelevel_bpe_300", "unigram_120"])
+def test_token_byte_lengths_of_a_documents_tokens_add_up_to_its_utf8_bytes(name):
+    """What a held-out loss per byte divides by: the tokens of a document (EOS covering none) cover its text."""
+    tokenizer = TOKENIZERS[name]()
+    lengths = token_byte_lengths(tokenizer, size=len(tokenizer) + 3)
+    assert lengths.shape == (len(tokenizer) + 3,) and lengths[len(tokenizer):].tolist() == [0, 0, 0]
+    assert lengths[tokenizer.eos_token_id] == 0
+    for text in CORPUS[:6]:  # accents, CJK, emoji, whitespace runs, code
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        covered = int(lengths[ids].sum())
+        # SentencePiece-style models prefix a space the text does not have.
+        assert covered - len(text.encode()) in ((0, 1) if name.startswith("unigram") else (0,)), (text, covered)

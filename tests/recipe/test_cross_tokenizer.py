@@ -9,6 +9,7 @@ several student tokens.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -124,6 +125,9 @@ def test_one_tokenizer_through_the_cross_tokenizer_path_trains_plain_kd(runs):
     cross, plain = curve(runs.records("same_tokenizer")), curve(runs.records("plain_kd"))
     assert len(cross) == 3 * STEPS
     assert cross == pytest.approx(plain, rel=1e-5, abs=1e-6)
+    first = [next(r for r in runs.records(run) if r["kind"] == "eval") for run in ("same_tokenizer", "plain_kd")]
+    for key in ("val_bits_per_byte", "teacher_val_bits_per_byte", "teacher_val_loss"):
+        assert first[0][key] == pytest.approx(first[1][key], rel=1e-6), key
 
 
 def test_another_tokenizer_trains_and_evaluates_the_teacher_in_its_own_tokens(runs):
@@ -133,6 +137,11 @@ def test_another_tokenizer_trains_and_evaluates_the_teacher_in_its_own_tokens(ru
     first = next(r for r in records if r["kind"] == "eval" and r["step"] == 0)
     # A random-init teacher of 320 entries is near uniform over its own vocabulary, not the student's 262.
     assert first["teacher_val_loss"] == pytest.approx(math.log(320), rel=0.05)
+    # Per byte the two sides compare: each divides its own loss by the bytes of its own tokens, the same text.
+    assert first["teacher_val_bits_per_byte"] < first["val_bits_per_byte"]  # near-uniform; longer tokens
+    assert "val_kl" not in first  # a distribution over another vocabulary: no same-vocabulary KL
+    summary = json.loads(Path(runs.configs["reference"]["logging"]["run_dir"], "summary.json").read_text())
+    assert {"val_bits_per_byte_before", "val_bits_per_byte_after", "teacher_val_bits_per_byte"} <= set(summary)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

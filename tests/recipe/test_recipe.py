@@ -133,14 +133,33 @@ ZERO_KD_FAMILIES = {"granite": {"embedding_multiplier": 3.0, "residual_multiplie
                                "attn_logit_softcapping": 5.0}}
 
 
+def every_validation_row(config: dict) -> dict:
+    """Evaluations read every validation row (13 here): `val_batches` counts batches per dp rank, so only
+    then do layouts of different dp sizes evaluate the same rows."""
+    config["step_scheduler"]["val_batches"] = None
+    return config
+
+
+def self_taught(config: dict) -> dict:
+    """The teacher is the student: same random-init model, same seed."""
+    config["teacher_model"] = copy.deepcopy(config["model"])
+    config["step_scheduler"]["max_steps"] = 1
+    return config
+
+
 def recipe_configs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     """Every run of this module: name -> (config, resume), a resumed run after the run it resumes."""
-    runs = {"reference": (with_layout(base_config(tmp / "reference"), {"dp_size": 1}, None), False),
-            "unpacked_reference": (unpacked(with_layout(base_config(tmp / "unpacked_reference"), {"dp_size": 1},
-                                                        None)), False)}
+    runs = {"reference": (every_validation_row(with_layout(base_config(tmp / "reference"), {"dp_size": 1}, None)),
+                          False),
+            "unpacked_reference": (every_validation_row(unpacked(with_layout(base_config(tmp / "unpacked_reference"),
+                                                                             {"dp_size": 1}, None))), False)}
     for layout, (student, teacher) in LAYOUTS.items():
-        config = with_layout(base_config(tmp / layout), student, teacher)
+        config = every_validation_row(with_layout(base_config(tmp / layout), student, teacher))
         runs[f"layout_{layout}"] = (unpacked(config) if layout.endswith("_unpacked") else config, False)
+    runs["self_taught"] = (self_taught(with_layout(base_config(tmp / "self_taught"), {"dp_size": 1}, None)), False)
+    config = self_taught(with_layout(base_config(tmp / "self_taught_topk"), {"dp_size": 1}, {"dp_size": 1}))
+    config["kd"].update(logits_transport="topk", topk=32, topk_tail_samples=16)
+    runs["self_taught_topk"] = (config, False)
 
     # Two student replicas on one teacher replica: two waves per request, issued on the main thread.
     config = with_layout(base_config(tmp / "synchronous"), {"dp_size": 2}, {"dp_size": 1})
@@ -285,3 +304,93 @@ def test_a_teacher_identical_to_the_student_gives_zero_kd(family, runs):
 def test_moe_teacher_with_experts_spread_over_its_ranks_gives_the_single_process_curve(runs):
     expected = runs.records("moe_teacher_single")
     assert curve(runs.records("moe_teacher_ep2")) == pytest.approx(curve(expected), rel=1e-4)
+
+
+EVAL_FIGURES = ("val_loss", "val_nats_per_byte", "val_bits_per_byte", "teacher_val_loss", "teacher_val_nats_per_byte",
+                "teacher_val_bits_per_byte", "val_kl", "val_top1_agreement")
+
+
+def evaluations(records: list[dict]) -> list[dict]:
+    return [record for record in records if record["kind"] == "eval"]
+
+
+def test_held_out_figures_are_in_the_metrics_and_the_summary(runs, reference):
+    before, after = evaluations(reference)
+    for record in (before, after):
+        assert set(EVAL_FIGURES) <= set(record), record
+        assert record["val_bits_per_byte"] == pytest.approx(record["val_nats_per_byte"] / math.log(2), rel=1e-12)
+        assert 0 < record["val_kl"] and 0 <= record["val_top1_agreement"] <= 1
+    # The teacher does not train: the last evaluation asks it again and gets the same figures.
+    assert after["teacher_val_bits_per_byte"] == pytest.approx(before["teacher_val_bits_per_byte"], rel=1e-9)
+    # The student learns the text. (Its KL to this random, nearly uniform teacher grows meanwhile: the CE half
+    # of the objective pulls it towards the data, away from the teacher; measured 0.0030 -> 0.0190 nats.)
+    assert after["val_bits_per_byte"] < before["val_bits_per_byte"]
+    summary = json.loads(Path(runs.configs["reference"]["logging"]["run_dir"], "summary.json").read_text())
+    expected = {"val_loss_before": before["val_loss"], "val_loss_after": after["val_loss"],
+                "teacher_val_loss": before["teacher_val_loss"],
+                "teacher_val_bits_per_byte": after["teacher_val_bits_per_byte"],
+                "teacher_val_nats_per_byte": after["teacher_val_nats_per_byte"]}
+    for key in ("val_nats_per_byte", "val_bits_per_byte", "val_kl", "val_top1_agreement"):
+        expected.update({f"{key}_before": before[key], f"{key}_after": after[key]})
+    assert {key: summary.get(key) for key in expected} == expected
+
+
+def test_bits_per_byte_equal_a_hand_computation_with_plain_transformers(runs):
+    """The unpacked reference's step-0 figures, from the student's initial weights through plain transformers:
+    each validation row's next-token loss over the labels that stand for a byte (the byte tokenizer's ids
+    0-255; EOS stands for none), divided by those bytes."""
+    import torch
+
+    from meshkd.recipe import data
+    from meshkd.recipe.models import byte_tokenizer, load_causal_lm
+
+    config = runs.configs["unpacked_reference"]
+    before = evaluations(runs.records("unpacked_reference"))[0]
+    parsed = config_from_dict(config)
+    tokenizer = byte_tokenizer()
+    _, rows = data.build_run_datasets(tokenizer, parsed.dataset, sequence_length=parsed.step_scheduler.sequence_length)
+    model = load_causal_lm(random_init=config["model"]["random_init"], seed=config["model"]["seed"]).eval()
+    nll = num_bytes = total = tokens = 0.0
+    for index in range(len(rows)):
+        row = rows[index : index + 1]
+        with torch.no_grad():
+            logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"],
+                           attention_mask=(row["attention_mask"] > 0).long()).logits
+        labels = row["labels"][0]
+        losses = torch.nn.functional.cross_entropy(logits[0].double(), labels.clamp(min=0), reduction="none")
+        is_byte = (labels >= 0) & (labels < 256)
+        assert tokenizer.convert_ids_to_tokens(256) == tokenizer.eos_token
+        nll += float(losses[is_byte].sum())
+        num_bytes += float(is_byte.sum())
+        total += float(losses[labels != -100].sum())
+        tokens += float((labels != -100).sum())
+    assert num_bytes > 300
+    assert before["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
+    assert before["val_nats_per_byte"] == pytest.approx(nll / num_bytes, rel=1e-5)
+    assert before["val_bits_per_byte"] == pytest.approx(nll / num_bytes / math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_held_out_figures_equal_single_process(layout, runs, reference):
+    """Every layout evaluates the same rows (`every_validation_row`) and reports the single process's figures:
+    exactly the same weights before training, the weights of an equal curve after it."""
+    expected = runs.records("unpacked_reference") if layout.endswith("_unpacked") else reference
+    (before, after), (expected_before, expected_after) = evaluations(runs.records(f"layout_{layout}")), \
+        evaluations(expected)
+    # The KL (0.003 nats) is a difference of two float32 sums of about 5.6 nats per token: its rounding is that of
+    # the losses, about 1e-6 of 5.6 (measured 2e-8 at tp 2), not 1e-6 of itself.
+    for got, want, rel in ((before, expected_before, 1e-6), (after, expected_after, 1e-4)):
+        others = [key for key in EVAL_FIGURES if key != "val_kl"]
+        assert {key: got[key] for key in others} == pytest.approx({key: want[key] for key in others}, rel=rel)
+        assert got["val_kl"] == pytest.approx(want["val_kl"], rel=rel, abs=rel * want["val_loss"])
+
+
+@pytest.mark.parametrize("name", ["self_taught", "self_taught_topk"])
+def test_a_student_taught_by_itself_has_zero_held_out_kl_and_full_agreement(name, runs):
+    """Full logits on the student's own ranks; top-k with sampled tail tokens from a teacher on its own ranks
+    (its KL is then 0 too: every term compares the teacher's log-probability with the same student's)."""
+    before = evaluations(runs.records(name))[0]
+    assert abs(before["val_kl"]) < 1e-6, before
+    assert before["val_top1_agreement"] == 1.0, before
+    assert before["teacher_val_bits_per_byte"] == pytest.approx(before["val_bits_per_byte"], rel=1e-6)
+    assert before["teacher_val_loss"] == pytest.approx(before["val_loss"], rel=1e-6)
