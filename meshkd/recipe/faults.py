@@ -7,7 +7,8 @@
   (`FaultWatch.watch`), naming the role and ranks lost. Every rank writes RUN_DIR/pids/rank{r}.pid
   ("PID HOST") at setup, so a survivor on the same host can tell which peer process exited; a rank that
   fails because it lost a peer first marks itself (rank{r}.lost), so later survivors name the role
-  that failed first rather than a casualty.
+  that failed first rather than a casualty. On NCCL the failed collective raises where a rank waits on it
+  (blocking wait, set by `meshkd.recipe.world`), after the group's timeout, as DistBackendError.
 - `StopRequest`: SIGINT, SIGTERM or the stop file named by MESHKD_STOP_FILE, recorded by the handler and
   acted on at the next step boundary by the recipe.
 """
@@ -35,7 +36,12 @@ STOP_FILE_ENV = "MESHKD_STOP_FILE"
 
 # How long a rank that saw a collective fail looks for the peer process that exited (same host only).
 _DEAD_PEER_WAIT_S = 1.0
-# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
+# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store). NCCL's, as
+# ProcessGroupNCCL words them: a wait past the group's timeout ("Watchdog caught collective operation
+# timeout: WorkNCCL(...) ran for N milliseconds before timing out"; "Work ... timed out in blocking wait"),
+# a communicator aborted after such a failure ("NCCL communicator was aborted on rank N. Original reason for
+# failure was: ..."), and NCCL's own errors ("NCCL error in: FILE:LINE, remote process exited or there was a
+# network error, NCCL version ..."). Most arrive as DistBackendError, which counts whatever its text.
 _PEER_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|[Tt]imeout|ECONNRESET|EPIPE|"
     r"NCCL (error|communicator)|communicator was aborted|Socket Timeout"
@@ -68,9 +74,10 @@ def _ranks(ranks) -> str:
 
 
 def brief(error: BaseException) -> str:
-    """One ASCII line of a backend error: gloo's source location and its advice are dropped."""
+    """One ASCII line of a backend error: gloo's and NCCL's source locations and gloo's advice are dropped."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(" This is typically")[0]
+    text = re.sub(r"^NCCL error in: \S+:\d+, ", "NCCL error: ", text)
     return text.encode("ascii", "ignore").decode()[:300]
 
 
