@@ -41,7 +41,7 @@ from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
-from meshkd.recipe.world import close_world, init_world
+from meshkd.recipe.world import abort_communicators, close_world, init_world
 
 
 class KDRecipe:
@@ -52,6 +52,7 @@ class KDRecipe:
         self.resume = resume
         self.run_dir = Path(config.logging.run_dir)
         self.role: StudentTrainer | TeacherWorker | None = None
+        self.faults: FaultWatch | None = None
         self.summary: dict = {}
         self._owns_process_group = False
         self._stop = StopRequest()
@@ -75,6 +76,10 @@ class KDRecipe:
                 faults.write_pid_file()
                 torch.manual_seed(config.seed)
                 role.load(checked)
+            # Every rank has written its pid file now. gloo notices a peer's exit itself; NCCL waits for the
+            # peer until the collective timeout unless its communicators are aborted.
+            if dist.get_backend() == dist.Backend.NCCL:
+                faults.watch_exits(abort_communicators)
             vocab_size = self._common_vocab_size(checked, role.vocab_rows())
             bridge = None
             if setups.separate:
@@ -109,6 +114,10 @@ class KDRecipe:
         """Close the role and the process group this recipe created; `failed`: the run is ending on an error."""
         if self.role is not None:
             self.role.close()
+        if self.faults is not None and failed:
+            self.faults.stop_watching_exits()
+        elif self.faults is not None:
+            self.faults.mark_done()  # stops the exit watch and tells the peers' that this exit is no loss
         if self._owns_process_group and dist.is_initialized():
             close_world(failed=failed)
 

@@ -11,13 +11,16 @@ by default, its watchdog thread ends the process when one times out, so the rank
 creating an NCCL group, `nccl_error_handling` sets TORCH_NCCL_BLOCKING_WAIT=1 (unless the user set it):
 every wait on a collective then blocks the calling thread until it completes or its group's timeout
 passes, and a timeout aborts that communicator and raises DistBackendError in the waiting thread, which
-`FaultWatch` turns into `PeerLostError`. After a failure `close_world` aborts every communicator
-(ncclCommAbort, which drops queued work) instead of `destroy_process_group`, which waits for that work
-and can hang; a clean finish, and every gloo world, still destroys the group.
+`FaultWatch` turns into `PeerLostError`. NCCL does not notice a peer process exiting: the recipe has
+`FaultWatch.watch_exits` call `abort_communicators` when one of this host exits, so the waits on it end
+at once. After a failure `close_world` aborts every communicator (ncclCommAbort, which drops queued work)
+instead of `destroy_process_group`, which waits for that work and can hang; a clean finish, and every
+gloo world, still destroys the group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import MutableMapping
@@ -86,6 +89,30 @@ def nccl_error_handling(environ: MutableMapping[str, str]) -> None:
     """
     if not any(name in environ for name in _BLOCKING_WAIT):
         environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+
+
+def abort_communicators() -> None:
+    """Abort every process group of this rank (ncclCommAbort on NCCL), from any thread; torch's registry of
+    groups is left as it is, so that the rank's next collective raises (DistBackendError: "NCCL communicator
+    was aborted") instead of finding no group. `close_world` still ends the world afterwards.
+
+    Like torch's `_abort_process_group`, the aborts of an NCCL world run inside one NCCL group call, so that
+    aborting one communicator does not wait on another.
+    """
+    c10d = dist.distributed_c10d
+    names = dict(c10d._world.pg_names)  # a copy: the main thread may be using the registry
+    default = c10d._world.default_pg
+    backend = None
+    if default is not None and dist.is_nccl_available():
+        with contextlib.suppress(RuntimeError):  # a group without a CUDA backend
+            backend = default._get_backend(torch.device("cuda"))
+    grouped = dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
+    if grouped:
+        backend._group_start()
+    for group in sorted(names, key=lambda group: names[group], reverse=True):
+        group.abort()
+    if grouped:
+        backend._group_end()
 
 
 def close_world(*, failed: bool) -> None:

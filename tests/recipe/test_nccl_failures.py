@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -203,3 +208,78 @@ def test_other_cuda_errors_are_not_taken_for_a_lost_peer(tmp_path, one_rank_worl
         with faults.watch("send_batch", "teacher"):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)")
     assert not isinstance(raised.value, PeerLostError)
+
+
+# ---- a peer's exit, which NCCL does not notice ---------------------------------------------------------
+
+
+def test_abort_communicators_aborts_every_group_and_keeps_the_registry(monkeypatch, one_rank_world):
+    spy = GroupSpy(monkeypatch)
+    groups = [dist.group.WORLD, dist.new_group([0]), dist.new_group([0])]
+    world.abort_communicators()
+    assert {id(group) for group in spy.aborted} == {id(group) for group in groups} and len(spy.aborted) == 3
+    assert dist.is_initialized() and spy.destroyed == 0  # close_world ends the world later
+
+
+@pytest.fixture
+def teacher_process(tmp_path):
+    """A process standing for teacher rank 1 of this host, its pid file written as a rank's would be."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    (pids / "rank1.pid").write_text(f"{process.pid} {socket.gethostname()}\n")
+    yield process
+    process.kill()
+    process.wait()
+
+
+def watching(tmp_path) -> tuple[FaultWatch, threading.Event]:
+    """Rank 0 (the student) of a student 1 + teacher 1 run, watching its peer's exit; the event is its abort."""
+    setups = KDDistributedSetups(student=None, teacher=None, student_ranks=(0,), teacher_ranks=(1,), separate=True)
+    faults = FaultWatch(setups, tmp_path, torch.device("cpu"))
+    faults.write_pid_file()
+    aborted = threading.Event()
+    faults.watch_exits(aborted.set)
+    return faults, aborted
+
+
+def test_a_peer_that_exits_unfinished_aborts_the_communicators_and_is_named(tmp_path, teacher_process,
+                                                                          one_rank_world):
+    faults, aborted = watching(tmp_path)
+    try:
+        assert not aborted.wait(1.0), "aborted while the peer was alive"
+        teacher_process.kill()
+        teacher_process.wait()
+        killed_at = time.monotonic()
+        assert aborted.wait(5.0), "the peer's exit was not noticed"
+        assert time.monotonic() - killed_at < 2.0
+        assert faults.aborted_for == [1]
+        # What fails next in a watched block, whatever it is, is reported as the lost peer.
+        with pytest.raises(PeerLostError, match=r"^lost the teacher \(rank 1; rank 1 exited\) during send_batch: "
+                                                r"the header announces -1 rows$"):
+            with faults.watch("send_batch", "teacher"):
+                raise ValueError("the header announces -1 rows")
+    finally:
+        faults.stop_watching_exits()
+
+
+def test_a_peer_that_finished_is_no_loss(tmp_path, teacher_process, one_rank_world):
+    faults, aborted = watching(tmp_path)
+    try:
+        (tmp_path / "pids" / "rank1.done").touch()  # as the teacher's mark_done writes it before it exits
+        teacher_process.kill()
+        teacher_process.wait()
+        assert not aborted.wait(2.0), "a peer that finished was taken for a lost one"
+        with pytest.raises(ValueError, match="a rank-local error"):
+            with faults.watch("the HF export", "student"):
+                raise ValueError("a rank-local error")
+    finally:
+        faults.stop_watching_exits()
+
+
+def test_mark_done_stops_the_watch_and_writes_the_mark(tmp_path, one_rank_world):
+    faults, _ = watching(tmp_path)
+    faults.mark_done()
+    assert (tmp_path / "pids" / "rank0.done").exists() and not faults._exits_thread.is_alive()
+    faults.write_pid_file()  # a new run in the same directory starts unfinished
+    assert not (tmp_path / "pids" / "rank0.done").exists()
