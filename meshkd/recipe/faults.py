@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from meshkd.core.agreement import first_failure
 from meshkd.core.topology import KDDistributedSetups
+from meshkd.core.wire import SenderError
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
@@ -223,7 +224,8 @@ class FaultWatch:
                           if _process_gone(pid) and not _done_file(self.run_dir, rank).exists()]
                 if exited:
                     self.aborted_for = exited
-                    abort()
+                    with contextlib.suppress(RuntimeError):  # an abort that fails leaves the waits to the timeout
+                        abort()
                     return
 
         self._exits_thread = threading.Thread(target=poll, name="meshkd-peer-exits", daemon=True)
@@ -232,7 +234,8 @@ class FaultWatch:
     def stop_watching_exits(self) -> None:
         self._exits_stop.set()
         if self._exits_thread is not None and self._exits_thread is not threading.current_thread():
-            self._exits_thread.join()
+            # A polling thread ends within one interval; one inside an abort that hangs is left to the exit.
+            self._exits_thread.join(timeout=2 * _EXIT_POLL_S)
 
     @contextlib.contextmanager
     def on_every_rank(self, stage: str, *, patient: bool = False):
@@ -276,8 +279,9 @@ class FaultWatch:
             yield
         except Exception as error:
             # Once a peer's exit aborted the communicators, whatever failed here (a collective on an aborted
-            # communicator, or work on what it left half-received) is that loss.
-            aborted = self.aborted_for and not isinstance(error, (PeerLostError, SetupError))
+            # communicator, or work on what it left half-received) is that loss; a peer's own error, sent
+            # before it exited, says more.
+            aborted = self.aborted_for and not isinstance(error, (PeerLostError, SetupError, SenderError))
             if not (aborted or isinstance(error, RuntimeError) and _is_peer_failure(error)):
                 raise
             raise PeerLostError(self.lost(operation, role, error)) from error

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.topology import KDDistributedSetups
+from meshkd.core.wire import SenderError
 from meshkd.recipe import world
 from meshkd.recipe.config import config_from_dict
 from meshkd.recipe.faults import FaultWatch, PeerLostError
@@ -259,6 +260,10 @@ def test_a_peer_that_exits_unfinished_aborts_the_communicators_and_is_named(tmp_
                                                 r"the header announces -1 rows$"):
             with faults.watch("send_batch", "teacher"):
                 raise ValueError("the header announces -1 rows")
+        # The peer's own error, sent before it exited, is reported as it is.
+        with pytest.raises(SenderError, match="teacher rank 1 failed on this batch"):
+            with faults.watch("send_batch", "teacher"):
+                raise SenderError("teacher rank 1 failed on this batch: out of memory")
     finally:
         faults.stop_watching_exits()
 
