@@ -190,8 +190,7 @@ class FaultWatch:
         self._ranks = sorted(set(setups.student_ranks) | set(setups.teacher_ranks))
         self._exits_stop = threading.Event()
         self._exits_thread: threading.Thread | None = None
-        self.aborted_for: list[int] = []
-        """The peers whose exit made `watch_exits` abort this rank's communicators (empty: none)."""
+        self.aborted_for: list[int] = []  # the peers whose exit made `watch_exits` abort the communicators
 
     def write_pid_file(self) -> None:
         """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""

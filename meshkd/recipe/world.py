@@ -12,10 +12,10 @@ creating an NCCL group, `nccl_error_handling` sets TORCH_NCCL_BLOCKING_WAIT=1 (u
 every wait on a collective then blocks the calling thread until it completes or its group's timeout
 passes, and a timeout aborts that communicator and raises DistBackendError in the waiting thread, which
 `FaultWatch` turns into `PeerLostError`. NCCL does not notice a peer process exiting: the recipe has
-`FaultWatch.watch_exits` call `abort_communicators` when one of this host exits, so the waits on it end
-at once. After a failure `close_world` aborts every communicator (ncclCommAbort, which drops queued work)
-instead of `destroy_process_group`, which waits for that work and can hang; a clean finish, and every
-gloo world, still destroys the group.
+`FaultWatch.watch_exits` call `abort_communicators` when a peer process of this host exits unfinished, so
+the waits on it end at once. After a failure `close_world` aborts every communicator (ncclCommAbort,
+which drops queued work) instead of `destroy_process_group`, which waits for that work and can hang; a
+clean finish, and every gloo world, still destroys the group.
 """
 
 from __future__ import annotations
