@@ -94,5 +94,8 @@ def test_a_lost_teacher_ends_every_rank_of_an_nccl_run_within_twice_the_timeout(
     assert all(process_gone(pid) for pid in pids.values()) and processes_mentioning(str(path)) == []
     exited = "; rank 1 exited" if how == signal.SIGKILL else ""
     assert run.errors()[0].startswith(f"lost the teacher (rank 1{exited}) during "), run.stderr[-3000:]
-    assert run.worker_endings() == {0: "exit code 1", 1: "signal SIGKILL"}, run.stderr[-3000:]
+    # torchrun reports the workers that had failed when it looked (every 0.1 s): a killed teacher may be alone
+    # there, the student exiting 1 within meshkd's grace; the student is never the one torchrun had to kill.
+    endings = run.worker_endings()
+    assert endings[1] == "signal SIGKILL" and endings.get(0, "exit code 1") == "exit code 1", run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
