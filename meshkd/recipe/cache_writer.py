@@ -38,7 +38,7 @@ from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
-from meshkd.recipe.world import init_world
+from meshkd.recipe.world import close_world, init_world
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
 # run loses little.
@@ -284,9 +284,12 @@ def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> d
     device, owns_group = init_world(config)
     writer = CacheWriter(config, device, shard_rows=shard_rows)
     writer.stop.install()
+    failed = True
     try:
-        return writer.run()
+        summary = writer.run()
+        failed = False
+        return summary
     finally:
         writer.stop.restore()
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            close_world(failed=failed)  # NCCL after a failure: abort, not a destroy that waits on queued work

@@ -7,7 +7,11 @@
   (`FaultWatch.watch`), naming the role and ranks lost. Every rank writes RUN_DIR/pids/rank{r}.pid
   ("PID HOST") at setup, so a survivor on the same host can tell which peer process exited; a rank that
   fails because it lost a peer first marks itself (rank{r}.lost), so later survivors name the role
-  that failed first rather than a casualty.
+  that failed first rather than a casualty. On NCCL the failed collective raises where a rank waits on it
+  (blocking wait, set by `meshkd.recipe.world`), after the group's timeout, as DistBackendError. NCCL does
+  not notice a peer process that exits, so `FaultWatch.watch_exits` polls the pid files: when a peer of
+  this host exits without having finished (RUN_DIR/pids/rank{r}.done), it aborts this rank's communicators,
+  and the collective that waits on the peer fails at once instead of after the timeout.
 - `StopRequest`: SIGINT, SIGTERM or the stop file named by MESHKD_STOP_FILE, recorded by the handler and
   acted on at the next step boundary by the recipe.
 """
@@ -22,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,13 +34,21 @@ import torch.distributed as dist
 
 from meshkd.core.agreement import first_failure
 from meshkd.core.topology import KDDistributedSetups
+from meshkd.core.wire import SenderError
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
 """Environment variable naming a file whose appearance asks the run to stop (set by `meshkd train`)."""
 
 # How long a rank that saw a collective fail looks for the peer process that exited (same host only).
 _DEAD_PEER_WAIT_S = 1.0
-# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store).
+# How often `FaultWatch.watch_exits` looks at the peers' processes: a lost peer is noticed within this.
+_EXIT_POLL_S = 0.5
+# RuntimeErrors of collectives that mean a peer is gone or silent (gloo, NCCL, the c10d store). NCCL's, as
+# ProcessGroupNCCL words them: a wait past the group's timeout ("Watchdog caught collective operation
+# timeout: WorkNCCL(...) ran for N milliseconds before timing out"; "Work ... timed out in blocking wait"),
+# a communicator aborted after such a failure ("NCCL communicator was aborted on rank N. Original reason for
+# failure was: ..."), and NCCL's own errors ("NCCL error in: FILE:LINE, remote process exited or there was a
+# network error, NCCL version ..."). Most arrive as DistBackendError, which counts whatever its text.
 _PEER_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|[Tt]imeout|ECONNRESET|EPIPE|"
     r"NCCL (error|communicator)|communicator was aborted|Socket Timeout"
@@ -68,9 +81,10 @@ def _ranks(ranks) -> str:
 
 
 def brief(error: BaseException) -> str:
-    """One ASCII line of a backend error: gloo's source location and its advice are dropped."""
+    """One ASCII line of a backend error: gloo's and NCCL's source locations and gloo's advice are dropped."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(" This is typically")[0]
+    text = re.sub(r"^NCCL error in: \S+:\d+, ", "NCCL error: ", text)
     return text.encode("ascii", "ignore").decode()[:300]
 
 
@@ -102,6 +116,11 @@ def _process_gone(pid: int) -> bool:
 
 def _pid_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "pids" / f"rank{rank}.pid"
+
+
+def _done_file(run_dir: Path, rank: int) -> Path:
+    """Written by a rank whose run ended normally, before it exits: its exit is no loss to its peers."""
+    return run_dir / "pids" / f"rank{rank}.done"
 
 
 def _lost_file(run_dir: Path, rank: int) -> Path:
@@ -168,6 +187,10 @@ class FaultWatch:
         # the world, like the FaultWatch every rank builds at the same point of setup).
         self._patient = None if setup_timeout_s is None else dist.new_group(
             timeout=datetime.timedelta(seconds=setup_timeout_s))
+        self._ranks = sorted(set(setups.student_ranks) | set(setups.teacher_ranks))
+        self._exits_stop = threading.Event()
+        self._exits_thread: threading.Thread | None = None
+        self.aborted_for: list[int] = []  # the peers whose exit made `watch_exits` abort the communicators
 
     def write_pid_file(self) -> None:
         """RUN_DIR/pids/rank{r}.pid: "PID HOST", so that operators and peers can tell which process is which."""
@@ -175,6 +198,43 @@ class FaultWatch:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
         _lost_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
+        _done_file(self.run_dir, dist.get_rank()).unlink(missing_ok=True)
+
+    def mark_done(self) -> None:
+        """RUN_DIR/pids/rank{r}.done: this rank's run ended normally, so peers that outlive it go on."""
+        self.stop_watching_exits()
+        with contextlib.suppress(OSError):
+            _done_file(self.run_dir, dist.get_rank()).touch()
+
+    def watch_exits(self, abort: Callable[[], None]) -> None:
+        """Call `abort` once, from a background thread, when a peer process of this host exits unfinished.
+
+        For backends that do not notice a peer's exit (NCCL waits for it until the timeout): `abort` (aborting
+        the communicators) ends the waits on it, and `watch` then reports whatever fails in its block as the
+        lost peer. Start it once every rank has written its pid file; `stop_watching_exits` ends it.
+        """
+        if self._exits_thread is not None:
+            return
+        peers = self._same_host_peers()
+
+        def poll() -> None:
+            while not self._exits_stop.wait(_EXIT_POLL_S):
+                exited = [rank for rank, pid in peers.items()
+                          if _process_gone(pid) and not _done_file(self.run_dir, rank).exists()]
+                if exited:
+                    self.aborted_for = exited
+                    with contextlib.suppress(RuntimeError):  # an abort that fails leaves the waits to the timeout
+                        abort()
+                    return
+
+        self._exits_thread = threading.Thread(target=poll, name="meshkd-peer-exits", daemon=True)
+        self._exits_thread.start()
+
+    def stop_watching_exits(self) -> None:
+        self._exits_stop.set()
+        if self._exits_thread is not None and self._exits_thread is not threading.current_thread():
+            # A polling thread ends within one interval; one inside an abort that hangs is left to the exit.
+            self._exits_thread.join(timeout=2 * _EXIT_POLL_S)
 
     @contextlib.contextmanager
     def on_every_rank(self, stage: str, *, patient: bool = False):
@@ -216,8 +276,12 @@ class FaultWatch:
         """
         try:
             yield
-        except RuntimeError as error:
-            if not _is_peer_failure(error):
+        except Exception as error:
+            # Once a peer's exit aborted the communicators, whatever failed here (a collective on an aborted
+            # communicator, or work on what it left half-received) is that loss; a peer's own error, sent
+            # before it exited, says more.
+            aborted = self.aborted_for and not isinstance(error, (PeerLostError, SetupError, SenderError))
+            if not (aborted or isinstance(error, RuntimeError) and _is_peer_failure(error)):
                 raise
             raise PeerLostError(self.lost(operation, role, error)) from error
 
@@ -237,17 +301,22 @@ class FaultWatch:
         role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
         return f"lost the {role} ({_ranks(role_ranks)}{exited}) during {operation}: {brief(error)}"
 
-    def dead_ranks(self) -> list[int]:
-        """Ranks of this host whose process exited, from the pid files (waits a moment for a dying peer)."""
+    def _same_host_peers(self) -> dict[int, int]:
+        """rank -> pid of the other ranks of the run on this host, from their pid files."""
         host, me = socket.gethostname(), dist.get_rank()
         pids = {}
-        for rank in range(dist.get_world_size()):
+        for rank in self._ranks:
             try:
                 pid, pid_host = _pid_file(self.run_dir, rank).read_text().split()
             except (OSError, ValueError):
                 continue
             if rank != me and pid_host == host:
                 pids[rank] = int(pid)
+        return pids
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks of this host whose process exited, from the pid files (waits a moment for a dying peer)."""
+        pids = self._same_host_peers()
         deadline = time.monotonic() + _DEAD_PEER_WAIT_S
         while True:
             dead = [rank for rank, pid in sorted(pids.items()) if _process_gone(pid)]

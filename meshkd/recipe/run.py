@@ -19,7 +19,9 @@ out in a phase is agreed over the world before the next collective, so every ran
 on the others). In training, a collective that fails because a peer died or stopped answering becomes
 `PeerLostError`, naming the role and ranks lost. A stop request (SIGINT, SIGTERM, or the stop file `meshkd
 train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a step boundary: they save a
-checkpoint of that step, send STOP_TEACHER and return.
+checkpoint of that step, send STOP_TEACHER and return. On the way out after any failure, an NCCL world
+aborts its communicators rather than destroying them (`meshkd.recipe.world.close_world`): a collective the
+failure left queued would hold the destroy forever.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
-from meshkd.recipe.world import init_world
+from meshkd.recipe.world import abort_communicators, close_world, init_world
 
 
 class KDRecipe:
@@ -50,6 +52,7 @@ class KDRecipe:
         self.resume = resume
         self.run_dir = Path(config.logging.run_dir)
         self.role: StudentTrainer | TeacherWorker | None = None
+        self.faults: FaultWatch | None = None
         self.summary: dict = {}
         self._owns_process_group = False
         self._stop = StopRequest()
@@ -73,6 +76,10 @@ class KDRecipe:
                 faults.write_pid_file()
                 torch.manual_seed(config.seed)
                 role.load(checked)
+            # Every rank has written its pid file now. gloo notices a peer's exit itself; NCCL waits for the
+            # peer until the collective timeout unless its communicators are aborted.
+            if dist.get_backend() == dist.Backend.NCCL:
+                faults.watch_exits(abort_communicators)
             vocab_size = self._common_vocab_size(checked, role.vocab_rows())
             bridge = None
             if setups.separate:
@@ -104,11 +111,16 @@ class KDRecipe:
         """Student ranks train (and stop the teacher when done); teacher-only ranks serve until then."""
         self.summary = self.role.run()
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, failed: bool = False) -> None:
+        """Close the role and the process group this recipe created; `failed`: the run is ending on an error."""
         if self.role is not None:
             self.role.close()
+        if self.faults is not None and failed:
+            self.faults.stop_watching_exits()
+        elif self.faults is not None:
+            self.faults.mark_done()  # stops the exit watch and tells the peers' that this exit is no loss
         if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+            close_world(failed=failed)
 
     def run(self) -> dict:
         """setup, train (or serve), cleanup; returns the summary (validation losses, HF directory) on student ranks.
@@ -120,7 +132,11 @@ class KDRecipe:
         try:
             self.setup()
             self.train()
-        finally:
+        except BaseException:
+            self.cleanup(failed=True)
+            raise
+        else:
             self.cleanup()
+        finally:
             self._stop.restore()
         return self.summary

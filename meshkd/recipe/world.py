@@ -5,17 +5,33 @@ NCCL cannot run two ranks of a group on one GPU, so a node that sees fewer GPUs 
 refused before any is used, by `meshkd train` before it starts the workers (`check_gpu_count`) and by
 every rank before it creates the group (`init_world`). The collective timeout is the config's
 `collective_timeout_s`.
+
+NCCL failures. gloo raises in the collective that lost its peer; NCCL queues the collective on the GPU and,
+by default, its watchdog thread ends the process when one times out, so the rank never says why. Before
+creating an NCCL group, `nccl_error_handling` sets TORCH_NCCL_BLOCKING_WAIT=1 (unless the user set it):
+every wait on a collective then blocks the calling thread until it completes or its group's timeout
+passes, and a timeout aborts that communicator and raises DistBackendError in the waiting thread, which
+`FaultWatch` turns into `PeerLostError`. NCCL does not notice a peer process exiting: the recipe has
+`FaultWatch.watch_exits` call `abort_communicators` when a peer process of this host exits unfinished, so
+the waits on it end at once. After a failure `close_world` aborts every communicator (ncclCommAbort,
+which drops queued work) instead of `destroy_process_group`, which waits for that work and can hang; a
+clean finish, and every gloo world, still destroys the group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import MutableMapping
 
 import torch
 import torch.distributed as dist
 
 from meshkd.recipe.config import KDRecipeConfig
+
+# ProcessGroupNCCL reads these when a group is created; the legacy names still count as the user's choice.
+_BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
 def uses_cuda(config: KDRecipeConfig) -> bool:
@@ -53,6 +69,61 @@ def init_world(config: KDRecipeConfig) -> tuple[torch.device, bool]:
         device = torch.device("cuda", local_rank)
     if dist.is_initialized():
         return device, False
+    if device.type == "cuda":
+        nccl_error_handling(os.environ)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     return device, True
+
+
+def nccl_error_handling(environ: MutableMapping[str, str]) -> None:
+    """Make a failed or timed-out NCCL collective raise in the thread that waits on it (see the module docstring).
+
+    Sets TORCH_NCCL_BLOCKING_WAIT=1 unless the user set it (or its legacy name NCCL_BLOCKING_WAIT). Without
+    it, a wait only orders the CUDA streams: the thread runs on until it reads a result and then waits on the
+    GPU with no timeout, while the watchdog, under TORCH_NCCL_ASYNC_ERROR_HANDLING's default (3), ends the
+    process on the timeout without a Python exception. With it, ProcessGroupNCCL starts no watchdog, so
+    TORCH_NCCL_ASYNC_ERROR_HANDLING has nothing to act on and is left as the user has it; a user who turns
+    blocking wait off gets torch's watchdog behaviour back (the run still ends, without meshkd's one line).
+    The price: the CPU waits for each collective it waits on instead of queueing work behind it.
+    """
+    if not any(name in environ for name in _BLOCKING_WAIT):
+        environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+
+
+def abort_communicators() -> None:
+    """Abort every process group of this rank (ncclCommAbort on NCCL), from any thread; torch's registry of
+    groups is left as it is, so that the rank's next collective raises (DistBackendError: "NCCL communicator
+    was aborted") instead of finding no group. `close_world` still ends the world afterwards.
+
+    Like torch's `_abort_process_group`, the aborts of an NCCL world run inside one NCCL group call, so that
+    aborting one communicator does not wait on another.
+    """
+    c10d = dist.distributed_c10d
+    names = dict(c10d._world.pg_names)  # a copy: the main thread may be using the registry
+    default = c10d._world.default_pg
+    backend = None
+    if default is not None and dist.is_nccl_available():
+        with contextlib.suppress(RuntimeError):  # a group without a CUDA backend
+            backend = default._get_backend(torch.device("cuda"))
+    grouped = dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
+    if grouped:
+        backend._group_start()
+    for group in sorted(names, key=lambda group: names[group], reverse=True):
+        group.abort()
+    if grouped:
+        backend._group_end()
+
+
+def close_world(*, failed: bool) -> None:
+    """End the process group this rank created: destroy it, or after a failure on NCCL abort every communicator.
+
+    `destroy_process_group` shuts NCCL communicators down in order and waits for their queued work: a
+    collective abandoned by a failure (a request whose peer is gone) would hold it forever. Aborting
+    (`_abort_process_group`: ncclCommAbort on every group, the default one included) drops that work. gloo
+    raises instead of queueing, and its destroy returns, so a gloo world is destroyed either way.
+    """
+    if failed and dist.get_backend() == dist.Backend.NCCL:
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()

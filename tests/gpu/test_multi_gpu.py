@@ -2,16 +2,24 @@
 
 Student 1 + teacher 1 on two GPUs must follow the CPU's curve for the same config (fp32). Student tp 2 +
 teacher tp 2 on four GPUs trains 50 steps with the teacher overlapped and synchronous: no hang, the same
-curve, and the teacher wait and throughput of both printed for comparison (`-s` shows them).
+curve, and the teacher wait and throughput of both printed for comparison (`-s` shows them). Killing or
+freezing the teacher of a student 1 + teacher 1 run ends every rank within twice `collective_timeout_s`, the
+student with the one line naming the teacher (a killed one within the timeout: the exit watch aborts the
+communicators; a frozen one through NCCL's blocking wait timing out).
 """
 
+import os
+import signal
 import statistics
+import time
 
 import pytest
 import torch
+import yaml
 
 from tests.gpu import CUDA
 from tests.gpu.test_train_nccl import losses, train
+from tests.recipe.test_reliability import Run, process_gone, processes_mentioning
 from tests.tiny import base_config, with_layout
 
 pytestmark = [*CUDA, pytest.mark.world]
@@ -50,3 +58,44 @@ def test_tp2_student_and_tp2_teacher_train_50_steps_overlapped_and_not(tmp_path)
         later = records[5:]  # past the warm-up steps
         print(f"overlap {overlap}: teacher_wait_s median {statistics.median(r['teacher_wait_s'] for r in later):.4f}, "
               f"tokens_per_s median {statistics.median(r['tokens_per_s'] for r in later):.0f}")
+
+
+@gpus(2)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_teacher_ends_every_rank_of_an_nccl_run_within_twice_the_timeout(how, tmp_path):
+    """The teacher's process is killed or frozen mid-run; the student prints the one line naming the teacher
+    and exits 1. Killed: the student's exit watch aborts its communicators, well before the timeout. Frozen:
+    its NCCL wait times out, and torchrun ends the teacher after meshkd's 5 s grace."""
+    timeout = 15
+    config = separate(tmp_path, "lost", {"dp_size": 1}, {"dp_size": 1})
+    config["step_scheduler"]["max_steps"] = 100000  # far more than it will run
+    config["collective_timeout_s"] = timeout
+    path = tmp_path / "lost.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = Run(path, tmp_path, "lost")
+    pids = {}
+    try:
+        run.wait_for_step(2, timeout=300)
+        pids = {rank: int((run.run_dir / "pids" / f"rank{rank}.pid").read_text().split()[0]) for rank in (0, 1)}
+        os.kill(pids[1], how)
+        lost_at = time.monotonic()
+        code = run.wait(4 * timeout)
+        elapsed = time.monotonic() - lost_at
+    finally:
+        for pid in pids.values():
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    others = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("meshkd: ")]
+    print(f"teacher {how.name}: meshkd train exited {elapsed:.1f} s after it (collective timeout {timeout} s); "
+          f"{len(others)} other stderr line(s):", *others[:20], sep="\n")
+    assert code == 1, run.stderr[-3000:]
+    bound = timeout if how == signal.SIGKILL else 2 * timeout  # a killed peer is noticed without the timeout
+    assert elapsed < bound, f"{elapsed:.1f} s after the teacher was {how.name}"
+    assert all(process_gone(pid) for pid in pids.values()) and processes_mentioning(str(path)) == []
+    exited = "; rank 1 exited" if how == signal.SIGKILL else ""
+    assert run.errors()[0].startswith(f"lost the teacher (rank 1{exited}) during "), run.stderr[-3000:]
+    # torchrun reports the workers that had failed when it looked (every 0.1 s): a killed teacher may be alone
+    # there, the student exiting 1 within meshkd's grace; the student is never the one torchrun had to kill.
+    endings = run.worker_endings()
+    assert endings[1] == "signal SIGKILL" and endings.get(0, "exit code 1") == "exit code 1", run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
