@@ -7,7 +7,8 @@ tokens' own bytes when they are known (byte-level BPE), else the tokens share it
 group when aligned); bytes no token covers (trimmed or dropped whitespace) go to the following token, so a
 side tiles its text. `token_bytes` gives the bytes each vocabulary entry stands for, read from the backend's
 own conventions (byte-level BPE, SentencePiece, WordPiece): the known bytes above, and what
-`meshkd.core.cross_tokenizer_loss` matches vocabularies by. Pairing two sides' spans is
+`meshkd.core.cross_tokenizer_loss` matches vocabularies by. `decode_with_byte_spans` goes the other way,
+for tokens a model sampled: the text they spell, with each token's span in it. Pairing two sides' spans is
 `meshkd.core.token_alignment`.
 """
 
@@ -163,6 +164,53 @@ def encode_with_byte_spans(
             ids, starts, ends = [*ids, tokenizer.eos_token_id], [*starts, len(data)], [*ends, len(data)]
         documents.append(TokenSpans(tuple(ids), tuple(starts), tuple(ends), len(data)))
     return documents
+
+
+def decode_with_byte_spans(ids: Sequence[int], table: Sequence[bytes | None]) -> tuple[str, TokenSpans]:
+    """The text token ids spell, and each token's byte span in that text's UTF-8 (`TokenSpans`).
+
+    `table` is `token_bytes` of their tokenizer; special tokens (None), and ids past it (an output embedding
+    padded past the tokenizer), spell nothing and get an empty span.
+    What a model samples need not be UTF-8 (a lone continuation byte, a character cut short): each byte
+    that is not part of a valid character becomes U+FFFD in the text, so another tokenizer can read it, and
+    the spans are mapped into the text's bytes, so both sides still tile the same text."""
+    spelled = [(table[i] if 0 <= i < len(table) else None) or b"" for i in ids]
+    data = b"".join(spelled)
+    where, pieces, position = [0] * (len(data) + 1), [], 0  # where[b]: byte b's offset in the text's UTF-8
+    index = 0
+    while index < len(data):
+        width = _utf8_width(data, index)
+        piece = data[index : index + width] if width else b"\xef\xbf\xbd"
+        for k in range(max(width, 1)):
+            where[index + k] = position + (k if width else 0)
+        position += len(piece)
+        pieces.append(piece)
+        index += max(width, 1)
+    where[len(data)] = position
+    starts, ends, offset = [], [], 0
+    for piece in spelled:
+        size = len(piece)
+        starts.append(where[offset])
+        ends.append(where[offset + size])
+        offset += size
+    text = b"".join(pieces).decode()
+    return text, TokenSpans(tuple(int(i) for i in ids), tuple(starts), tuple(ends), position)
+
+
+_UTF8_LEADS = ((0x00, 0x80), (0xC2, 0xE0), (0xE0, 0xF0), (0xF0, 0xF5))  # lead bytes of 1- to 4-byte characters
+
+
+def _utf8_width(data: bytes, index: int) -> int:
+    """The length of the valid UTF-8 character at `index`, or 0 when its bytes are not one."""
+    lead = data[index]
+    width = next((size for size, (low, high) in enumerate(_UTF8_LEADS, start=1) if low <= lead < high), 0)
+    if width == 0 or index + width > len(data):
+        return 0
+    try:
+        data[index : index + width].decode()
+    except UnicodeDecodeError:
+        return 0
+    return width
 
 
 class _LazyTable:

@@ -9,7 +9,8 @@ teacher position that predicts that group's first token on its side (both models
 there); -1 elsewhere. The teacher answers at those positions, projected onto the student's vocabulary
 (`meshkd.recipe.teacher_worker.TeacherForward`); KD counts only them (`kd_labels`), the cross-entropy every
 student label. With one tokenizer on both sides every label is such a position and the projection is the
-identity, so the objective is plain KD's.
+identity, so the objective is plain KD's. On-policy rows, made of the student's own samples, get their
+teacher side when they are made (`CompletionAligner`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from meshkd.core.token_alignment import AlignedBatch, pack_aligned
-from meshkd.recipe.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id
+from meshkd.core.token_alignment import AlignedBatch, align_token_spans, pack_aligned
+from meshkd.core.token_bytes import decode_with_byte_spans, encode_with_byte_spans, token_bytes
+from meshkd.recipe.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id, padding_rows
 
 TEACHER_POSITIONS = "teacher_positions"
 TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
@@ -70,3 +72,47 @@ def kd_labels(batch: dict, ignore_index: int) -> torch.Tensor:
     """The labels KD counts: a cross-tokenizer batch's aligned positions only, else all of `labels`."""
     positions = batch.get(TEACHER_POSITIONS)
     return batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
+
+
+class CompletionAligner:
+    """The teacher's side of on-policy rows (`meshkd.recipe.on_policy.completion_batch`: prompt + the student's
+    completion in a row of its own): the text the student's tokens spell (`decode_with_byte_spans`; bytes a
+    sample left invalid read as U+FFFD) tokenized by the teacher, aligned, with `teacher_positions` as in
+    dataset rows. The teacher's labels are its tokens that start in the completion. A teacher tokenization
+    longer than `teacher_sequence_length` is cut: the groups past it are not distilled."""
+
+    def __init__(self, student_tokenizer, teacher_tokenizer, *, teacher_sequence_length: int,
+                 ignore_index: int) -> None:
+        self.table = token_bytes(student_tokenizer)
+        self.teacher_tokenizer, self.length = teacher_tokenizer, teacher_sequence_length
+        self.ignore_index = ignore_index
+
+    def __call__(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`rows` with the teacher's keys (`TEACHER_KEYS`, `TEACHER_POSITIONS`) on their device."""
+        input_ids, labels, mask = (rows[key].cpu() for key in ("input_ids", "labels", "attention_mask"))
+        teacher = padding_rows(len(input_ids), self.length, pad_token_id(self.teacher_tokenizer))
+        positions = torch.full_like(input_ids, -1)
+        for row in range(len(input_ids)):
+            count = int((mask[row] != 0).sum())
+            targets = (labels[row] != self.ignore_index).nonzero()
+            if count == 0 or len(targets) == 0:
+                continue
+            text, student = decode_with_byte_spans(input_ids[row, :count].tolist(), self.table)
+            (spans,) = encode_with_byte_spans(self.teacher_tokenizer, [text], add_eos=False)
+            ids = spans.ids[: self.length]
+            completion = student.starts[int(targets[0]) + 1]  # the first generated token's first byte
+            teacher["input_ids"][row, : len(ids)] = torch.tensor(ids)
+            teacher["position_ids"][row, : len(ids)] = torch.arange(len(ids))
+            teacher["attention_mask"][row, : len(ids)] = 1
+            for k in range(1, len(ids)):
+                if spans.starts[k] >= completion:
+                    teacher["labels"][row, k - 1] = ids[k]
+            alignment = align_token_spans(student, spans)
+            for g in range(alignment.num_groups):
+                s0, s1 = alignment.student_bounds[g], alignment.student_bounds[g + 1]
+                t0, t1 = alignment.teacher_bounds[g], alignment.teacher_bounds[g + 1]
+                if s0 >= 1 and t0 >= 1 and s1 > s0 and len(ids) >= t1 > t0:
+                    positions[row, s0 - 1] = t0 - 1
+        device = rows["input_ids"].device
+        return rows | {f"teacher_{key}": value.to(device) for key, value in teacher.items()} | {
+            TEACHER_POSITIONS: positions.to(device)}

@@ -203,17 +203,20 @@ class Evaluation:
 
     @torch.no_grad()
     def samples(self) -> dict[str, float]:
-        """The teacher's loss per token of the student's greedy completions of the validation prompts.
+        """The teacher's loss per token of the student's greedy completions of the validation prompts (per
+        token of its own tokenization of them with `kd.cross_tokenizer`).
 
         How far the student's own text is from what the teacher would write: the quantity on-policy
         distillation lowers, measured the same way for any mode."""
-        completer, sums = self.completions(), [0.0, 0.0, 0.0]  # teacher NLL, tokens, completions
+        # teacher NLL, tokens generated, completions, the teacher's tokens scored (its own of the same text)
+        completer, sums = self.completions(), [0.0, 0.0, 0.0, 0.0]
         for batch in self._batches(self.val_set if self.val_prompts is None else self.val_prompts):
             rows, tokens, completed = completer.rows(batch, [0] * batch["input_ids"].shape[0])
             answer = self._teacher_answer(rows)
-            sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed]
-        nll, tokens, completions = sum_over_ranks(sums, self.setup, device=self.device)
-        return {"teacher_nll_of_samples": nll / max(tokens, 1.0), "sample_length": tokens / max(completions, 1.0)}
+            scored = int((teacher_side(rows)["labels"] != self.config.kd.ignore_index).sum())
+            sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed, sums[3] + scored]
+        nll, tokens, completions, scored = sum_over_ranks(sums, self.setup, device=self.device)
+        return {"teacher_nll_of_samples": nll / max(scored, 1.0), "sample_length": tokens / max(completions, 1.0)}
 
     def full(self, *, with_teacher: bool = False, with_samples: bool) -> dict[str, float]:
         """The held-out figures, and the samples' when asked."""

@@ -232,10 +232,12 @@ class StudentCompletions:
         config: the recipe config (`kd.generation`, `dataset.prompt_key`, the sequence length).
         tokenizer: its EOS ends documents (dropped from prompts) and, by default, completions.
         greedy: the likeliest token each time, whatever `kd.generation.temperature` says (for evaluation).
+        teacher_side: adds a teacher with another tokenizer's side to the rows made
+            (`meshkd.recipe.aligned_data.CompletionAligner`); None: one tokenizer.
     """
 
     def __init__(self, model: torch.nn.Module, config, tokenizer, *, pad_token_id: int, device: torch.device,
-                 greedy: bool = False) -> None:
+                 greedy: bool = False, teacher_side: Callable[[dict], dict] | None = None) -> None:
         generation = config.kd.generation
         self.eos = tokenizer.eos_token_id
         stops = generation.stop_tokens
@@ -247,7 +249,7 @@ class StudentCompletions:
         self.sampler: Sampler = ModelGenerate(model, settings, pad_token_id=pad_token_id, device=device)
         self.limit = None if config.dataset.prompt_key else generation.prompt_tokens
         self.sequence_length = config.step_scheduler.sequence_length
-        self.pad_token_id, self.device = pad_token_id, device
+        self.pad_token_id, self.device, self.teacher_side = pad_token_id, device, teacher_side
 
     def rows(self, batch: dict[str, torch.Tensor], seeds: list[int]) -> tuple[dict[str, torch.Tensor], int, int]:
         """(the rows prompt + completion of `batch`'s prompts on the device, tokens generated, prompts completed).
@@ -259,6 +261,8 @@ class StudentCompletions:
         completions = self.sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
         rows = completion_batch(prompts, completions, sequence_length=self.sequence_length,
                                 pad_token_id=self.pad_token_id)
+        if self.teacher_side is not None:
+            rows = self.teacher_side(rows)
         real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
         return ({key: value.to(self.device) for key, value in rows.items()}, sum(map(len, real)), len(real))
 

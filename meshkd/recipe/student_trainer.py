@@ -34,7 +34,7 @@ from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe import data
-from meshkd.recipe.aligned_data import run_packing
+from meshkd.recipe.aligned_data import CompletionAligner, run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
@@ -90,6 +90,9 @@ class StudentTrainer:
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
         self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher else None
+        self._completion_aligner = CompletionAligner(
+            self.tokenizer, self.teacher_tokenizer, teacher_sequence_length=config.teacher_sequence_length,
+            ignore_index=config.kd.ignore_index) if config.kd.cross_tokenizer and config.kd.generates else None
         with about("dataset"):
             self.train_set, self.val_set = data.build_run_datasets(
                 self.tokenizer, config.dataset, sequence_length=steps.sequence_length,
@@ -198,7 +201,8 @@ class StudentTrainer:
     def _completions(self, *, greedy: bool = False) -> StudentCompletions:
         """The student's completions with its current weights (DDP's inner model: no gradient sync needed)."""
         return StudentCompletions(getattr(self.model, "module", self.model), self.config, self.tokenizer,
-                                  pad_token_id=self.train_set.pad_token_id, device=self.device, greedy=greedy)
+                                  pad_token_id=self.train_set.pad_token_id, device=self.device, greedy=greedy,
+                                  teacher_side=self._completion_aligner)
 
     @property
     def student_group(self) -> dist.ProcessGroup | None:

@@ -1,8 +1,11 @@
 """Token bytes (no process group): byte spans of real tokenizers and the bytes of their vocabularies."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from meshkd.core.token_bytes import encode_with_byte_spans, token_byte_lengths, token_bytes
+from meshkd.core.token_alignment import check_token_spans
+from meshkd.core.token_bytes import decode_with_byte_spans, encode_with_byte_spans, token_byte_lengths, token_bytes
 from tests.core.tokenizers_on_the_fly import CORPUS, TOKENIZERS
 
 
@@ -43,3 +46,32 @@ def test_token_byte_lengths_of_a_documents_tokens_add_up_to_its_utf8_bytes(name)
         covered = int(lengths[ids].sum())
         # SentencePiece-style models prefix a space the text does not have.
         assert covered - len(text.encode()) in ((0, 1) if name.startswith("unigram") else (0,)), (text, covered)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 261), max_size=40))
+def test_sampled_tokens_spell_a_text_their_spans_tile(ids):
+    """Any byte-token sequence (invalid UTF-8, ids past the tokenizer included) spells a text another
+    tokenizer can read; the spans tile its UTF-8 in order, and valid bytes are kept as they are."""
+    table = token_bytes(TOKENIZERS["byte"]())
+    text, spans = decode_with_byte_spans(ids, table)
+    check_token_spans(spans)
+    assert spans.num_bytes == len(text.encode()) and spans.ids == tuple(ids)
+    data = b"".join(table[i] or b"" for i in ids if i < len(table))
+    try:
+        assert text == data.decode()  # valid UTF-8: the text itself, each token at its own bytes
+        offsets = [0]
+        for i in ids:
+            offsets.append(offsets[-1] + len(table[i] or b"" if i < len(table) else b""))
+        assert list(spans.starts) == offsets[:-1] and list(spans.ends) == offsets[1:]
+    except UnicodeDecodeError:  # the valid characters kept in order, each invalid byte one U+FFFD
+        assert text.replace("\ufffd", "") == data.decode(errors="ignore")
+        assert text.count("\ufffd") == len(data) - len(data.decode(errors="ignore").encode())
+
+
+def test_invalid_bytes_read_as_one_replacement_character_each():
+    table = token_bytes(TOKENIZERS["byte"]())
+    ids = [*"é".encode(), 0x80, ord("a"), *"😀".encode()[:2], 256]  # a lone continuation byte, a cut emoji, EOS
+    text, spans = decode_with_byte_spans(ids, table)
+    assert text == "é\ufffda\ufffd\ufffd"
+    assert spans.starts == (0, 1, 2, 5, 6, 9, 12) and spans.ends == (1, 2, 5, 6, 9, 12, 12)

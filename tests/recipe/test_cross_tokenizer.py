@@ -92,6 +92,12 @@ def cross_checks(tmp: Path) -> tuple[dict[str, dict], list]:
     live_topk["kd"].update(TOPK)
     live_topk["logging"]["run_dir"] = str(tmp / "live_topk" / "run")
     runs["live_topk"] = live_topk
+    for name, teacher in (("on_policy", None), ("on_policy_separate", {"dp_size": 1})):
+        config = with_layout(reference, {"dp_size": 1}, teacher)
+        config["kd"].update(mode="on_policy", on_policy_fraction=0.5,
+                            generation={"prompt_tokens": 8, "max_new_tokens": 12})
+        config["logging"]["run_dir"] = str(tmp / name / "run")
+        runs[name] = config
     for name, (student, teacher, kd) in {"topk": ({"dp_size": 1}, None, TOPK),
                                          "tp2": ({"dp_size": 2}, {"dp_size": 1, "tp_size": 2}, None)}.items():
         runs[f"write_{name}"] = cached(reference, f"write_{name}", tmp / f"cache_{name}" / "cache", student, teacher,
@@ -160,8 +166,7 @@ def test_unsupported_combinations_are_refused_naming_the_key(tmp_path):
         bad["kd"]["cross_tokenizer"].update(change)
         with pytest.raises(ConfigError, match=key):
             config_from_dict(bad)
-    on_policy = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}
-    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"), (on_policy, "on_policy")):
+    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"),):
         bad = copy.deepcopy(config)
         bad["kd"].update(change)
         with pytest.raises(ConfigError, match=named):
@@ -192,3 +197,17 @@ def test_the_cache_keeps_the_teachers_tokenizer_and_refuses_another(runs):
     other["teacher_model"]["tokenizer"] = "byte"
     with pytest.raises(ConfigError, match="teacher_model.tokenizer"):
         preflight(config_from_dict(other))
+
+
+def test_on_policy_the_teacher_reads_its_own_tokenization_of_the_students_samples(runs):
+    """Half the micro-batches are the student's completions, decoded to text and tokenized by the teacher;
+    a teacher on its own ranks gives the curve of one on the student's ranks."""
+    records = runs.records("on_policy")
+    steps = [r for r in records if r["kind"] == "train"]
+    assert len(steps) == STEPS and sum(r["generated_tokens"] for r in steps) > 0
+    assert all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert all(math.isfinite(r["teacher_nll_of_samples"]) and r["sample_length"] > 0 for r in evals)
+    # Near-uniform random teacher: about log(320) nats per token of its own.
+    assert evals[0]["teacher_nll_of_samples"] == pytest.approx(math.log(320), rel=0.1)
+    assert curve(runs.records("on_policy_separate")) == pytest.approx(curve(records), rel=1e-5, abs=1e-6)
