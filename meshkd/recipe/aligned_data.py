@@ -74,6 +74,15 @@ def kd_labels(batch: dict, ignore_index: int) -> torch.Tensor:
     return batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
 
 
+def completion_aligner(config, student_tokenizer, teacher_tokenizer) -> CompletionAligner | None:
+    """What gives a run's on-policy rows their teacher side: with `kd.cross_tokenizer` when the student
+    completes prompts (`kd.generates`), else None."""
+    if config.kd.cross_tokenizer is None or not config.kd.generates:
+        return None
+    return CompletionAligner(student_tokenizer, teacher_tokenizer, ignore_index=config.kd.ignore_index,
+                             teacher_sequence_length=config.teacher_sequence_length)
+
+
 class CompletionAligner:
     """The teacher's side of on-policy rows (`meshkd.recipe.on_policy.completion_batch`: prompt + the student's
     completion in a row of its own): the text the student's tokens spell (`decode_with_byte_spans`; bytes a

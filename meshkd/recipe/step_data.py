@@ -16,9 +16,24 @@ import torch
 
 from meshkd.core.teacher_protocol import TeacherFeed, TeacherRequest, TeacherSource
 from meshkd.recipe import data
+from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.on_policy import OnPolicyStep
+from meshkd.recipe.on_policy import OnPolicyStep, build_prompt_set
 from meshkd.recipe.train_step import TrainStep, micro_batches, step_items
+
+
+def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
+    """(training rows, validation rows, training prompts, validation prompts) of a run; the prompts are None
+    unless the student completes `dataset.prompt_key` prompts. With `kd.cross_tokenizer` the rows carry the
+    teacher's tokenization too (`meshkd.recipe.aligned_data`)."""
+    steps = config.step_scheduler
+    train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
+                                         pack_texts=run_packing(config, tokenizer, teacher_tokenizer))
+    if not (config.dataset.prompt_key and config.kd.generates):
+        return train, val, None, None
+    max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens
+    return train, val, *build_prompt_set(tokenizer, config.dataset, max_prompt_tokens=max_prompt_tokens)
+
 
 NextStep = Callable[[int], dict[str, float]]
 """Trains the next step given the number of steps skipped so far; returns its metrics."""

@@ -33,18 +33,17 @@ from meshkd.parallel.mixed_precision import rounded_update_warning
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
-from meshkd.recipe import data
-from meshkd.recipe.aligned_data import CompletionAligner, run_packing
+from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
 from meshkd.recipe.models import resolve_dtype
-from meshkd.recipe.on_policy import OnPolicyStep, StudentCompletions, build_prompt_set
+from meshkd.recipe.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
-from meshkd.recipe.step_data import NextStep, StepData
+from meshkd.recipe.step_data import NextStep, StepData, run_datasets
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 from meshkd.recipe.train_step import TrainStep, build_optimizer, enable_activation_checkpointing
@@ -75,7 +74,7 @@ class StudentTrainer:
 
     def load(self, checked: Preflight) -> None:
         """This rank's models and data (the teacher too on shared meshes)."""
-        config, steps = self.config, self.config.step_scheduler
+        config = self.config
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
@@ -90,18 +89,10 @@ class StudentTrainer:
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
         self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher else None
-        self._completion_aligner = CompletionAligner(
-            self.tokenizer, self.teacher_tokenizer, teacher_sequence_length=config.teacher_sequence_length,
-            ignore_index=config.kd.ignore_index) if config.kd.cross_tokenizer and config.kd.generates else None
+        self._completion_aligner = completion_aligner(config, self.tokenizer, self.teacher_tokenizer)
         with about("dataset"):
-            self.train_set, self.val_set = data.build_run_datasets(
-                self.tokenizer, config.dataset, sequence_length=steps.sequence_length,
-                pack_texts=run_packing(config, self.tokenizer, self.teacher_tokenizer))
-            self.train_prompts = self.val_prompts = None
-            if config.dataset.prompt_key and config.kd.generates:
-                self.train_prompts, self.val_prompts = build_prompt_set(
-                    self.tokenizer, config.dataset,
-                    max_prompt_tokens=steps.sequence_length - config.kd.generation.max_new_tokens)
+            self.train_set, self.val_set, self.train_prompts, self.val_prompts = run_datasets(
+                config, self.tokenizer, self.teacher_tokenizer)
         configure_packing(self._model)
 
     def vocab_rows(self) -> tuple[int, int]:
