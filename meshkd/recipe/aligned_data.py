@@ -8,7 +8,8 @@ documents never mixed, each side its own sequence length). A row holds the stude
 teacher position that predicts that group's first token on its side (both models have read the same bytes
 there); -1 elsewhere. The teacher answers at those positions, projected onto the student's vocabulary
 (`meshkd.recipe.teacher_worker.TeacherForward`); KD counts only them (`kd_labels`), the cross-entropy every
-student label. With one tokenizer on both sides every label is such a position and the projection is the
+student label, both divided by the step's valid student labels (so a KD term weighs what it weighs with one
+tokenizer). With one tokenizer on both sides every label is such a position and the projection is the
 identity, so the objective is plain KD's. On-policy rows, made of the student's own samples, get their
 teacher side when they are made (`CompletionAligner`).
 """

@@ -423,12 +423,12 @@ def _check_cross_tokenizer(config: KDRecipeConfig) -> None:
     if cross.teacher_sequence_length is not None and cross.teacher_sequence_length < 2:
         raise ConfigError(f"kd.cross_tokenizer.teacher_sequence_length must be >= 2 or null, "
                           f"got {cross.teacher_sequence_length}")
-    unsupported = {f"distributed.pp_size {student.pp_size}": student.pp_size > 1,
-                   f"distributed.cp_size {student.cp_size}": student.cp_size > 1}
     if kd.divergence == "reverse_kl":
         raise ConfigError("kd.divergence reverse_kl with kd.cross_tokenizer: the projected teacher gives no "
                           "probability to student tokens no teacher token maps to (an infinite reverse KL); use "
                           "forward_kl or jsd")
+    unsupported = {f"distributed.pp_size {student.pp_size}": student.pp_size > 1,
+                   f"distributed.cp_size {student.cp_size}": student.cp_size > 1}
     refused = [name for name, used in unsupported.items() if used]
     if refused:
         raise ConfigError(f"kd.cross_tokenizer does not yet work with {', '.join(refused)}: the student's rows carry "
