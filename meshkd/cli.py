@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--on-policy", action="store_true",
                       help="heal on the student's own completions, scored by the teacher (with --compare: "
                            "against off-policy at about the same trained tokens)")
+    demo.add_argument("--cross-tokenizer", action="store_true",
+                      help="distill into the pruned student with a tokenizer of its own (a byte-level BPE trained on "
+                           "the training split, embeddings transplanted from the teacher's; with --compare: "
+                           "against CE only)")
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 

@@ -78,8 +78,15 @@ def run_demo(args: argparse.Namespace) -> int:
     """`meshkd demo`: heal the pruned student (with --compare also by CE only; --on-policy on its own
     completions), then report the losses and completions; returns the exit status."""
     config_path = str(resources.files("meshkd") / "configs" / _DEMO_CONFIG)
+    if args.on_policy and args.cross_tokenizer:
+        raise ConfigError("meshkd demo: --on-policy and --cross-tokenizer do not combine (kd.cross_tokenizer "
+                          "trains off-policy only)")
     if args.on_policy:
         return _demo_on_policy(config_path, args)
+    if args.cross_tokenizer:
+        from meshkd.demo_cross_tokenizer import run_cross_tokenizer_demo
+
+        return run_cross_tokenizer_demo(config_path, args)
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
@@ -144,7 +151,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _figures_report(kd: dict, ce: dict | None) -> None:
+def figures_report(kd: dict, ce: dict | None) -> None:
     """Bits per byte (comparable across tokenizers), and the KL to the teacher and top-1 agreement with it
     (what distillation optimizes) before and after; "-" where a run did not report one (a teacher cache holds
     no distribution for validation rows)."""
@@ -181,7 +188,7 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
     print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
     for label, loss, note in rows:
         print(f"  {label:<44} {loss:.4f}" + (f"  ({note})" if note else ""))
-    _figures_report(kd, summaries.get("ce"))
+    figures_report(kd, summaries.get("ce"))
     if "hf_dir" in kd:
         from meshkd.recipe.completions import compare_completions
 

@@ -110,13 +110,21 @@ def test_local_processes_share_the_cores_and_the_users_thread_count_wins(monkeyp
 
 
 def test_the_demo_reports_bits_per_byte_kl_and_top1_agreement_from_the_summaries(capsys):
-    from meshkd.demo import _figures_report
+    from meshkd.demo import figures_report
 
     kd = {"teacher_val_bits_per_byte": 0.9504, "val_bits_per_byte_before": 1.6414, "val_bits_per_byte_after": 1.2554,
           "val_kl_before": 1.9482, "val_kl_after": 1.0434, "val_top1_agreement_before": 0.363,
           "val_top1_agreement_after": 0.53}
-    _figures_report(kd, {"val_bits_per_byte_after": 1.3})  # a run from a cache: no KL, no agreement
+    figures_report(kd, {"val_bits_per_byte_after": 1.3})  # a run from a cache: no KL, no agreement
     lines = capsys.readouterr().out.splitlines()
     rows = {line[:46].strip(): line[46:].split() for line in lines if line.startswith("  ") and line[:46].strip()}
     assert rows == {"teacher": ["0.9504"], "pruned student before healing": ["1.6414", "1.9482", "36.3%"],
                     "after KD healing": ["1.2554", "1.0434", "53.0%"], "after CE-only healing": ["1.3000", "-", "-"]}
+
+
+def test_the_cross_tokenizer_demo_refuses_what_kd_cross_tokenizer_does_not_do(capsys):
+    from meshkd.cli import main
+
+    for flags, named in ((["--on-policy"], "--on-policy and --cross-tokenizer"), (["--cache"], "leave out --cache")):
+        assert main(["demo", "--cross-tokenizer", *flags]) == 2
+        assert named in capsys.readouterr().err

@@ -3,11 +3,12 @@
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
 Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
-`step`), in that order. The JSON file is rewritten after each section, so an interrupted run keeps what it
-measured. A section whose prerequisites are missing (the demo teacher for `modes` and `step`, Linux's
-peak-memory counters for `memory`, `loading` and `precision` on the CPU, transformers for `modes`, `cache`,
-`precision` and `step`) is skipped with a note saying what to install; a section that fails is recorded
-with its error and the others still run (the exit status is then 1).
+`step`; `cross_tokenizer`), in that order. The JSON file is rewritten after each section, so an interrupted
+run keeps what it measured. A section whose prerequisites are missing (the demo teacher for `modes`, `step`
+and `cross_tokenizer`, Linux's peak-memory counters for `memory`, `loading` and `precision` on the CPU,
+transformers for `modes`, `cache`, `precision`, `step` and `cross_tokenizer`) is skipped with a note saying
+what to install; a section that fails is recorded with its error and the others still run (the exit status
+is then 1).
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ from pathlib import Path
 
 import torch
 
-SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step")
+SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step",
+            "cross_tokenizer")
 # Sections measured together: the three world sections share one world.
 _GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
-           ("step",))
+           ("step",), ("cross_tokenizer",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    if section in ("modes", "cache", "precision", "step") and importlib.util.find_spec("transformers") is None:
+    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer")
+    if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
-    if section in ("modes", "step"):
+    if section in ("modes", "step", "cross_tokenizer"):
         from meshkd.recipe import models
 
         try:
@@ -58,6 +61,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import precision
 
         return precision.run_section(quick)
+    if names == ["cross_tokenizer"]:
+        from meshkd.bench import cross_tokenizer
+
+        return cross_tokenizer.run_section(quick)
     if names == ["step"]:
         from meshkd.bench import step
 

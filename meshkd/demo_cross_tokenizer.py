@@ -1,0 +1,74 @@
+"""`meshkd demo --cross-tokenizer`: distill the demo teacher into its pruned student given a tokenizer of its own.
+
+The student is the demo's (the teacher's 20 layers that measure most important, `meshkd prune`) with a
+byte-level BPE of `STUDENT_VOCAB` entries trained on the demo's training split alone, its embeddings (tied,
+as the teacher's) transplanted from the teacher's: each new token's row is the mean of the teacher's rows
+for the teacher's tokenization of its bytes (`meshkd.recipe.transplant`). It is written once per run as an
+HF directory; then `meshkd train` distills the teacher into it with `kd.cross_tokenizer` (the teacher reads
+its own tokenization of every row and answers projected onto the student's vocabulary), and with --compare
+trains the same student with CE only for the same steps. Everything else is the demo's config. Losses per
+token of two tokenizers do not compare, so the report is in bits per byte of held-out text, each model
+scored on its own tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshkd import cli
+from meshkd.demo import demo_overrides, figures_report
+from meshkd.recipe.config import ConfigError, expand_path, load_config
+
+STUDENT_VOCAB = 4096
+# The section's defaults: the projection loss, the teacher's rows as long as the student's (256 tokens; a row
+# ends when either side is full, and the teacher's 49152-entry tokenizer takes fewer tokens for the same bytes).
+_CROSS = ["kd.cross_tokenizer.loss=projection"]
+
+
+def student_directory(config, run_dir: str) -> Path:
+    """The pruned student with its own tokenizer and transplanted embeddings, written to `<run_dir>_student`."""
+    from meshkd.recipe.data import split_texts
+    from meshkd.recipe.transplant import transplanted_student
+
+    dataset = config.dataset
+    train_texts, _ = split_texts(
+        paths=[expand_path(p) for p in dataset.paths], val_fraction=dataset.val_fraction, seed=dataset.seed,
+        text_key=dataset.text_key, format=dataset.format, max_documents=dataset.max_documents,
+        max_document_chars=dataset.max_document_chars, on_bad_file=dataset.on_bad_file,
+    )  # fmt: skip
+    return transplanted_student(config.teacher_model.path, config.model.keep_layers, train_texts, STUDENT_VOCAB,
+                                run_dir + "_student")
+
+
+def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
+    """KD into the student with its own tokenizer (with --compare also CE only), then bits per byte."""
+    if args.cache:
+        raise ConfigError("meshkd demo --cross-tokenizer: leave out --cache (the live teacher answers)")
+    run_dir = args.run_dir + "_cross_tokenizer"
+    layers = cli.selected_layers(config_path, demo_overrides(run_dir, args.set))
+    config = load_config(config_path, demo_overrides(run_dir, args.set + layers))
+    print(f"meshkd demo: the pruned student ({len(config.model.keep_layers)} layers) with a byte-level BPE of "
+          f"{STUDENT_VOCAB} entries trained on the training split, embeddings transplanted from the teacher's")
+    student = [f"model.path={student_directory(config, run_dir)}", "model.keep_layers=null", *_CROSS]
+    runs = [("kd", run_dir, [])]
+    if args.compare:
+        runs.append(("ce", run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
+    summaries = {}
+    for name, directory, extra in runs:
+        print(f"meshkd demo: training the student with {'KD' if name == 'kd' else 'CE only'} -> {directory}")
+        code = cli.train_command(config_path, demo_overrides(directory, student + extra + args.set), None, False)
+        if code != 0:
+            return code
+        summaries[name] = json.loads(Path(directory, "summary.json").read_text())
+    kd, ce = summaries["kd"], summaries.get("ce")
+    print("\nheld-out Python standard library sources, each model on its own tokens (the teacher: SmolLM2's "
+          f"49152-entry tokenizer; the student: its own {STUDENT_VOCAB})")
+    figures_report(kd, ce)
+    if ce is not None:
+        kd_bits, ce_bits = kd["val_bits_per_byte_after"], ce["val_bits_per_byte_after"]
+        where = "below" if kd_bits < ce_bits else "above"
+        print(f"KD ends {abs(ce_bits - kd_bits) / ce_bits:.1%} {where} CE only in bits per byte "
+              f"({kd_bits:.4f} against {ce_bits:.4f})")
+    return 0
