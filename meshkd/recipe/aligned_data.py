@@ -10,7 +10,10 @@ there); -1 elsewhere. The teacher answers at those positions, projected onto the
 (`meshkd.recipe.teacher_worker.TeacherForward`); KD counts only them (`kd_labels`), the cross-entropy every
 student label, both divided by the step's valid student labels (so a KD term weighs what it weighs with one
 tokenizer). With one tokenizer on both sides every label is such a position and the projection is the
-identity, so the objective is plain KD's. On-policy rows, made of the student's own samples, get their
+identity, so the objective is plain KD's. With `loss: uld` or `gold` the teacher answers each counted
+group's chain-rule distribution over its own vocabulary instead (`teacher_group_log_probs`, the groups listed
+in one order on both sides by `group_positions`), and the student's loss compares its groups with them
+(`group_kd_loss`). On-policy rows, made of the student's own samples, get their
 teacher side when they are made (`CompletionAligner`).
 """
 
@@ -20,11 +23,17 @@ from collections.abc import Callable
 
 import torch
 
+from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
 from meshkd.core.token_alignment import AlignedBatch, align_token_spans, pack_aligned
 from meshkd.core.token_bytes import decode_with_byte_spans, encode_with_byte_spans, token_bytes
 from meshkd.recipe.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id, padding_rows
 
 TEACHER_POSITIONS = "teacher_positions"
+GROUPS = "groups"
+"""The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
+GROUP_ENDS, TEACHER_GROUP_ENDS = "group_ends", "teacher_group_ends"
+"""Beside `teacher_positions`, at a group's first student column: the columns of the logits predicting the
+group's last token, the student's and the teacher's (what `uld` and `gold` merge a group over)."""
 TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
 """The teacher's side of a row: its `input_ids`, `labels`, `position_ids`, `attention_mask`."""
 
@@ -48,20 +57,61 @@ def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: in
                                teacher_sequence_length=teacher_sequence_length, pack=pack)
         padding = {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
         extra = {f"teacher_{key}": (aligned.teacher[key], padding.get(key, 0)) for key in BATCH_KEYS}
-        extra[TEACHER_POSITIONS] = (teacher_positions(aligned), -1)
+        extra.update({key: (columns, -1) for key, columns in group_columns(aligned).items()})
         return PackedDataset(**aligned.student, pad_token_id=pad_token_id(student_tokenizer),
                              num_documents=len(texts), extra=extra)
 
     return pack_texts
 
 
-def teacher_positions(aligned: AlignedBatch) -> torch.Tensor:
-    """[rows, student sequence length]: the teacher column paired with each student column (-1: none)."""
-    groups, positions = aligned.groups, torch.full_like(aligned.student["input_ids"], -1)
+def group_columns(aligned: AlignedBatch) -> dict[str, torch.Tensor]:
+    """`TEACHER_POSITIONS`, `GROUP_ENDS`, `TEACHER_GROUP_ENDS`, each [rows, student sequence length], set at
+    the student column that predicts each group's first token, -1 elsewhere."""
+    groups = aligned.groups
     student_length, teacher_length = aligned.student["input_ids"].shape[1], aligned.teacher["input_ids"].shape[1]
-    positions[groups.row, groups.student_first - groups.row * student_length] = (
-        groups.teacher_first - groups.row * teacher_length)
-    return positions
+    at = (groups.row, groups.student_first - groups.row * student_length)
+    columns = {}
+    for key, positions, length in ((TEACHER_POSITIONS, groups.teacher_first, teacher_length),
+                                   (GROUP_ENDS, groups.student_last, student_length),
+                                   (TEACHER_GROUP_ENDS, groups.teacher_last, teacher_length)):
+        columns[key] = torch.full_like(aligned.student["input_ids"], -1)
+        columns[key][at] = positions - groups.row * length
+    return columns
+
+
+def group_positions(batch: dict, key: str | None, length: int, ignore_index: int) -> torch.Tensor:
+    """Flat positions (row * `length` + column) held by `batch[key]` (None: the first student columns
+    themselves) at the groups KD counts (`kd_labels`), in row-major order of their first student column:
+    the order in which both sides list a micro-batch's groups."""
+    paired = kd_labels(batch, ignore_index) != ignore_index
+    rows = torch.arange(len(paired), device=paired.device)[:, None].expand_as(paired)
+    columns = torch.arange(paired.shape[1], device=paired.device).expand_as(paired) if key is None else batch[key]
+    return rows[paired] * length + columns[paired]
+
+
+def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
+                            ignore_index: int) -> torch.Tensor:
+    """[groups, teacher vocab]: the teacher's chain-rule distribution of each group KD counts
+    (`meshkd.core.cross_tokenizer_loss.group_log_probs`), from its logits of the batch's teacher side."""
+    teacher = teacher_side(batch)
+    length = teacher["input_ids"].shape[1]
+    # The next token: inside a group it is the same document's, and the group's merge reads only those.
+    targets = torch.roll(teacher["input_ids"], -1, dims=1)
+    return group_log_probs(logits, targets, group_positions(batch, TEACHER_POSITIONS, length, ignore_index),
+                           group_positions(batch, TEACHER_GROUP_ENDS, length, ignore_index), temperature=temperature)
+
+
+def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
+                  num_valid_tokens: float, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
+    """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
+    group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
+    length, ignore = batch["input_ids"].shape[1], kd.ignore_index
+    common = {"student_first": group_positions(batch, None, length, ignore),
+              "student_last": group_positions(batch, GROUP_ENDS, length, ignore),
+              "temperature": kd.temperature, "num_valid_tokens": num_valid_tokens}
+    if kd.cross_tokenizer.loss == "uld":
+        return uld_loss(logits, batch["labels"], teacher_log_probs, **common)
+    return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
 
 
 def teacher_side(batch: dict) -> dict:
@@ -101,7 +151,7 @@ class CompletionAligner:
         """`rows` with the teacher's keys (`TEACHER_KEYS`, `TEACHER_POSITIONS`) on their device."""
         input_ids, labels, mask = (rows[key].cpu() for key in ("input_ids", "labels", "attention_mask"))
         teacher = padding_rows(len(input_ids), self.length, pad_token_id(self.teacher_tokenizer))
-        positions = torch.full_like(input_ids, -1)
+        columns = {key: torch.full_like(input_ids, -1) for key in (TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)}
         for row in range(len(input_ids)):
             count = int((mask[row] != 0).sum())
             targets = (labels[row] != self.ignore_index).nonzero()
@@ -122,7 +172,9 @@ class CompletionAligner:
                 s0, s1 = alignment.student_bounds[g], alignment.student_bounds[g + 1]
                 t0, t1 = alignment.teacher_bounds[g], alignment.teacher_bounds[g + 1]
                 if s0 >= 1 and t0 >= 1 and s1 > s0 and len(ids) >= t1 > t0:
-                    positions[row, s0 - 1] = t0 - 1
+                    ends = ((TEACHER_POSITIONS, t0 - 1), (GROUP_ENDS, s1 - 2), (TEACHER_GROUP_ENDS, t1 - 2))
+                    for key, column in ends:
+                        columns[key][row, s0 - 1] = column
         device = rows["input_ids"].device
         return rows | {f"teacher_{key}": value.to(device) for key, value in teacher.items()} | {
-            TEACHER_POSITIONS: positions.to(device)}
+            key: value.to(device) for key, value in columns.items()}

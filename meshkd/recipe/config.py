@@ -89,7 +89,9 @@ class CrossTokenizerConfig:
     """A teacher with another tokenizer (`meshkd.recipe.aligned_data`): both tokenizations of each row,
     aligned by bytes; the teacher's answer projected onto the student's vocabulary."""
 
-    loss: str = "projection"  # projection: as NeMo RL's X-Token, then kd.divergence and kd.logits_transport
+    # projection: the teacher's answer on the student's vocabulary (NeMo RL's X-Token), then kd.divergence and
+    # kd.logits_transport; uld: sorted probabilities of aligned groups (Boizard et al.); gold: TRL GOLD's hybrid
+    loss: str = "projection"
     teacher_sequence_length: int | None = None  # teacher tokens per row; None: step_scheduler.sequence_length
 
 
@@ -417,13 +419,24 @@ def _check_cross_tokenizer(config: KDRecipeConfig) -> None:
     cross, kd, student = config.kd.cross_tokenizer, config.kd, config.distributed
     if cross is None:
         return
-    if cross.loss != "projection":
-        raise ConfigError(f"kd.cross_tokenizer.loss must be projection, got {cross.loss!r} (ULD and GOLD's hybrid "
-                          "are in meshkd.core.cross_tokenizer_loss, not yet in the recipe)")
+    if cross.loss not in ("projection", "uld", "gold"):
+        raise ConfigError(f"kd.cross_tokenizer.loss must be projection, uld or gold, got {cross.loss!r}")
+    if cross.loss != "projection":  # the teacher sends each group's whole distribution over its own vocabulary
+        needs = {"kd.logits_transport": ("full", kd.logits_transport), "kd.teacher_cache": (None, kd.teacher_cache),
+                 "distributed.tp_size": (1, student.tp_size)}
+        for key, (needed, value) in needs.items():
+            if value != needed:
+                raise ConfigError(f"kd.cross_tokenizer.loss {cross.loss} needs {key} {needed}, got {value!r} (the "
+                                  "teacher answers each group's whole distribution over its own vocabulary)")
+        divergences = ("forward_kl",) if cross.loss == "uld" else ("forward_kl", "reverse_kl")
+        if kd.divergence not in divergences:
+            raise ConfigError(f"kd.divergence {kd.divergence} with kd.cross_tokenizer.loss {cross.loss}: it takes "
+                              f"{' or '.join(divergences)}" + (" (ULD is a distance of its own: leave the key at "
+                                                              "forward_kl)" if cross.loss == "uld" else ""))
     if cross.teacher_sequence_length is not None and cross.teacher_sequence_length < 2:
         raise ConfigError(f"kd.cross_tokenizer.teacher_sequence_length must be >= 2 or null, "
                           f"got {cross.teacher_sequence_length}")
-    if kd.divergence == "reverse_kl":
+    if kd.divergence == "reverse_kl" and cross.loss == "projection":
         raise ConfigError("kd.divergence reverse_kl with kd.cross_tokenizer: the projected teacher gives no "
                           "probability to student tokens no teacher token maps to (an infinite reverse KL); use "
                           "forward_kl or jsd")

@@ -88,7 +88,9 @@ class StudentTrainer:
                 enable_activation_checkpointing(self._model)
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
-        self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher else None
+        # Where the teacher answers here (shared meshes) or GOLD's loss compares the vocabularies' exact pairs.
+        gold = config.kd.cross_tokenizer is not None and config.kd.cross_tokenizer.loss == "gold"
+        self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher or gold else None
         self._completion_aligner = completion_aligner(config, self.tokenizer, self.teacher_tokenizer)
         with about("dataset"):
             self.train_set, self.val_set, self.train_prompts, self.val_prompts = run_datasets(
@@ -158,7 +160,8 @@ class StudentTrainer:
         self.step = TrainStep(model=self.model, pipeline=self.pipeline, optimizer=self.optimizer,
                               scheduler=self.scheduler, setup=self.setup, kd=config.kd, vocab_size=self.vocab_size,
                               num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
-                              router_loss=self.router_loss, watch=self.faults.watch, device=self.device)
+                              router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
+                              vocabulary_map=self._vocabulary_map)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         self.evaluation = Evaluation(config, self.setup, model=self.model, pipeline=self.pipeline,

@@ -21,7 +21,7 @@ from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
-from meshkd.recipe.aligned_data import TEACHER_POSITIONS, teacher_side
+from meshkd.recipe.aligned_data import GROUPS, TEACHER_POSITIONS, teacher_group_log_probs, teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
 from meshkd.recipe.loaders import load_section_model_for_layout
@@ -49,8 +49,12 @@ class TeacherForward:
         logits = self.runner.logits(teacher_side(request.batch))
         if logits is None or not self.encodes:
             return None
-        if self.vocabulary_map is None:
+        cross = self.kd.cross_tokenizer
+        if cross is None:
             logits = logits[..., : self.vocab_size]
+        elif request.logits_transport != LABEL_LOG_PROBS and cross.loss != "projection":
+            return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
+                logits, request.batch, temperature=self.kd.temperature, ignore_index=self.kd.ignore_index)}
         elif request.logits_transport != LABEL_LOG_PROBS:
             logits = self.project(logits, request.batch[TEACHER_POSITIONS])
         return self.encode(logits, request.batch, request.logits_transport)

@@ -34,13 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
-from meshkd.recipe.aligned_data import kd_labels
+from meshkd.recipe.aligned_data import GROUPS, group_kd_loss, kd_labels
 from meshkd.recipe.config import ConfigError, KDConfig
 from meshkd.recipe.metrics import warn0
 from meshkd.recipe.router_loss import RouterLoss
@@ -135,16 +136,18 @@ class TrainStep:
         max_grad_norm: clip threshold (None: no clipping; the norm is still measured).
         router_loss: an MoE student's router loss, or None.
         watch: `FaultWatch.watch`, around each wait for the teacher's answer.
+        vocabulary_map: `kd.cross_tokenizer.loss: gold`'s exact pairs of the two vocabularies.
     """
 
     def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, setup: DistributedSetup, kd: KDConfig,
                  vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
-                 router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device) -> None:
+                 router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
+                 vocabulary_map: VocabularyMap | None = None) -> None:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
-        self.router_loss, self.watch = router_loss, watch
+        self.router_loss, self.watch, self.vocabulary_map = router_loss, watch, vocabulary_map
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
 
     def __call__(self, feed: Iterator[Pair], *, skipped_steps: int) -> dict[str, float]:
@@ -201,10 +204,16 @@ class TrainStep:
                                 chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
-        kd_loss = kd_loss_encoded(kd_logits, answer, kd_labels(micro_batch, kd.ignore_index),
-                                  temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                                  chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
-                                  jsd_beta=kd.jsd_beta) if kd.kd_ratio > 0 else None
+        if kd.kd_ratio == 0:
+            kd_loss = None
+        elif answer.get("mode") == GROUPS:  # kd.cross_tokenizer's uld / gold
+            kd_loss = group_kd_loss(kd_logits, micro_batch, answer["log_probs"], kd, num_valid_tokens=norm,
+                                    vocabulary_map=self.vocabulary_map)
+        else:
+            kd_loss = kd_loss_encoded(kd_logits, answer, kd_labels(micro_batch, kd.ignore_index),
+                                      temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                                      chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
+                                      jsd_beta=kd.jsd_beta)
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
         zero = torch.zeros((), device=logits.device)
         values = {"ce_loss": ce.detach() if ce is not None else zero,

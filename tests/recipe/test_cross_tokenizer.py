@@ -92,6 +92,16 @@ def cross_checks(tmp: Path) -> tuple[dict[str, dict], list]:
     live_topk["kd"].update(TOPK)
     live_topk["logging"]["run_dir"] = str(tmp / "live_topk" / "run")
     runs["live_topk"] = live_topk
+    gold_same = copy.deepcopy(same)
+    gold_same["kd"]["cross_tokenizer"]["loss"] = "gold"
+    gold_same["logging"]["run_dir"] = str(tmp / "gold_same" / "run")
+    runs["gold_same_tokenizer"] = gold_same
+    for loss, (student, teacher) in {"uld": ({"dp_size": 1}, {"dp_size": 1, "tp_size": 2}),
+                                     "gold": ({"dp_size": 2}, {"dp_size": 1, "pp_size": 2})}.items():
+        for name, layout in ((f"{loss}_reference", ({"dp_size": 1}, None)), (f"{loss}_layout", (student, teacher))):
+            config = cross_config(tmp / name, *layout)
+            config["kd"]["cross_tokenizer"]["loss"] = loss
+            runs[name] = config
     for name, teacher in (("on_policy", None), ("on_policy_separate", {"dp_size": 1})):
         config = with_layout(reference, {"dp_size": 1}, teacher)
         config["kd"].update(mode="on_policy", on_policy_fraction=0.5,
@@ -136,6 +146,22 @@ def test_one_tokenizer_through_the_cross_tokenizer_path_trains_plain_kd(runs):
         assert first[0][key] == pytest.approx(first[1][key], rel=1e-6), key
 
 
+def test_gold_with_one_tokenizer_is_plain_kd(runs):
+    """One tokenizer: every group one token, every entry an exact match: GOLD's hybrid is the forward KL."""
+    gold, plain = curve(runs.records("gold_same_tokenizer")), curve(runs.records("plain_kd"))
+    assert gold == pytest.approx(plain, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["uld", "gold"])
+def test_group_losses_train_and_follow_the_single_process_curve_in_another_layout(runs, loss):
+    """ULD beside a tp 2 teacher; GOLD with a dp 2 student and a pp 2 teacher."""
+    reference, records = curve(runs.records(f"{loss}_reference")), curve(runs.records(f"{loss}_layout"))
+    assert len(reference) == 3 * STEPS and all(value > 0 for value in reference[2::3])
+    assert reference != pytest.approx(curve(runs.records("reference")), rel=1e-3)  # not the projection's
+    assert records[:3] == pytest.approx(reference[:3], rel=1e-5, abs=1e-6)
+    assert records == pytest.approx(reference, rel=1e-4, abs=1e-5)
+
+
 def test_another_tokenizer_trains_and_evaluates_the_teacher_in_its_own_tokens(runs):
     records = runs.records("reference")
     steps = [r for r in records if r["kind"] == "train"]
@@ -160,19 +186,26 @@ def test_every_layout_follows_the_single_process_curve(runs, layout):
 
 def test_unsupported_combinations_are_refused_naming_the_key(tmp_path):
     config = cross_config(tmp_path, {"dp_size": 1}, None, same_tokenizer=True)
-    for change, key in (({"loss": "gold"}, "kd.cross_tokenizer.loss"),
+    for change, key in (({"loss": "gkd"}, "kd.cross_tokenizer.loss"),
                         ({"teacher_sequence_length": 1}, "kd.cross_tokenizer.teacher_sequence_length")):
         bad = copy.deepcopy(config)
         bad["kd"]["cross_tokenizer"].update(change)
         with pytest.raises(ConfigError, match=key):
             config_from_dict(bad)
-    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"),):
+    for change, named in (({"divergence": "reverse_kl"}, "reverse_kl"),
+                          ({"cross_tokenizer": {"loss": "uld"}, "logits_transport": "topk"}, "kd.logits_transport"),
+                          ({"cross_tokenizer": {"loss": "uld"}, "divergence": "jsd"}, "kd.divergence"),
+                          ({"cross_tokenizer": {"loss": "gold"}, "teacher_cache": "cache"}, "kd.teacher_cache")):
         bad = copy.deepcopy(config)
         bad["kd"].update(change)
         with pytest.raises(ConfigError, match=named):
             config_from_dict(bad)
     with pytest.raises(ConfigError, match="distributed.pp_size"):
         config_from_dict(with_layout(config, {"dp_size": 1, "pp_size": 2}, {"dp_size": 1}))
+    gold = copy.deepcopy(config)
+    gold["kd"]["cross_tokenizer"]["loss"] = "gold"
+    with pytest.raises(ConfigError, match="distributed.tp_size"):
+        config_from_dict(with_layout(gold, {"dp_size": 1, "tp_size": 2}, {"dp_size": 1}))
 
 
 @pytest.mark.parametrize("name, live", [("cached_topk", "live_topk"), ("cached_tp2", "student_dp2")])
