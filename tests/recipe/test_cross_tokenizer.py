@@ -102,10 +102,12 @@ def cross_checks(tmp: Path) -> tuple[dict[str, dict], list]:
             config = cross_config(tmp / name, *layout)
             config["kd"]["cross_tokenizer"]["loss"] = loss
             runs[name] = config
-    for name, teacher in (("on_policy", None), ("on_policy_separate", {"dp_size": 1})):
+    for name, teacher in (("on_policy", None), ("on_policy_separate", {"dp_size": 1}), ("on_policy_gold", None)):
         config = with_layout(reference, {"dp_size": 1}, teacher)
         config["kd"].update(mode="on_policy", on_policy_fraction=0.5,
                             generation={"prompt_tokens": 8, "max_new_tokens": 12})
+        if name.endswith("gold"):  # groups of the student's own samples, merged on both sides
+            config["kd"]["cross_tokenizer"] = {"teacher_sequence_length": 32, "loss": "gold"}
         config["logging"]["run_dir"] = str(tmp / name / "run")
         runs[name] = config
     for name, (student, teacher, kd) in {"topk": ({"dp_size": 1}, None, TOPK),
@@ -244,3 +246,10 @@ def test_on_policy_the_teacher_reads_its_own_tokenization_of_the_students_sample
     # Near-uniform random teacher: about log(320) nats per token of its own.
     assert evals[0]["teacher_nll_of_samples"] == pytest.approx(math.log(320), rel=0.1)
     assert curve(runs.records("on_policy_separate")) == pytest.approx(curve(records), rel=1e-5, abs=1e-6)
+
+
+def test_on_policy_with_a_group_loss_trains_on_the_students_samples(runs):
+    steps = [r for r in runs.records("on_policy_gold") if r["kind"] == "train"]
+    assert len(steps) == STEPS and sum(r["generated_tokens"] for r in steps) > 0
+    assert all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
+    assert curve(runs.records("on_policy_gold")) != pytest.approx(curve(runs.records("on_policy")), rel=1e-3)
