@@ -19,7 +19,7 @@ from pathlib import Path
 
 from meshkd import cli
 from meshkd.demo import demo_overrides, figures_report
-from meshkd.recipe.config import ConfigError, expand_path, load_config
+from meshkd.recipe.config import ConfigError, load_config
 
 STUDENT_VOCAB = 4096
 # The section's defaults: the projection loss, the teacher's rows as long as the student's (256 tokens; a row
@@ -32,15 +32,10 @@ _CROSS = ["kd.cross_tokenizer.loss=projection", "kd.kd_ratio=0.5"]
 
 def student_directory(config, run_dir: str) -> Path:
     """The pruned student with its own tokenizer and transplanted embeddings, written to `<run_dir>_student`."""
-    from meshkd.recipe.data import split_texts
+    from meshkd.recipe.data import reading_arguments, split_texts
     from meshkd.recipe.transplant import transplanted_student
 
-    dataset = config.dataset
-    train_texts, _ = split_texts(
-        paths=[expand_path(p) for p in dataset.paths], val_fraction=dataset.val_fraction, seed=dataset.seed,
-        text_key=dataset.text_key, format=dataset.format, max_documents=dataset.max_documents,
-        max_document_chars=dataset.max_document_chars, on_bad_file=dataset.on_bad_file,
-    )  # fmt: skip
+    train_texts, _ = split_texts(**reading_arguments(config.dataset))
     return transplanted_student(config.teacher_model.path, config.model.keep_layers, train_texts, STUDENT_VOCAB,
                                 run_dir + "_student")
 

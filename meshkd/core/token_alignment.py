@@ -237,11 +237,12 @@ def pack_aligned(
     return pack_aligned_documents(
         student, teacher,
         student_sequence_length=student_sequence_length, teacher_sequence_length=teacher_sequence_length,
-        student_pad_id=_pad_id(student_tokenizer), teacher_pad_id=_pad_id(teacher_tokenizer), pack=pack,
+        student_pad_id=pad_token_id(student_tokenizer), teacher_pad_id=pad_token_id(teacher_tokenizer), pack=pack,
     )  # fmt: skip
 
 
-def _pad_id(tokenizer) -> int:
+def pad_token_id(tokenizer) -> int:
+    """The id padding takes: the tokenizer's pad token, else its EOS, else 0 (`meshkd.recipe.data`'s too)."""
     for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return int(token_id)

@@ -29,7 +29,7 @@ from meshkd.core.agreement import gather_values
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
-from meshkd.recipe import data
+from meshkd.recipe import data, models
 from meshkd.recipe import teacher_cache as cache
 from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
@@ -123,7 +123,8 @@ class CacheWriter:
         setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
                                               dist.get_world_size())
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
-        vocab_size = cache.kd_vocab_size(config, checked.student_vocab_rows, checked.teacher_vocab_rows)
+        vocab_size = models.kd_vocab_size(checked.student_vocab_rows, checked.teacher_vocab_rows,
+                                          cross_tokenizer=config.kd.cross_tokenizer is not None)
         with faults.on_every_rank("while reading the data and planning the cache", patient=True):
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
@@ -197,7 +198,7 @@ class CacheWriter:
         mine = next(index for index, replica in enumerate(replicas) if dist.get_rank() in replica.ranks)
         output = dist.get_rank() == replicas[mine].output_rank
         forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output,
-                                 vocabulary_map=teacher_vocabulary_map(config, checked))
+                                 vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)))
         progress = None
         if is_logging_rank() and config.logging.progress_bar:
             from tqdm import tqdm

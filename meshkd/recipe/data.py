@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshkd.core.token_alignment import pad_token_id
 from meshkd.recipe.documents import check_arguments, describe_patterns, match_files, read_documents
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
@@ -230,14 +231,19 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
                        ) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says;
     `text_key` and `pack` in place of the section's (on-policy prompts read another field, one per row)."""
+    return build_datasets(tokenizer, **{**reading_arguments(dataset), "text_key": text_key or dataset.text_key},
+                          sequence_length=sequence_length, pack=dataset.packing if pack is None else pack,
+                          pack_texts=pack_texts)
+
+
+def reading_arguments(dataset) -> dict:
+    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits)."""
     from meshkd.recipe.config import expand_path
 
-    return build_datasets(
-        tokenizer, paths=[expand_path(p) for p in dataset.paths], sequence_length=sequence_length,
-        val_fraction=dataset.val_fraction, seed=dataset.seed, text_key=text_key or dataset.text_key,
-        format=dataset.format, max_documents=dataset.max_documents, max_document_chars=dataset.max_document_chars,
-        pack=dataset.packing if pack is None else pack, on_bad_file=dataset.on_bad_file, pack_texts=pack_texts,
-    )
+    return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
+            "seed": dataset.seed, "text_key": dataset.text_key, "format": dataset.format,
+            "max_documents": dataset.max_documents, "max_document_chars": dataset.max_document_chars,
+            "on_bad_file": dataset.on_bad_file}
 
 
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:
@@ -384,14 +390,6 @@ def _permutation(size: int, seed: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizing and packing
-
-
-def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id padding takes: the tokenizer's pad token, else its EOS, else 0."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    return 0
 
 
 def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[torch.Tensor]:

@@ -171,7 +171,7 @@ def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_siz
             if _num_tokens(tokenizer) > rows:
                 raise ValueError(f"the {name}'s tokenizer has {_num_tokens(tokenizer)} tokens but its embedding "
                                  f"table {rows} rows")
-        return student_vocab_size
+        return kd_vocab_size(student_vocab_size, teacher_vocab_size, cross_tokenizer=True)
     student_vocab = student_tokenizer.get_vocab()
     teacher_vocab = teacher_tokenizer.get_vocab()
     if student_vocab != teacher_vocab:
@@ -192,7 +192,13 @@ def common_vocab_size(student_tokenizer, teacher_tokenizer, *, student_vocab_siz
     if too_small:
         raise ValueError(f"the tokenizer has {num_tokens} tokens but the embedding table of "
                          + ", ".join(f"the {name} has {size} rows" for name, size in too_small.items()))
-    return min(student_vocab_size, teacher_vocab_size)
+    return kd_vocab_size(student_vocab_size, teacher_vocab_size, cross_tokenizer=False)
+
+
+def kd_vocab_size(student_vocab_size: int, teacher_vocab_size: int, *, cross_tokenizer: bool) -> int:
+    """The logits KD compares, once `common_vocab_size` checked the tokenizers: the rows both models have,
+    or with `cross_tokenizer` the student's (the teacher's answer is projected onto them)."""
+    return student_vocab_size if cross_tokenizer else min(student_vocab_size, teacher_vocab_size)
 
 
 def _num_tokens(tokenizer) -> int:

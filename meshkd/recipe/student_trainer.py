@@ -88,9 +88,9 @@ class StudentTrainer:
                 enable_activation_checkpointing(self._model)
         self._cache_manifest = checked.cache_manifest
         self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
-        # Where the teacher answers here (shared meshes) or GOLD's loss compares the vocabularies' exact pairs.
-        gold = config.kd.cross_tokenizer is not None and config.kd.cross_tokenizer.loss == "gold"
-        self._vocabulary_map = teacher_vocabulary_map(config, checked) if self._teacher or gold else None
+        # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
+        self._vocabulary_map = teacher_vocabulary_map(
+            config, checked, losses=("projection", "gold") if self._teacher else ("gold",))
         self._completion_aligner = completion_aligner(config, self.tokenizer, self.teacher_tokenizer)
         with about("dataset"):
             self.train_set, self.val_set, self.train_prompts, self.val_prompts = run_datasets(

@@ -70,11 +70,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def kd_vocab_size(config: KDRecipeConfig, student_vocab_rows: int, teacher_vocab_rows: int) -> int:
-    """The logits KD compares (`meshkd.recipe.models.common_vocab_size`, its tokenizers checked by the preflight)."""
-    return student_vocab_rows if config.kd.cross_tokenizer else min(student_vocab_rows, teacher_vocab_rows)
-
-
 def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tokenizer=None) -> dict[str, Any]:
     """What the answers depend on, by the config key that sets each (a cache serves a run with the same key).
 
@@ -230,7 +225,8 @@ def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int, t
         manifest = read_manifest(directory)
     except ValueError as error:
         raise ConfigError(f"kd.teacher_cache: {error}") from None
-    vocab_size = kd_vocab_size(config, student_vocab_rows, manifest["teacher_vocab_rows"])
+    vocab_size = models.kd_vocab_size(student_vocab_rows, manifest["teacher_vocab_rows"],
+                                      cross_tokenizer=config.kd.cross_tokenizer is not None)
     current = cache_key(config, tokenizer, vocab_size=vocab_size, teacher_tokenizer=teacher_tokenizer)
     if config.teacher_model.path is not None or config.teacher_model.random_init is not None:
         current.update(teacher_identity(config))

@@ -21,7 +21,14 @@ from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
-from meshkd.recipe.aligned_data import GROUPS, TEACHER_POSITIONS, teacher_group_log_probs, teacher_side
+from meshkd.recipe.aligned_data import (
+    GROUPS,
+    TEACHER_POSITIONS,
+    group_positions,
+    kd_labels,
+    teacher_group_log_probs,
+    teacher_side,
+)
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
 from meshkd.recipe.loaders import load_section_model_for_layout
@@ -56,20 +63,20 @@ class TeacherForward:
             return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
                 logits, request.batch, temperature=self.kd.temperature, ignore_index=self.kd.ignore_index)}
         elif request.logits_transport != LABEL_LOG_PROBS:
-            logits = self.project(logits, request.batch[TEACHER_POSITIONS])
+            logits = self.project(logits, request.batch)
         return self.encode(logits, request.batch, request.logits_transport)
 
-    def project(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[rows, student sequence, student vocab]: at each student position paired with a teacher one
-        (`positions`, -1: none), the teacher's distribution there projected onto the student's vocabulary
-        (as logits at `kd.temperature`); 0 elsewhere (positions KD does not count)."""
-        rows, length = positions.shape
-        paired = positions >= 0
-        row_index = torch.arange(rows, device=positions.device)[:, None].expand(rows, length)[paired]
-        projected = project_teacher_logits(logits[row_index, positions[paired]], self.vocabulary_map,
+    def project(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """[rows, student sequence, student vocab]: at each student position KD counts (`kd_labels`), the
+        teacher's distribution at the paired teacher position projected onto the student's vocabulary (as
+        logits at `kd.temperature`); 0 elsewhere."""
+        ignore = self.kd.ignore_index
+        counted = kd_labels(batch, ignore) != ignore
+        paired = group_positions(batch, TEACHER_POSITIONS, logits.shape[1], ignore)  # in `counted`'s order
+        projected = project_teacher_logits(logits.flatten(0, 1)[paired], self.vocabulary_map,
                                            temperature=self.kd.temperature, student_vocab_size=self.vocab_size)
-        result = projected.new_zeros(rows, length, self.vocab_size)
-        result[paired] = projected
+        result = projected.new_zeros(*counted.shape, self.vocab_size)
+        result[counted] = projected
         return result
 
     def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
@@ -90,10 +97,10 @@ class TeacherForward:
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
 
 
-def teacher_vocabulary_map(config: KDRecipeConfig, checked) -> VocabularyMap | None:
-    """With `kd.cross_tokenizer`, how the teacher's vocabulary projects onto the student's (from the
-    preflight's two tokenizers); None when the two share one."""
-    if config.kd.cross_tokenizer is None:
+def teacher_vocabulary_map(config: KDRecipeConfig, checked, *, losses: tuple[str, ...]) -> VocabularyMap | None:
+    """How the teacher's vocabulary meets the student's (from the preflight's two tokenizers), when
+    `kd.cross_tokenizer.loss` is one of `losses` (the ones that read it where it is built); else None."""
+    if config.kd.cross_tokenizer is None or config.kd.cross_tokenizer.loss not in losses:
         return None
     with about("model.tokenizer / teacher_model.tokenizer"):
         return build_vocabulary_map(checked.tokenizer, checked.teacher_tokenizer)
@@ -126,7 +133,7 @@ class TeacherWorker:
 
     def load(self, checked) -> None:
         self.model, self._checkpoint = load_teacher(self.config)
-        self.vocabulary_map = teacher_vocabulary_map(self.config, checked)
+        self.vocabulary_map = teacher_vocabulary_map(self.config, checked, losses=("projection",))
 
     def vocab_rows(self) -> tuple[int, int]:
         """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
