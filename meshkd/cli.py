@@ -83,10 +83,10 @@ def train_command(config_path: str, overrides: list[str], nproc: int | None, res
         from meshkd.recipe.run import KDRecipe
 
         return launcher.run_here(lambda: KDRecipe(config, resume=resume).run())
-    from meshkd.recipe.preflight import preflight
+    from meshkd.recipe.preflight import preflight_teachers
     from meshkd.recipe.world import check_gpu_count
 
-    preflight(config)
+    preflight_teachers(config)
     world_size = _world_size(required_world_size(config), nproc)
     check_gpu_count(config, world_size)  # every process is started on this node
     resuming = ["--resume"] if resume else []

@@ -115,8 +115,8 @@ class TeacherSource(Protocol):
                  depth: int = 1) -> TeacherFeed:
         """(item, logits of `batch_fn(item)`) for every item in order; may fetch up to `depth` items ahead."""
 
-    def close(self) -> None:
-        """Release the teacher: no more requests follow."""
+    def close(self, timeout: datetime.timedelta | None = None) -> None:
+        """Release the teacher: no more requests follow; `timeout` bounds a wait for a remote teacher."""
 
 
 class LocalTeacher:
@@ -132,7 +132,7 @@ class LocalTeacher:
                  depth: int = 1) -> TeacherFeed:
         return TeacherFeed((item, self._forward(batch_fn(item))) for item in items)
 
-    def close(self) -> None:
+    def close(self, timeout: datetime.timedelta | None = None) -> None:
         pass
 
 

@@ -127,6 +127,57 @@ class KDDistributedSetups:
         """The setup of the calling rank's role (the student's where both roles share ranks)."""
         return self.student if dist.get_rank() in self.student_ranks else self.teacher
 
+    @property
+    def roles(self) -> dict[str, tuple[int, ...]]:
+        """Role name -> its global ranks, as failure messages name them."""
+        if not self.separate:
+            return {"student and teacher": self.student_ranks}
+        return {"student": self.student_ranks, "teacher": self.teacher_ranks}
+
+
+@dataclass(frozen=True)
+class TeacherSetups:
+    """The student's setup and each teacher's: its own (on ranks of its own) or the student's (on its ranks).
+
+    Ranks: the student's [0, S), then each teacher with ranks of its own in the order given. `teachers` maps
+    a teacher's name to its setup, in that order.
+    """
+
+    student: DistributedSetup
+    teachers: dict[str, DistributedSetup]
+
+    def separate(self, name: str) -> bool:
+        """Whether teacher `name` runs on ranks of its own."""
+        return self.teachers[name] is not self.student
+
+    def pair(self, name: str) -> KDDistributedSetups:
+        """The student and teacher `name` as a one-teacher `KDDistributedSetups` (what a bridge connects)."""
+        teacher = self.teachers[name]
+        return KDDistributedSetups(student=self.student, teacher=teacher, student_ranks=self.student.ranks,
+                                   teacher_ranks=teacher.ranks, separate=self.separate(name))
+
+    @staticmethod
+    def role(name: str) -> str:
+        """How messages name teacher `name`: "teacher" for the one-teacher form's, else "teacher 'NAME'"."""
+        return "teacher" if name == "teacher" else f"teacher '{name}'"
+
+    @property
+    def roles(self) -> dict[str, tuple[int, ...]]:
+        """Role name -> its global ranks; the student's role also names the teachers that share its ranks."""
+        shared = [self.role(name) for name in self.teachers if not self.separate(name)]
+        student = " and ".join(["student", *shared]) if len(shared) < 2 else f"student and {len(shared)} teachers"
+        return {student: self.student.ranks, **{self.role(name): setup.ranks
+                                                for name, setup in self.teachers.items() if self.separate(name)}}
+
+    @property
+    def local(self) -> tuple[str | None, DistributedSetup]:
+        """(the teacher's name, its setup) on a teacher-only rank; (None, the student's setup) on a student rank."""
+        rank = dist.get_rank()
+        for name, setup in self.teachers.items():
+            if self.separate(name) and rank in setup.ranks:
+                return name, setup
+        return None, self.student
+
 
 @dataclass(frozen=True)
 class Replica:
@@ -275,6 +326,66 @@ def validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedSe
     student = dataclasses.replace(student, ranks=tuple(range(num_student)))
     teacher = dataclasses.replace(teacher, ranks=tuple(range(num_student, world_size)))
     return student, teacher, True
+
+
+def validate_teacher_layouts(student_section: Any, teacher_sections: Mapping[str, Any],
+                             world_size: int) -> tuple[DistributedSetup, dict[str, DistributedSetup | None]]:
+    """Check a student and several teachers' layouts without any process group; returns unbuilt setups.
+
+    `teacher_sections`: name -> the teacher's own layout section, or None for a teacher on the student's ranks
+    (with the student's layout). Sections are labelled `teachers.NAME.distributed` in messages. The
+    student's dp_size may be left out only when no teacher has ranks of its own.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    own = {name: section for name, section in teacher_sections.items() if section is not None}
+    teachers = {}
+    for name, section in own.items():
+        label = "teacher_distributed" if name == "teacher" else f"teachers.{name}.distributed"
+        teachers[name] = _resolve_section(section, label, world_size=None)
+        if teachers[name].strategy == "ddp":
+            raise ValueError(f"{label}.strategy 'ddp' is not supported for a teacher on its own ranks; use fsdp2")
+    teacher_ranks = sum(_num_ranks(setup) for setup in teachers.values())
+    student = _resolve_section(student_section, "distributed", world_size=world_size - teacher_ranks if own else
+                               world_size)
+    if own and (student.strategy == "ddp"):
+        raise ValueError("distributed.strategy 'ddp' is not supported beside teachers on their own ranks; use fsdp2")
+    if _num_ranks(student) + teacher_ranks != world_size:
+        parts = [_size_product(student, "distributed")] + [
+            _size_product(setup, f"teachers.{name}.distributed") for name, setup in teachers.items()]
+        raise ValueError(f"the student's and the teachers' ranks must fill the world: {', '.join(parts)}; "
+                         f"{_num_ranks(student) + teacher_ranks} != world size {world_size}")
+    student = dataclasses.replace(student, ranks=tuple(range(_num_ranks(student))))
+    start, placed = len(student.ranks), {}
+    for name in teacher_sections:
+        if name not in teachers:
+            placed[name] = None
+            continue
+        size = _num_ranks(teachers[name])
+        placed[name] = dataclasses.replace(teachers[name], ranks=tuple(range(start, start + size)))
+        start += size
+    return student, placed
+
+
+def create_teacher_setups(student_section: Any, teacher_sections: Mapping[str, Any], world_size: int, *,
+                          device_type: str | None = None) -> TeacherSetups:
+    """Build the student's and every teacher's setups (`validate_teacher_layouts`); every rank must call this.
+
+    Meshes are built in order, the student's first, then each teacher with ranks of its own; a teacher on
+    the student's ranks shares the student's setup. The calling rank's own setup is registered with
+    `set_current_setup`.
+    """
+    student, teachers = validate_teacher_layouts(student_section, teacher_sections, world_size)
+    if not dist.is_initialized():
+        raise RuntimeError("create_teacher_setups needs torch.distributed.init_process_group() first")
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"world_size {world_size} does not match the process group's size {dist.get_world_size()}")
+    device_type = device_type or _default_device_type()
+    student = _build_mesh(student, device_type)
+    setups = TeacherSetups(student=student, teachers={
+        name: student if setup is None else _build_mesh(setup, device_type) for name, setup in teachers.items()})
+    set_current_setup(setups.local[1])
+    return setups
 
 
 def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> None:

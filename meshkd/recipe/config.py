@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from meshkd.core.loss import check_divergence
-from meshkd.core.topology import validate_kd_config
+from meshkd.core.topology import validate_kd_config, validate_teacher_layouts
 from meshkd.recipe.typed_yaml import ConfigError, apply_override, build, parse_yaml
 
 MAX_WORLD_SIZE = 1 << 20
@@ -96,6 +96,17 @@ class CrossTokenizerConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """One of several teachers (`teachers`): a name, its model, its weight in the objective and its ranks."""
+
+    name: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    weight: float = 1.0  # the weights are normalized to sum to 1 (kd.combine)
+    distributed: DistributedConfig | None = None  # ranks of its own with this layout; None: the student's ranks
+    logits_transport: str | None = None  # how its logits travel; None: kd.logits_transport
+
+
+@dataclass
 class KDConfig:
     kd_ratio: float = 0.5
     temperature: float = 1.0
@@ -117,6 +128,9 @@ class KDConfig:
     router_aux_loss_coef: float | None = None
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
     cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one
+    # Several teachers (`teachers`): sum (the weighted sum of the divergences to each) | mixture (the
+    # divergence to the weighted mixture of their distributions)
+    combine: str = "sum"
 
     @property
     def evaluates_samples(self) -> bool:
@@ -210,6 +224,8 @@ class KDRecipeConfig:
     separate_meshes: bool = False
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     teacher_distributed: DistributedConfig | None = None
+    # Several teachers at once, in place of teacher_model / teacher_distributed / separate_meshes
+    teachers: list[TeacherConfig] | None = None
     kd: KDConfig = field(default_factory=KDConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
@@ -243,6 +259,24 @@ class KDRecipeConfig:
         if cross is not None and cross.teacher_sequence_length is not None:
             return cross.teacher_sequence_length
         return self.step_scheduler.sequence_length
+
+    def teacher_views(self) -> dict[str, KDRecipeConfig]:
+        """Teacher name -> the one-teacher config of that teacher (its model, ranks and transport; the rest
+        this config's). The one-teacher form is one view, named "teacher": this config itself."""
+        if not self.teachers:
+            return {"teacher": self}
+        return {teacher.name: dataclasses.replace(
+            self, teachers=None, teacher_model=teacher.model, separate_meshes=teacher.distributed is not None,
+            teacher_distributed=teacher.distributed,
+            kd=dataclasses.replace(self.kd, logits_transport=teacher.logits_transport or self.kd.logits_transport))
+            for teacher in self.teachers}
+
+    def teacher_weights(self) -> dict[str, float]:
+        """Teacher name -> its weight, normalized to sum to 1."""
+        if not self.teachers:
+            return {"teacher": 1.0}
+        total = sum(teacher.weight for teacher in self.teachers)
+        return {teacher.name: teacher.weight / total for teacher in self.teachers}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -280,6 +314,11 @@ def required_world_size(config: KDRecipeConfig) -> int | None:
         return section.dp_size * section.tp_size * section.cp_size * section.pp_size
 
     student = ranks(config.distributed)
+    if config.teachers:
+        own = [ranks(teacher.distributed) for teacher in config.teachers if teacher.distributed is not None]
+        if not own:
+            return student
+        return None if student is None or None in own else student + sum(own)
     if not config.get("separate_meshes") or config.teacher_distributed is None:
         return student
     teacher = ranks(config.teacher_distributed)
@@ -293,6 +332,77 @@ def expand_path(pattern: str) -> str:
 
 def validate(config: KDRecipeConfig) -> None:
     """Cross-field checks that need no process group; raises ConfigError naming the key."""
+    if config.teachers is not None:
+        _check_teachers(config)
+        for name, view in config.teacher_views().items():
+            try:
+                _validate_one(view, check_world=False)
+            except ConfigError as error:
+                raise ConfigError(f"teachers.{name}: {error}") from None
+        world_size = required_world_size(config)
+        if world_size is not None and world_size > MAX_WORLD_SIZE:
+            raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): "
+                              "check the *_size keys of distributed and teachers[i].distributed")
+        if world_size is not None:
+            try:
+                validate_teacher_layouts(config.distributed, {teacher.name: teacher.distributed
+                                                              for teacher in config.teachers}, world_size)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+            _check_batch_split(config)
+        return
+    _validate_one(config, check_world=True)
+
+
+def _check_batch_split(config: KDRecipeConfig) -> None:
+    steps, student_dp = config.step_scheduler, config.distributed.dp_size
+    if steps.global_batch_size % (steps.local_batch_size * student_dp):
+        raise ConfigError(
+            f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
+            f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
+        )
+
+
+def _check_teachers(config: KDRecipeConfig) -> None:
+    """`teachers` replaces the one-teacher keys; names, weights and the combining rule."""
+    given = {"teacher_model": config.teacher_model != ModelConfig(), "teacher_distributed":
+             config.teacher_distributed is not None, "separate_meshes": config.separate_meshes}
+    clash = [key for key, used in given.items() if used]
+    if clash:
+        raise ConfigError(f"teachers replaces {', '.join(clash)}: give each teacher's model and layout in its "
+                          "entry (teachers[i].model, teachers[i].distributed; none: on the student's ranks)")
+    if not config.teachers:
+        raise ConfigError("teachers is empty: give at least one teacher, or use teacher_model")
+    names = [teacher.name for teacher in config.teachers]
+    for index, teacher in enumerate(config.teachers):
+        if not teacher.name or not teacher.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"teachers[{index}].name must be a name of letters, digits, - and _, got "
+                              f"{teacher.name!r}")
+        if names.count(teacher.name) > 1:
+            raise ConfigError(f"teachers[{index}].name {teacher.name!r} is given to more than one teacher")
+        if not (teacher.weight >= 0 and math.isfinite(teacher.weight)):
+            raise ConfigError(f"teachers.{teacher.name}.weight must be a finite number >= 0, got {teacher.weight}")
+    if sum(teacher.weight for teacher in config.teachers) <= 0:
+        raise ConfigError("teachers: every weight is 0; give at least one teacher a weight > 0")
+    kd = config.kd
+    if kd.combine not in ("sum", "mixture"):
+        raise ConfigError(f"kd.combine must be sum or mixture, got {kd.combine!r}")
+    if kd.combine == "mixture":
+        for teacher in config.teachers:
+            transport = teacher.logits_transport or kd.logits_transport
+            if transport not in ("full", "full_bf16"):
+                raise ConfigError(f"kd.combine mixture mixes the teachers' whole distributions: "
+                                  f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be full "
+                                  f"or full_bf16, got {transport!r}")
+    refused = {"kd.teacher_cache": kd.teacher_cache is not None, "kd.cross_tokenizer": kd.cross_tokenizer is not None}
+    for key, used in refused.items():
+        if used:
+            raise ConfigError(f"{key} does not yet work with several teachers (teachers); use one teacher "
+                              "(teacher_model) for it")
+
+
+def _validate_one(config: KDRecipeConfig, *, check_world: bool) -> None:
+    """`validate` of a one-teacher config; `check_world`: also the layout against the world it needs."""
     for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
         if (label == "teacher_model" and config.kd.teacher_cache is not None and model.path is None
                 and model.random_init is None):
@@ -356,6 +466,8 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError(f"setup_timeout_s must be a finite number of seconds > 0, got {config.setup_timeout_s}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
+    if not check_world:
+        return
     world_size = required_world_size(config)
     if world_size is not None and world_size > MAX_WORLD_SIZE:
         raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
@@ -365,12 +477,7 @@ def validate(config: KDRecipeConfig) -> None:
             validate_kd_config(config, world_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        student_dp = config.distributed.dp_size
-        if steps.global_batch_size % (steps.local_batch_size * student_dp):
-            raise ConfigError(
-                f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
-                f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
-            )
+        _check_batch_split(config)
 
 
 def _check_on_policy(config: KDRecipeConfig) -> None:

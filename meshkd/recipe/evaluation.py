@@ -90,16 +90,18 @@ class Evaluation:
         byte_lengths: UTF-8 bytes of each student vocabulary id (`token_byte_lengths`), 0 for specials.
         teacher_byte_lengths: the same of the teacher's vocabulary (None: one tokenizer, `byte_lengths`).
         vocab_size: the vocabulary the teacher's answers cover (the student's logits are cut to it).
+        teacher_role: how a lost teacher is named (one of several: `TeacherSetups.role`).
     """
 
     def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, model: torch.nn.Module,
                  pipeline: StudentPipeline | None, teacher: TeacherSource, val_set, val_prompts,
                  completions: Callable[[], StudentCompletions], watch: Callable[[str, str], Any],
                  group: dist.ProcessGroup | None, device: torch.device, byte_lengths: torch.Tensor,
-                 vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None) -> None:
+                 vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None,
+                 teacher_role: str = "teacher") -> None:
         self.config, self.setup, self.model, self.pipeline, self.teacher = config, setup, model, pipeline, teacher
         self.val_set, self.val_prompts, self.completions = val_set, val_prompts, completions
-        self.watch, self.group, self.device = watch, group, device
+        self.watch, self.group, self.device, self.teacher_role = watch, group, device, teacher_role
         self.byte_lengths, self.vocab_size = byte_lengths.to(device), vocab_size
         self.teacher_byte_lengths = (self.byte_lengths if teacher_byte_lengths is None
                                      else teacher_byte_lengths.to(device))
@@ -122,7 +124,7 @@ class Evaluation:
             yield batch
 
     def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS) -> dict:
-        with self.watch("the teacher request", "teacher"):
+        with self.watch("the teacher request", self.teacher_role):
             return self.teacher.request(batch, transport)
 
     @torch.no_grad()
@@ -243,3 +245,38 @@ class Evaluation:
         if logged is not None:
             return logged, False
         return self.full(with_teacher=True, with_samples=with_samples), True
+
+
+class TeachersEvaluation:
+    """The evaluations of a run with several teachers: one `Evaluation` per teacher, merged.
+
+    The student's figures are reported once; each teacher's figures (its loss, per byte, the KL to it and the
+    top-1 agreement with it, its loss of the student's samples) under KEY/NAME, and their means weighted as
+    the objective weighs the teachers under KEY. Each teacher is asked in turn, beside a forward of the
+    student each time.
+    """
+
+    _TEACHER_KEYS = ("teacher_", "val_kl", "val_top1_agreement")
+
+    def __init__(self, members: dict[str, Evaluation], *, weights: dict[str, float]) -> None:
+        self.members, self.weights = members, weights
+        self.group = next(iter(members.values())).group
+
+    def _merged(self, figures: dict[str, dict[str, float]]) -> dict[str, float]:
+        result = dict(next(iter(figures.values())))
+        for key in list(result):
+            if key.startswith(self._TEACHER_KEYS):
+                result[key] = sum(self.weights[name] * values[key] for name, values in figures.items())
+                result.update({f"{key}/{name}": values[key] for name, values in figures.items()})
+        return result
+
+    def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
+        if not with_teacher:
+            return next(iter(self.members.values())).held_out()
+        return self._merged({name: member.held_out(with_teacher=True) for name, member in self.members.items()})
+
+    def samples(self) -> dict[str, float]:
+        return self._merged({name: member.samples() for name, member in self.members.items()})
+
+    full = Evaluation.full
+    first = Evaluation.first

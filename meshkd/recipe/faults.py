@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import first_failure
-from meshkd.core.topology import KDDistributedSetups
+from meshkd.core.topology import KDDistributedSetups, TeacherSetups
 from meshkd.core.wire import SenderError
 
 STOP_FILE_ENV = "MESHKD_STOP_FILE"
@@ -173,21 +173,21 @@ class FaultWatch:
     """Agreement on setup failures and naming of lost peers for one rank of a run (see the module docstring).
 
     Args:
-        setups: the run's resolved roles (which ranks are student, which teacher).
+        setups: the run's resolved roles (which ranks are the student's, which each teacher's).
         run_dir: the run directory (pid files live in RUN_DIR/pids).
         device: where the agreement collectives put their tensors.
     """
 
-    def __init__(self, setups: KDDistributedSetups, run_dir: Path, device: torch.device, *,
+    def __init__(self, setups: KDDistributedSetups | TeacherSetups, run_dir: Path, device: torch.device, *,
                  setup_timeout_s: float | None = None) -> None:
-        self.setups = setups
+        self.roles = setups.roles
         self.run_dir = Path(run_dir)
         self.device = device
         # Agreement after loading waits as long as loading may take, not the peer timeout (collective over
         # the world, like the FaultWatch every rank builds at the same point of setup).
         self._patient = None if setup_timeout_s is None else dist.new_group(
             timeout=datetime.timedelta(seconds=setup_timeout_s))
-        self._ranks = sorted(set(setups.student_ranks) | set(setups.teacher_ranks))
+        self._ranks = sorted({rank for ranks in self.roles.values() for rank in ranks})
         self._exits_stop = threading.Event()
         self._exits_thread: threading.Thread | None = None
         self.aborted_for: list[int] = []  # the peers whose exit made `watch_exits` abort the communicators
@@ -263,16 +263,15 @@ class FaultWatch:
             raise SetupError(f"rank {origin} ({self.role_of(origin)}) failed {stage}: {message}", origin_rank=origin)
 
     def role_of(self, rank: int) -> str:
-        if not self.setups.separate:
-            return "student and teacher"
-        return "student" if rank in self.setups.student_ranks else "teacher"
+        return next(role for role, ranks in self.roles.items() if rank in ranks)
 
     @contextlib.contextmanager
     def watch(self, operation: str, role: str):
         """Turn a collective that failed because a peer died or went silent into PeerLostError.
 
-        `role` ("student" or "teacher") is whose ranks the operation waits on; where the pid files show
-        which peer process exited (same host), the message names it.
+        `role` ("student", "teacher", or a teacher's role name among several, `TeacherSetups.role`) is whose
+        ranks the operation waits on; where the pid files show which peer process exited (same host), the
+        message names that one's role instead.
         """
         try:
             yield
@@ -291,14 +290,17 @@ class FaultWatch:
             _lost_file(self.run_dir, dist.get_rank()).touch()
         dead = self.dead_ranks()
         exited = f"; {_ranks(dead)} exited" if dead else ""
-        if not self.setups.separate:
-            return f"lost a peer ({_ranks(self.setups.student_ranks)}{exited}) during {operation}: {brief(error)}"
+        if len(self.roles) == 1:
+            return f"lost a peer ({_ranks(self._ranks)}{exited}) during {operation}: {brief(error)}"
         # Ranks that exited because they lost a peer themselves do not tell which role failed first.
         causes = [rank for rank in dead if not _lost_file(self.run_dir, rank).exists()] or dead
         roles = {self.role_of(rank) for rank in causes}
         if len(roles) == 1:  # the pid files know better than the operation which role is gone
             role = roles.pop()
-        role_ranks = self.setups.student_ranks if role == "student" else self.setups.teacher_ranks
+        # "student" / "teacher" stand for the one role whose name starts so ("student and teacher 'a'", say).
+        matches = [name for name in self.roles if name.startswith(role)]
+        role = matches[0] if role not in self.roles and len(matches) == 1 else role
+        role_ranks = self.roles.get(role) or [rank for name in matches for rank in self.roles[name]]
         return f"lost the {role} ({_ranks(role_ranks)}{exited}) during {operation}: {brief(error)}"
 
     def _same_host_peers(self) -> dict[int, int]:

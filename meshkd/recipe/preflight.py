@@ -53,6 +53,19 @@ class Preflight:
     cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
 
 
+def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
+    """Teacher name -> `preflight` of its one-teacher config (`KDRecipeConfig.teacher_views`); errors about one
+    of several teachers name it (teachers.NAME)."""
+    views = config.teacher_views()
+    if not config.teachers:
+        return {"teacher": preflight(config)}
+    checked = {}
+    for name, view in views.items():
+        with about(f"teachers.{name}"):
+            checked[name] = preflight(view)
+    return checked
+
+
 def _embedding_rows(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 

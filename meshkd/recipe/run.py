@@ -2,11 +2,14 @@
 
 Student ranks run a `StudentTrainer` (on shared meshes it also holds the teacher and asks it locally);
 teacher-only ranks (separate meshes) run a `TeacherWorker`, which serves the student's requests through
-`meshkd.core.teacher_protocol` until STOP_TEACHER. Setup is the same sequence of phases on every rank,
+`meshkd.core.teacher_protocol` until STOP_TEACHER. With several teachers (`teachers`) each is either on the
+student's ranks or on ranks of its own, with a bridge of its own to the student (`meshkd.core.teacher_ensemble`
+asks them all at once); a teacher's worker runs the one-teacher config of that teacher
+(`KDRecipeConfig.teacher_views`). Setup is the same sequence of phases on every rank,
 so that the collectives between them line up across roles:
 
 1. load (rank-local: this role's model, data), agreed over the world;
-2. the common vocabulary (an all-reduce of both models' sizes) and, on separate meshes, the bridge (the
+2. the common vocabulary (an all-reduce of every model's size) and, on separate meshes, the bridges (the
    student's packing hook and the teacher's `TeacherRunner` build their masks from the same NEAT document
    indices, so the roles need no packing handshake);
 3. lay out (pipeline split, tensor / context / data parallel, this rank's share of the weights), agreed;
@@ -33,19 +36,29 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.topology import create_kd_distributed_setups
+from meshkd.core.topology import TeacherSetups, create_kd_distributed_setups, create_teacher_setups
 from meshkd.parallel.context_parallel import flatten_student_cp_axes
 from meshkd.recipe import models
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, StopRequest
-from meshkd.recipe.preflight import about, preflight
+from meshkd.recipe.preflight import Preflight, about, preflight_teachers
 from meshkd.recipe.student_trainer import StudentTrainer
 from meshkd.recipe.teacher_worker import TeacherWorker
 from meshkd.recipe.world import abort_communicators, close_world, init_world
 
 
+def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
+    """The student's and each teacher's layouts (every rank builds them all: collective over the world)."""
+    if config.teachers:
+        return create_teacher_setups(config.distributed, {teacher.name: teacher.distributed
+                                                          for teacher in config.teachers}, world_size)
+    pair = create_kd_distributed_setups(config, world_size)
+    return TeacherSetups(student=pair.student, teachers={"teacher": pair.teacher})
+
+
 class KDRecipe:
-    """Distill `config.teacher_model` into `config.model`; `run()` does setup, train and cleanup."""
+    """Distill `config.teacher_model` (or `config.teachers`) into `config.model`; `run()` does setup, train and
+    cleanup."""
 
     def __init__(self, config: KDRecipeConfig, *, resume: bool = False) -> None:
         self.config = config
@@ -60,16 +73,17 @@ class KDRecipe:
     def setup(self) -> None:
         config = self.config
         # Same files, same answer on every rank: a bad input raises everywhere before any collective.
-        checked = preflight(config)
+        checked = preflight_teachers(config)
         self.device, self._owns_process_group = init_world(config)
-        self.setups = setups = create_kd_distributed_setups(config, dist.get_world_size())
+        self.setups = setups = run_setups(config, dist.get_world_size())
         self.faults = faults = FaultWatch(setups, self.run_dir, self.device, setup_timeout_s=config.setup_timeout_s)
         flatten_student_cp_axes(setups.student)  # collective over the world: teacher ranks take part
-        is_student = dist.get_rank() in setups.student_ranks
+        name, local = setups.local
+        is_student = name is None
         if is_student:
             self.role = StudentTrainer(config, setups, faults, self.device, self._stop)
         else:
-            self.role = TeacherWorker(config, setups.teacher, faults, self.device)
+            self.role = TeacherWorker(config.teacher_views()[name], local, faults, self.device, name=name)
         role = self.role
         with faults.watch("setup", "teacher" if is_student else "student"):
             with faults.on_every_rank("while loading models and data", patient=True):
@@ -81,25 +95,30 @@ class KDRecipe:
             if dist.get_backend() == dist.Backend.NCCL:
                 faults.watch_exits(abort_communicators)
             vocab_size = self._common_vocab_size(checked, role.vocab_rows())
-            bridge = None
-            if setups.separate:
-                bridge = KDMeshBridge(setups, self.device,
-                                      timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+            # Every rank builds every bridge (their groups are made collectively), in the teachers' order.
+            timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+            bridges = {name: KDMeshBridge(setups.pair(name), self.device, timeout=timeout)
+                       for name in setups.teachers if setups.separate(name)}
             with faults.on_every_rank("while laying out the models"):
-                role.lay_out(vocab_size, bridge)
+                role.lay_out(vocab_size, bridges)
             with faults.on_every_rank("while resuming and opening the run directory"):
                 role.resume(self.resume)
 
-    def _common_vocab_size(self, checked, rows: tuple[int, int]) -> int:
-        """The vocabulary both models share; every rank learns both embedding sizes, so checks raise everywhere."""
+    def _common_vocab_size(self, checked: dict[str, Preflight], rows: dict[str, int]) -> int:
+        """The vocabulary the student and every teacher share; every rank learns every embedding size (`rows`:
+        model -> rows, of the models this rank holds), so checks raise everywhere."""
+        names = ["student", *self.setups.teachers]
         # On the role's device: a group made by init_process_group("nccl") takes CUDA tensors only.
-        sizes = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        sizes = torch.tensor([rows.get(name, -1) for name in names], dtype=torch.int64, device=self.device)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        student_rows, teacher_rows = sizes.tolist()
-        with about("model.tokenizer / teacher_model.tokenizer"):
-            vocab_size = models.common_vocab_size(checked.tokenizer, checked.teacher_tokenizer,
-                                                  student_vocab_size=student_rows, teacher_vocab_size=teacher_rows,
-                                                  cross_tokenizer=self.config.kd.cross_tokenizer is not None)
+        student_rows, *teacher_rows = sizes.tolist()
+        vocab_size = student_rows
+        for name, teacher in zip(self.setups.teachers, teacher_rows):
+            label = "teacher_model" if name == "teacher" else f"teachers.{name}.model"
+            with about(f"model.tokenizer / {label}.tokenizer"):
+                vocab_size = min(vocab_size, models.common_vocab_size(
+                    checked[name].tokenizer, checked[name].teacher_tokenizer, student_vocab_size=student_rows,
+                    teacher_vocab_size=teacher, cross_tokenizer=self.config.kd.cross_tokenizer is not None))
         if self.setups.student.tp_size > 1 and student_rows != vocab_size:
             raise ValueError(
                 f"model: vocabulary {student_rows} differs from the common vocabulary {vocab_size}: not supported "

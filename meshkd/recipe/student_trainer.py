@@ -7,7 +7,8 @@ with the teacher source's answers (`meshkd.core.teacher_protocol`; from `kd.teac
 `meshkd.recipe.teacher_cache.CachedTeacher`), fetched ahead with `kd.overlap_teacher` so the teacher's
 forward, or the cache's read, overlaps the student's step; `meshkd.recipe.train_step.TrainStep` trains on a
 step's pairs. With `kd.mode: on_policy` each step's micro-batches are first completed by the student itself
-(`meshkd.recipe.on_policy.OnPolicyStep`). Evaluations: `meshkd.recipe.evaluation`.
+(`meshkd.recipe.on_policy.OnPolicyStep`). Evaluations: `meshkd.recipe.evaluation`. Several teachers
+(`teachers`) are one source, `meshkd.core.teacher_ensemble.TeacherEnsemble`, over each teacher's own.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import yaml
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
+from meshkd.core.teacher_ensemble import TeacherEnsemble
 from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherSource
 from meshkd.core.token_bytes import token_byte_lengths
-from meshkd.core.topology import KDDistributedSetups
+from meshkd.core.topology import TeacherSetups
 from meshkd.parallel.data_parallel import parallelize_student
 from meshkd.parallel.mixed_precision import rounded_update_warning
 from meshkd.parallel.sharded_loading import is_empty, load_shards
@@ -35,7 +37,7 @@ from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
 from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
-from meshkd.recipe.evaluation import Evaluation, before_and_after
+from meshkd.recipe.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
@@ -52,7 +54,7 @@ from meshkd.recipe.train_step import TrainStep, build_optimizer, enable_activati
 class StudentTrainer:
     """A student rank (on shared meshes also the teacher): the recipe calls load, lay_out, resume, run, close."""
 
-    def __init__(self, config: KDRecipeConfig, setups: KDDistributedSetups, faults: FaultWatch,
+    def __init__(self, config: KDRecipeConfig, setups: TeacherSetups, faults: FaultWatch,
                  device: torch.device, stop: StopRequest) -> None:
         self.config = config
         self.setups = setups
@@ -72,9 +74,12 @@ class StudentTrainer:
 
     # ---- setup, phase by phase ----
 
-    def load(self, checked: Preflight) -> None:
-        """This rank's models and data (the teacher too on shared meshes)."""
+    def load(self, checked: dict[str, Preflight]) -> None:
+        """This rank's models and data (and the teachers on the student's ranks); `checked`: each teacher's
+        preflight, by name."""
         config = self.config
+        self.views = config.teacher_views()
+        checked = checked[next(iter(self.views))]  # what they share: the student's tokenizer, the cache
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
@@ -87,26 +92,29 @@ class StudentTrainer:
             if config.model.activation_checkpointing:
                 enable_activation_checkpointing(self._model)
         self._cache_manifest = checked.cache_manifest
-        self._teacher = None if self.setups.separate or self._cache_manifest else load_teacher(config)
+        self._teachers = {} if self._cache_manifest else {
+            name: load_teacher(view) for name, view in self.views.items() if not self.setups.separate(name)}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
-            config, checked, losses=("projection", "gold") if self._teacher else ("gold",))
+            config, checked, losses=("projection", "gold") if self._teachers else ("gold",))
         self._completion_aligner = completion_aligner(config, self.tokenizer, self.teacher_tokenizer)
         with about("dataset"):
             self.train_set, self.val_set, self.train_prompts, self.val_prompts = run_datasets(
                 config, self.tokenizer, self.teacher_tokenizer)
         configure_packing(self._model)
 
-    def vocab_rows(self) -> tuple[int, int]:
-        """(student, teacher) output-embedding rows known here; -1 for a model this rank does not hold."""
-        teacher = self._teacher[0].get_output_embeddings().weight.shape[0] if self._teacher else -1
+    def vocab_rows(self) -> dict[str, int]:
+        """Output-embedding rows of the models held here (the student, teachers on its ranks), by name."""
+        rows = {name: model.get_output_embeddings().weight.shape[0] for name, (model, _) in self._teachers.items()}
         if self._cache_manifest is not None:
-            teacher = self._cache_manifest["teacher_vocab_rows"]
-        return self._model.get_output_embeddings().weight.shape[0], teacher
+            rows["teacher"] = self._cache_manifest["teacher_vocab_rows"]
+        return {"student": self._model.get_output_embeddings().weight.shape[0], **rows}
 
-    def lay_out(self, vocab_size: int, bridge: KDMeshBridge | None) -> None:
-        """Lay out the models (teacher first, as its ranks do), then the optimizer, the step and evaluations."""
-        self.vocab_size, self.bridge = vocab_size, bridge
+    def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
+        """Lay out the models (teachers first, as their ranks do), then the optimizer, the step and evaluations.
+
+        `bridges`: to each teacher on ranks of its own, by name."""
+        self.vocab_size, self.bridges = vocab_size, bridges
         self.teacher = self._setup_teacher_source()
         self.model, self.pipeline = self._setup_model()
         self.optimizer, self.scheduler = build_optimizer(self.model, self.config)
@@ -118,18 +126,25 @@ class StudentTrainer:
                 warn0(warning)
 
     def _setup_teacher_source(self) -> TeacherSource:
-        """From a cache, the teacher on these ranks (shared meshes, laid out here), or on its own ranks."""
+        """From a cache, else each teacher's: on these ranks (laid out here) or on its own; several as one."""
         config = self.config
         if self._cache_manifest is not None:
             datasets = {"train": self.train_set, "validation": self.val_set}
             return CachedTeacher(config.kd.teacher_cache, self._cache_manifest, datasets, device=self.device,
                                  asked=rows_asked(config, datasets, dp_size=self.dp_size))
-        if self.bridge is not None:
-            return TeacherClient(self.bridge)
-        runner = lay_out_teacher(*self._teacher, self.setups.teacher, device=self.device)
-        self._teacher = None
-        return LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=config.kd, seed=config.seed,
-                                           vocabulary_map=self._vocabulary_map))
+        sources = {}
+        for name, view in self.views.items():
+            if name in self.bridges:
+                sources[name] = TeacherClient(self.bridges[name])
+                continue
+            runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
+            sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
+                                                        seed=config.seed, vocabulary_map=self._vocabulary_map))
+        if not config.teachers:
+            return sources["teacher"]
+        return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},
+                               watch=self.faults.watch,
+                               transports={name: view.kd.logits_transport for name, view in self.views.items()})
 
     def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
         """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""
@@ -161,16 +176,25 @@ class StudentTrainer:
                               scheduler=self.scheduler, setup=self.setup, kd=config.kd, vocab_size=self.vocab_size,
                               num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
                               router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
-                              vocabulary_map=self._vocabulary_map)
+                              vocabulary_map=self._vocabulary_map,
+                              teacher_weights=config.teacher_weights() if config.teachers else None)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
-        self.evaluation = Evaluation(config, self.setup, model=self.model, pipeline=self.pipeline,
-                                     teacher=self.teacher, val_set=self.val_set, val_prompts=self.val_prompts,
-                                     completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
-                                     group=self.student_group, device=self.device,
-                                     byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
-                                     teacher_byte_lengths=token_byte_lengths(self.teacher_tokenizer)
-                                     if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size)
+        def evaluation(teacher: TeacherSource, view: KDRecipeConfig, role: str = "teacher") -> Evaluation:
+            return Evaluation(view, self.setup, model=self.model, pipeline=self.pipeline, teacher=teacher,
+                              val_set=self.val_set, val_prompts=self.val_prompts,
+                              completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
+                              group=self.student_group, device=self.device,
+                              byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
+                              teacher_byte_lengths=token_byte_lengths(self.teacher_tokenizer)
+                              if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size, teacher_role=role)
+
+        if isinstance(self.teacher, TeacherEnsemble):
+            self.evaluation = TeachersEvaluation(
+                {name: evaluation(source, self.views[name], TeacherSetups.role(name))
+                 for name, source in self.teacher.sources.items()}, weights=config.teacher_weights())
+        else:
+            self.evaluation = evaluation(self.teacher, config)
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
@@ -200,8 +224,8 @@ class StudentTrainer:
 
     @property
     def student_group(self) -> dist.ProcessGroup | None:
-        """The student ranks' group on separate meshes; None (the world) on shared ones."""
-        return self.bridge.student_group if self.bridge is not None else None
+        """The student ranks' group where teachers have ranks of their own; None (the world) where none has."""
+        return next(iter(self.bridges.values())).student_group if self.bridges else None
 
     # ---- the run ----
 
@@ -226,7 +250,8 @@ class StudentTrainer:
         bounded: past it the rank simply exits, and its peers then fail fast on the lost connection. A
         prefetch thread that could not be stopped still holds the bridge: then nothing is sent.
         """
-        if self.bridge is None or self.bridge.claimed or dist.get_rank() != self.setups.student_ranks[0]:
+        claimed = any(bridge.claimed for bridge in self.bridges.values())
+        if not self.bridges or claimed or dist.get_rank() != self.setup.ranks[0]:
             return
         with contextlib.suppress(RuntimeError):  # timed out or a peer gone: nothing more to do here
             self.teacher.close(timeout=datetime.timedelta(seconds=TeacherFeed.FAILURE_WAIT_S))

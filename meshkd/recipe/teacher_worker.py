@@ -125,23 +125,27 @@ def lay_out_teacher(model: torch.nn.Module, checkpoint: Checkpoint | None, setup
 class TeacherWorker:
     """A teacher-only rank (separate meshes): the recipe calls load, lay_out, resume, run, close in order."""
 
-    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, faults: FaultWatch, device: torch.device):
-        self.config = config
+    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, faults: FaultWatch, device: torch.device,
+                 *, name: str = "teacher"):
+        self.config = config  # the one-teacher config of this teacher (`KDRecipeConfig.teacher_views`)
         self.setup = setup
         self.faults = faults
         self.device = device
+        self.name = name
 
-    def load(self, checked) -> None:
+    def load(self, checked: dict) -> None:
+        """This rank's share of the teacher (built without weights where it can be); `checked`: each teacher's
+        preflight, by name."""
         self.model, self._checkpoint = load_teacher(self.config)
-        self.vocabulary_map = teacher_vocabulary_map(self.config, checked, losses=("projection",))
+        self.vocabulary_map = teacher_vocabulary_map(self.config, checked[self.name], losses=("projection",))
 
-    def vocab_rows(self) -> tuple[int, int]:
-        """(student, teacher) output-embedding rows known here; -1 for the model this rank does not hold."""
-        return -1, self.model.get_output_embeddings().weight.shape[0]
+    def vocab_rows(self) -> dict[str, int]:
+        """Output-embedding rows of the models held here, by name."""
+        return {self.name: self.model.get_output_embeddings().weight.shape[0]}
 
-    def lay_out(self, vocab_size: int, bridge: KDMeshBridge) -> None:
+    def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
-        self.server = TeacherServer(bridge)
+        self.server = TeacherServer(bridges[self.name])
         self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
                                       encodes=self.server.is_output, vocabulary_map=self.vocabulary_map)
 

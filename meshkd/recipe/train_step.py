@@ -37,6 +37,7 @@ import torch.distributed as dist
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
+from meshkd.core.teacher_ensemble import TEACHERS, combined_kd_loss
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
@@ -106,11 +107,17 @@ def shard(micro_batch: dict, answer: dict | None, setup: DistributedSetup, *,
     if setup.cp_size == 1:
         return micro_batch, answer
     local, _ = shard_student_batch(micro_batch, setup, ignore_index=ignore_index)
-    if answer is not None:
-        # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
-        answer = {key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor) and value.ndim >= 2
-                  else value for key, value in answer.items()}
-    return local, answer
+    return local, _shard_answer(answer, setup)
+
+
+def _shard_answer(answer: dict | None, setup: DistributedSetup) -> dict | None:
+    if answer is None:
+        return None
+    if answer.get("mode") == TEACHERS:
+        return {**answer, "answers": {name: _shard_answer(member, setup) for name, member in answer["answers"].items()}}
+    # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
+    return {key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor) and value.ndim >= 2
+            else value for key, value in answer.items()}
 
 
 def student_logits(model: torch.nn.Module, pipeline: StudentPipeline | None, micro_batch: dict) -> torch.Tensor | None:
@@ -137,17 +144,21 @@ class TrainStep:
         router_loss: an MoE student's router loss, or None.
         watch: `FaultWatch.watch`, around each wait for the teacher's answer.
         vocabulary_map: `kd.cross_tokenizer.loss: gold`'s exact pairs of the two vocabularies.
+        teacher_weights: several teachers' normalized weights, by name (their answers combine by
+            `kd.combine`, `meshkd.core.teacher_ensemble`); each one's divergence and wait are logged as
+            `kd_loss/NAME` and `teacher_wait_s/NAME`.
     """
 
     def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, setup: DistributedSetup, kd: KDConfig,
                  vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
                  router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
-                 vocabulary_map: VocabularyMap | None = None) -> None:
+                 vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None) -> None:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
         self.router_loss, self.watch, self.vocabulary_map = router_loss, watch, vocabulary_map
+        self.teacher_weights = teacher_weights
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
 
     def __call__(self, feed: Iterator[Pair], *, skipped_steps: int) -> dict[str, float]:
@@ -158,7 +169,8 @@ class TrainStep:
             records = self._plain(pairs)
         else:
             records = self._pipelined(list(pairs), norm=max(pairs.num_valid, 1.0))
-        return self._finish(records, pairs.wait_s, pairs.num_valid, skipped_steps=skipped_steps)
+        metrics = self._finish(records, pairs.wait_s, pairs.num_valid, skipped_steps=skipped_steps)
+        return {**metrics, **{f"teacher_wait_s/{name}": wait for name, wait in pairs.teacher_waits.items()}}
 
     def _plain(self, pairs: _StepPairs) -> list[dict[str, torch.Tensor]]:
         records = []
@@ -204,20 +216,29 @@ class TrainStep:
                                 chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
+        each_teacher = {}
         if kd.kd_ratio == 0:
             kd_loss = None
         elif answer.get("mode") == GROUPS:  # kd.cross_tokenizer's uld / gold
             kd_loss = group_kd_loss(kd_logits, micro_batch, answer["log_probs"], kd, num_valid_tokens=norm,
                                     vocabulary_map=self.vocabulary_map)
         else:
-            kd_loss = kd_loss_encoded(kd_logits, answer, kd_labels(micro_batch, kd.ignore_index),
-                                      temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                                      chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
-                                      jsd_beta=kd.jsd_beta)
+            def divergence(encoded: dict) -> torch.Tensor:
+                return kd_loss_encoded(kd_logits, encoded, kd_labels(micro_batch, kd.ignore_index),
+                                       temperature=kd.temperature, ignore_index=kd.ignore_index,
+                                       num_valid_tokens=norm, chunk_size=kd.chunk_size or max(labels.numel(), 1),
+                                       divergence=kd.divergence, jsd_beta=kd.jsd_beta)
+
+            if answer.get("mode") == TEACHERS:
+                kd_loss, each_teacher = combined_kd_loss(answer, divergence, weights=self.teacher_weights,
+                                                         combine=kd.combine, temperature=kd.temperature)
+            else:
+                kd_loss = divergence(answer)
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
         zero = torch.zeros((), device=logits.device)
         values = {"ce_loss": ce.detach() if ce is not None else zero,
-                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero}
+                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero,
+                  **{f"kd_loss/{name}": value for name, value in each_teacher.items()}}
         if router is not None:
             share = router / (self.num_micro_batches * self.setup.dp_size)  # of the mean over the step's
             loss = loss + self.router_loss.coefficient * share
@@ -232,7 +253,9 @@ class TrainStep:
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
         scale_expert_gradients(self.model)
         grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm, stages_group=stages, uncounted=copies)
-        keys = ("loss", "ce_loss", "kd_loss") + (("router_loss",) if self.router_loss else ())
+        # The rest (the router's loss, each teacher's divergence) in the records' order, the same on every rank.
+        keys = ("loss", "ce_loss", "kd_loss") + tuple(key for key in records[0] if key not in ("loss", "ce_loss",
+                                                                                                "kd_loss"))
         totals = torch.stack([torch.stack([torch.as_tensor(record[key], dtype=torch.float64).to(self.device)
                                            for key in keys]) for record in records]).sum(0)
         summed = sum_over_ranks(totals, self.setup, device=self.device, and_cp=True)
@@ -259,6 +282,7 @@ class _StepPairs:
     def __init__(self, feed: Iterator[Pair], step: TrainStep) -> None:
         self._feed, self._step = feed, step
         self.wait_s, self.num_valid = 0.0, 0.0
+        self.teacher_waits: dict[str, float] = {}  # several teachers: each one's wait, by name
 
     def __iter__(self) -> Iterator[Pair]:
         step = self._step
@@ -267,6 +291,8 @@ class _StepPairs:
             with step.watch("the teacher request", "teacher"):
                 item, answer = next(self._feed)
             self.wait_s += time.perf_counter() - started
+            for name, wait in (answer or {}).get("wait_s", {}).items():
+                self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait
             if index == 0:
                 (self.num_valid,) = sum_over_ranks([item["step_valid"]], step.setup, device=step.device)
             yield shard(item["micro_batch"], answer, step.setup, ignore_index=step.kd.ignore_index)

@@ -1,0 +1,186 @@
+"""Several teachers as one teacher source: every teacher asked for each micro-batch at once, answers combined.
+
+Design. `TeacherEnsemble` is a `meshkd.core.teacher_protocol.TeacherSource` over named member sources, each
+a teacher on the student's ranks (`LocalTeacher`) or on ranks of its own (`TeacherClient`, with a bridge of
+its own). Its answer to a request holds every member's answer: `{"mode": TEACHERS, "answers": {name:
+answer}}`. Its feed hands each member the same items through `SharedItems` (a thread-safe tee): members
+that prefetch draw them on their own threads, so with `kd.overlap_teacher` every teacher works on the same
+micro-batch at the same time, while the student trains on the previous one; the step then waits for the
+slowest teacher, not for their sum. Without overlap the members are asked in turn. A member's failure is
+raised inside `watch(operation, role)` with that teacher's role, so a lost teacher is named.
+
+How answers combine into the KD term (`combined_kd_loss`), with weights w normalized to sum to 1:
+- "sum": sum_i w_i D(teacher_i || student), each divergence on its own answer, any transport;
+- "mixture": D(sum_i w_i p_i || student), against the mixture of the teachers' distributions at the
+  temperature (`mix_full_answers`; whole-distribution answers: full or full_bf16).
+Two identical teachers give the one-teacher objective either way, and a weight of 0 drops a teacher.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from meshkd.core.logits_codec import LOGITS_MODES
+from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest, TeacherSource, _cuda_tensors
+
+TEACHERS = "teachers"
+"""The mode of an ensemble's answer: {"mode": TEACHERS, "answers": {name: answer}, "wait_s": {name: seconds}}."""
+
+Watch = Callable[[str, str], Any]
+
+
+class SharedItems:
+    """One iterator read by several consumers, each seeing every item in order, from any thread.
+
+    The first consumer to need an item draws it (under a lock) and queues it for the others. On CUDA the
+    drawing thread's stream is synchronized first: another consumer's thread uses the item on its own stream.
+    """
+
+    _END = object()
+
+    def __init__(self, items: Iterable[Any], consumers: int) -> None:
+        self._items = iter(items)
+        self._lock = threading.Lock()
+        self._queues = [collections.deque() for _ in range(consumers)]
+
+    def reader(self, index: int) -> Iterator[Any]:
+        queue = self._queues[index]
+        while True:
+            with self._lock:
+                if not queue:
+                    item = next(self._items, self._END)
+                    if item is self._END:
+                        return
+                    if _cuda_tensors(item):
+                        torch.cuda.current_stream().synchronize()
+                    for waiting in self._queues:
+                        waiting.append(item)
+                item = queue.popleft()
+            yield item
+
+
+class TeacherEnsemble:
+    """Named teacher sources asked as one (see the module docstring).
+
+    Args:
+        sources: teacher name -> its source, in the run's order.
+        roles: teacher name -> how failures name it (`TeacherSetups.role`).
+        watch: `FaultWatch.watch`: each member's answer is awaited inside `watch(operation, its role)`.
+        transports: teacher name -> the encoding its logits travel in, where it is not the one asked for
+            (a request for label log-probabilities only is passed on as it is).
+    """
+
+    def __init__(self, sources: dict[str, TeacherSource], *, roles: dict[str, str], watch: Watch | None = None,
+                 transports: dict[str, str] | None = None) -> None:
+        self.sources = sources
+        self.roles = roles
+        self.transports = transports or {}
+        self._watch = watch or (lambda operation, role: contextlib.nullcontext())
+
+    def _transport(self, name: str, asked: str) -> str:
+        """What member `name` is asked for: its own encoding of the logits in place of the one in `asked`."""
+        mode, plus, rest = asked.partition("+")
+        return self.transports[name] + plus + rest if name in self.transports and mode in LOGITS_MODES else asked
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+        """Every member's answer to the request, in turn (evaluations ask this way)."""
+        answers, waits = {}, {}
+        for name, source in self.sources.items():
+            started = time.perf_counter()
+            with self._watch("the teacher request", self.roles[name]):
+                answers[name] = source.request(batch, self._transport(name, logits_transport))
+            waits[name] = time.perf_counter() - started
+        return _combined(answers, waits)
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> TeacherFeed:
+        shared = SharedItems(items, len(self.sources))
+        def member_batch_fn(name: str) -> Callable[[Any], TeacherRequest]:
+            def request(item: Any) -> TeacherRequest:
+                asked = batch_fn(item)
+                return TeacherRequest(asked.batch, self._transport(name, asked.logits_transport))
+            return request
+
+        feeds = {name: source.prefetch(shared.reader(index), batch_fn=member_batch_fn(name), depth=depth)
+                 for index, (name, source) in enumerate(self.sources.items())}
+
+        def pairs() -> Iterator[tuple[Any, Encoded | None]]:
+            while True:
+                item, answers, waits = None, {}, {}
+                for name, feed in feeds.items():
+                    started = time.perf_counter()
+                    with self._watch("the teacher request", self.roles[name]):
+                        pair = next(feed, None)
+                    if pair is None:
+                        return
+                    waits[name] = time.perf_counter() - started
+                    item, answers[name] = pair
+                yield item, _combined(answers, waits)
+
+        def close(timeout: float | None) -> bool:
+            return all([feed.close(timeout) for feed in feeds.values()])  # every one, even after a failure
+
+        return TeacherFeed(pairs(), close=close)
+
+    def close(self, timeout=None) -> None:
+        """Release every teacher (the first failure is raised once all were asked)."""
+        failure = None
+        for name, source in self.sources.items():
+            try:
+                with self._watch("broadcast_command", self.roles[name]):
+                    source.close(timeout=timeout)
+            except Exception as raised:  # noqa: BLE001 - the others are still released
+                failure = failure or raised
+        if failure is not None:
+            raise failure
+
+
+def _combined(answers: dict[str, Encoded | None], waits: dict[str, float]) -> Encoded | None:
+    """The ensemble's answer, or None where no member answered (pipeline stages before the student's last)."""
+    if all(answer is None for answer in answers.values()):
+        return None
+    return {"mode": TEACHERS, "answers": answers, "wait_s": waits}
+
+
+def mix_full_answers(answers: dict[str, Encoded], weights: dict[str, float], *, temperature: float) -> Encoded:
+    """One "full" answer whose distribution at `temperature` is sum_i w_i softmax(z_i / T).
+
+    Its logits are T * log(sum_i w_i softmax(z_i / T)) (float32), log-probabilities scaled so that the KD
+    loss's softmax at T gives back the mixture exactly."""
+    for name, answer in answers.items():
+        if answer.get("mode") not in ("full", "full_bf16"):
+            raise ValueError(f"teacher {name!r} answered {answer.get('mode')!r}: a mixture of teachers needs their "
+                             "whole distributions (logits_transport full or full_bf16)")
+    terms = [torch.log_softmax(answer["logits"].float() / temperature, dim=-1) + math.log(weights[name])
+             if weights[name] > 0 else None for name, answer in answers.items()]
+    terms = [term for term in terms if term is not None]
+    mixed = terms[0] if len(terms) == 1 else torch.logsumexp(torch.stack(terms), dim=0)
+    return {"mode": "full", "logits": mixed * temperature}
+
+
+def combined_kd_loss(answer: Encoded, loss_fn: Callable[[Encoded], torch.Tensor], *, weights: dict[str, float],
+                     combine: str, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the KD term of an ensemble's answer, each teacher's own divergence, detached) by `combine`.
+
+    `loss_fn(answer)`: the divergence of the student's logits to one answer at `temperature`. "sum" weighs
+    the members' divergences; "mixture" takes the divergence to their mixture (`mix_full_answers`), and
+    each member's own divergence for the metrics only."""
+    answers = answer["answers"]
+    if combine == "sum":
+        each = {name: loss_fn(member) for name, member in answers.items()}
+        total = sum(weights[name] * loss for name, loss in each.items())
+        return total, {name: loss.detach() for name, loss in each.items()}
+    if combine != "mixture":
+        raise ValueError(f"combine must be sum or mixture, got {combine!r}")
+    total = loss_fn(mix_full_answers(answers, weights, temperature=temperature))
+    with torch.no_grad():
+        each = {name: loss_fn(member).detach() for name, member in answers.items()}
+    return total, each
