@@ -151,19 +151,24 @@ def _combined(answers: dict[str, Encoded | None], waits: dict[str, float]) -> En
 
 
 def mix_full_answers(answers: dict[str, Encoded], weights: dict[str, float], *, temperature: float) -> Encoded:
-    """One "full" answer whose distribution at `temperature` is sum_i w_i softmax(z_i / T).
+    """One "full" answer whose distribution at `temperature` is the mixture sum_i w_i softmax(z_i / T).
 
-    Its logits are T * log(sum_i w_i softmax(z_i / T)) (float32), log-probabilities scaled so that the KD
-    loss's softmax at T gives back the mixture exactly."""
+    Its logits are z_r + T log sum_i w_i p_i / p_r, r the first teacher of weight > 0: the mixture's log
+    probabilities up to a constant, which the loss's softmax drops. Taken relative to one teacher, so that
+    teachers that agree (and teachers of weight 0) give back exactly that teacher's logits."""
     for name, answer in answers.items():
         if answer.get("mode") not in ("full", "full_bf16"):
             raise ValueError(f"teacher {name!r} answered {answer.get('mode')!r}: a mixture of teachers needs their "
                              "whole distributions (logits_transport full or full_bf16)")
-    terms = [torch.log_softmax(answer["logits"].float() / temperature, dim=-1) + math.log(weights[name])
-             if weights[name] > 0 else None for name, answer in answers.items()]
-    terms = [term for term in terms if term is not None]
-    mixed = terms[0] if len(terms) == 1 else torch.logsumexp(torch.stack(terms), dim=0)
-    return {"mode": "full", "logits": mixed * temperature}
+    kept = [name for name in answers if weights[name] > 0]
+    reference = answers[kept[0]]["logits"].float()
+    reference_norm = torch.logsumexp(reference / temperature, dim=-1, keepdim=True)
+    terms = []
+    for name in kept:  # log(w_i p_i / p_r), from the logits' differences: exactly log w_r for the reference
+        logits = answers[name]["logits"].float()
+        norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
+        terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
+    return {"mode": "full", "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)}
 
 
 def combined_kd_loss(answer: Encoded, loss_fn: Callable[[Encoded], torch.Tensor], *, weights: dict[str, float],

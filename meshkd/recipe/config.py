@@ -378,8 +378,9 @@ def _check_teachers(config: KDRecipeConfig) -> None:
         if not teacher.name or not teacher.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"teachers[{index}].name must be a name of letters, digits, - and _, got "
                               f"{teacher.name!r}")
-        if names.count(teacher.name) > 1:
-            raise ConfigError(f"teachers[{index}].name {teacher.name!r} is given to more than one teacher")
+        if teacher.name in names[:index]:
+            raise ConfigError(f"teachers[{index}].name {teacher.name!r} is already teachers"
+                              f"[{names.index(teacher.name)}]'s: each teacher needs a name of its own")
         if not (teacher.weight >= 0 and math.isfinite(teacher.weight)):
             raise ConfigError(f"teachers.{teacher.name}.weight must be a finite number >= 0, got {teacher.weight}")
     if sum(teacher.weight for teacher in config.teachers) <= 0:

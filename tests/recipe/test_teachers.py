@@ -1,0 +1,193 @@
+"""Several teachers at once (`teachers`): how their answers combine, and that no layout changes the curve.
+
+Two identical teachers at weights 0.5 / 0.5 are one teacher, whichever way they combine; a teacher of weight 0
+drops out; two different teachers (a Llama and a Qwen2) on ranks of their own, each in its own layout, or one
+on the student's ranks beside another on its own, train the curve of the same two teachers in one process;
+a resumed run continues it exactly. Bad `teachers` configs are refused naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from meshkd.core.topology import validate_teacher_layouts
+from meshkd.recipe.config import ConfigError, config_from_dict, required_world_size
+from tests.recipe.test_recipe import RecipeRuns, curve
+from tests.tiny import STEPS, base_config, tiny_llama
+
+
+def llama_teacher() -> dict:
+    return tiny_llama(3, seed=2)  # base_config's teacher
+
+
+def qwen_teacher() -> dict:
+    section = tiny_llama(3, seed=5)
+    section["random_init"]["model_type"] = "qwen2"
+    return section
+
+
+def with_teachers(tmp: Path, student: dict, teachers: list[dict], **kd) -> dict:
+    """base_config with `teachers` (name, model, weight, distributed?) in place of its teacher_model."""
+    config = base_config(tmp)
+    del config["teacher_model"]
+    config["distributed"] = student
+    config["teachers"] = copy.deepcopy(teachers)
+    config["kd"].update(kd)
+    return config
+
+
+def teacher(name: str, model: dict, weight: float, layout: dict | None = None) -> dict:
+    return {"name": name, "model": model, "weight": weight, **({"distributed": layout} if layout else {})}
+
+
+ONE_PROCESS = {"dp_size": 1}
+MIXED = [teacher("code", llama_teacher(), 0.7), teacher("prose", qwen_teacher(), 0.3)]
+
+
+def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
+    one = base_config(tmp / "one")
+    one["distributed"] = ONE_PROCESS
+    runs = {"one_teacher": (one, False)}
+    twins = [teacher("a", llama_teacher(), 0.5), teacher("b", llama_teacher(), 0.5)]
+    for combine in ("sum", "mixture"):
+        runs[f"twins_{combine}"] = (with_teachers(tmp / f"twins_{combine}", ONE_PROCESS, twins, combine=combine),
+                                    False)
+        # Teacher "other" (a Qwen2) weighs nothing: the Llama's curve alone.
+        dropped = [teacher("other", qwen_teacher(), 0.0), teacher("kept", llama_teacher(), 2.0)]
+        runs[f"weight_zero_{combine}"] = (with_teachers(tmp / f"weight_zero_{combine}", ONE_PROCESS, dropped,
+                                                        combine=combine), False)
+        runs[f"reference_{combine}"] = (with_teachers(tmp / f"reference_{combine}", ONE_PROCESS, MIXED,
+                                                      combine=combine), False)
+    # Each teacher in a layout of its own beside a data-parallel student: 2 + 2 + 2 ranks.
+    own = [{**MIXED[0], "distributed": {"dp_size": 1, "tp_size": 2}},
+           {**MIXED[1], "distributed": {"dp_size": 1, "pp_size": 2}}]
+    runs["tp2_and_pp2_sum"] = (with_teachers(tmp / "tp2_and_pp2", {"dp_size": 2}, own), False)
+    # One teacher on the student's ranks, the other on a rank of its own.
+    shared_and_own = [MIXED[0], {**MIXED[1], "distributed": {"dp_size": 1}}]
+    for combine in ("sum", "mixture"):
+        runs[f"shared_and_own_{combine}"] = (with_teachers(tmp / f"shared_and_own_{combine}", ONE_PROCESS,
+                                                           shared_and_own, combine=combine), False)
+    # Stopped after step 3 of 5 (latest checkpoint: step 2), then resumed to the end.
+    config = with_teachers(tmp / "resume", ONE_PROCESS, shared_and_own)
+    config["checkpoint"] = {"enabled": True, "save_hf": False}
+    config["step_scheduler"]["ckpt_every_steps"] = 2
+    first = copy.deepcopy(config)
+    first["step_scheduler"]["max_steps"] = 3
+    first["lr_scheduler"]["total_steps"] = STEPS
+    runs["resume_first"] = (first, False)
+    runs["resume"] = (config, True)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> RecipeRuns:
+    return RecipeRuns(teachers_runs(tmp_path_factory.mktemp("teachers")))
+
+
+def train(records: list[dict]) -> list[dict]:
+    return [record for record in records if record["kind"] == "train"]
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("combine", ["sum", "mixture"])
+def test_two_identical_teachers_at_half_weight_each_are_one_teacher(runs, combine):
+    one, twins = runs.records("one_teacher"), runs.records(f"twins_{combine}")
+    assert curve(twins) == pytest.approx(curve(one), rel=1e-6, abs=1e-9)
+    for record in train(twins):  # each teacher's own divergence is the one teacher's
+        assert record["kd_loss/a"] == pytest.approx(record["kd_loss"], rel=1e-6)
+        assert record["kd_loss/b"] == pytest.approx(record["kd_loss"], rel=1e-6)
+        assert record["teacher_wait_s/a"] >= 0 and record["teacher_wait_s/b"] >= 0
+    first = twins[0]
+    assert first["kind"] == "eval" and first["teacher_val_loss/a"] == pytest.approx(first["teacher_val_loss"])
+    assert first["val_kl/b"] == pytest.approx(one[0]["val_kl"], rel=1e-6)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("combine", ["sum", "mixture"])
+def test_a_teacher_of_weight_zero_drops_out(runs, combine):
+    records = runs.records(f"weight_zero_{combine}")
+    assert curve(records) == pytest.approx(curve(runs.records("one_teacher")), rel=1e-6, abs=1e-9)
+    # Still asked, and still scored: its divergence is logged, its weight in the evaluation's means 0.
+    assert all(record["kd_loss/other"] != record["kd_loss/kept"] for record in train(records))
+    assert records[0]["teacher_val_loss"] == pytest.approx(records[0]["teacher_val_loss/kept"])
+
+
+@pytest.mark.world
+def test_the_two_combining_rules_differ_for_different_teachers(runs):
+    summed, mixed = runs.records("reference_sum"), runs.records("reference_mixture")
+    for record in train(summed):  # the sum is the weighted sum of the logged divergences
+        assert record["kd_loss"] == pytest.approx(0.7 * record["kd_loss/code"] + 0.3 * record["kd_loss/prose"])
+    first_mixed = train(mixed)[0]
+    # The KL to a mixture is at most the mixture of the KLs (convexity), and here strictly less.
+    assert first_mixed["kd_loss"] < 0.7 * first_mixed["kd_loss/code"] + 0.3 * first_mixed["kd_loss/prose"]
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name, combine", [("tp2_and_pp2_sum", "sum"), ("shared_and_own_sum", "sum"),
+                                           ("shared_and_own_mixture", "mixture")])
+def test_teachers_in_their_own_layouts_train_the_one_process_curve(runs, name, combine):
+    reference, laid_out = curve(runs.records(f"reference_{combine}")), curve(runs.records(name))
+    assert laid_out[:3] == pytest.approx(reference[:3], rel=1e-5)
+    assert laid_out == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.world
+def test_a_resumed_run_with_two_teachers_continues_the_curve_exactly(runs):
+    runs.records("resume_first")
+    resumed = [record for record in train(runs.records("resume")) if record["step"] > 2]
+    assert [record["step"] for record in resumed] == [3, 4, 5]
+    assert curve(resumed) == pytest.approx(curve(runs.records("shared_and_own_sum"))[6:], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad configs, refused at load naming the key
+
+
+def refusal(tmp_path: Path, change) -> str:
+    config = with_teachers(tmp_path, ONE_PROCESS, MIXED)
+    change(config)
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(config)
+    return str(raised.value)
+
+
+CASES = {
+    "teacher_model beside teachers": (lambda c: c.update(teacher_model=llama_teacher()), "teachers replaces "
+                                      "teacher_model"),
+    "two teachers of one name": (lambda c: c["teachers"][1].update(name="code"), "teachers[1].name 'code'"),
+    "a name that is no name": (lambda c: c["teachers"][0].update(name="a b"), "teachers[0].name"),
+    "a negative weight": (lambda c: c["teachers"][1].update(weight=-1), "teachers.prose.weight"),
+    "every weight 0": (lambda c: [t.update(weight=0) for t in c["teachers"]], "every weight is 0"),
+    "no teacher": (lambda c: c.update(teachers=[]), "teachers is empty"),
+    "an unknown rule": (lambda c: c["kd"].update(combine="max"), "kd.combine must be sum or mixture"),
+    "a mixture of top-k answers": (lambda c: (c["kd"].update(combine="mixture"),
+                                              c["teachers"][1].update(logits_transport="topk")),
+                                   "teachers.prose.logits_transport"),
+    "a teacher cache": (lambda c: c["kd"].update(teacher_cache="cache"), "kd.teacher_cache does not yet work"),
+    "a teacher's own mistake": (lambda c: c["teachers"][1]["model"].update(dtype="float64"),
+                                "teachers.prose: teacher_model.dtype"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_teachers_configs_are_refused_naming_the_key(tmp_path, case):
+    change, expected = CASES[case]
+    assert expected in refusal(tmp_path, change)
+
+
+def test_a_world_the_layouts_do_not_fill_is_refused_naming_each_section():
+    with pytest.raises(ValueError, match=r"distributed: dp_size\(2\).*teachers.prose.distributed: dp_size\(1\) \* "
+                                         r"tp_size\(3\).* 5 != world size 4"):
+        validate_teacher_layouts({"dp_size": 2}, {"code": None, "prose": {"dp_size": 1, "tp_size": 3}}, 4)
+
+
+def test_the_world_is_the_students_ranks_and_each_teachers_own(tmp_path):
+    own = [{**MIXED[0], "distributed": {"dp_size": 1, "tp_size": 2}}, {**MIXED[1], "distributed": {"dp_size": 2}}]
+    assert required_world_size(config_from_dict(with_teachers(tmp_path, {"dp_size": 2}, own))) == 6
+    shared = [MIXED[0], {**MIXED[1], "distributed": {"dp_size": 1}}]
+    assert required_world_size(config_from_dict(with_teachers(tmp_path, {"dp_size": 1}, shared))) == 2
+    # Without a teacher of its own ranks the student's dp_size may stay open (from the process count).
+    assert required_world_size(config_from_dict(with_teachers(tmp_path, {}, MIXED))) is None
