@@ -169,7 +169,7 @@ def encode_teacher_rows(logits: Tensor, mode: str, *, seeds: list[int], **option
     """
     if len(seeds) != logits.shape[0]:
         raise ValueError(f"need one seed per row: {logits.shape[0]} rows, {len(seeds)} seeds")
-    if mode != "topk" or not options.get("tail_samples"):
+    if mode != "topk" or not options.get("tail_samples") or not seeds:  # no row: no sample either
         return encode_teacher_logits(logits, mode, **options)
     rows = [encode_teacher_logits(logits[i : i + 1], mode, seed=seed, **options) for i, seed in enumerate(seeds)]
     return {key: torch.cat([row[key] for row in rows]) if isinstance(value, Tensor) else value

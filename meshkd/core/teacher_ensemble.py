@@ -33,6 +33,8 @@ from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherReq
 
 TEACHERS = "teachers"
 """The mode of an ensemble's answer: {"mode": TEACHERS, "answers": {name: answer}, "wait_s": {name: seconds}}."""
+ROUTE = "teacher"
+"""The batch field of routed rows: [rows, 1] int64, each row's teacher's index in the ensemble's order."""
 
 Watch = Callable[[str, str], Any]
 
@@ -76,14 +78,24 @@ class TeacherEnsemble:
         watch: `FaultWatch.watch`: each member's answer is awaited inside `watch(operation, its role)`.
         transports: teacher name -> the encoding its logits travel in, where it is not the one asked for
             (a request for label log-probabilities only is passed on as it is).
+        route: each teacher is asked for the rows whose `ROUTE` field holds its index only (possibly none).
     """
 
     def __init__(self, sources: dict[str, TeacherSource], *, roles: dict[str, str], watch: Watch | None = None,
-                 transports: dict[str, str] | None = None) -> None:
+                 transports: dict[str, str] | None = None, route: bool = False) -> None:
         self.sources = sources
         self.roles = roles
         self.transports = transports or {}
+        self.route = route
         self._watch = watch or (lambda operation, role: contextlib.nullcontext())
+
+    def _member_request(self, index: int, name: str, request: TeacherRequest) -> TeacherRequest:
+        """What member `name` (`index`-th) is asked: its own transport; with `route` only its rows."""
+        batch = request.batch
+        if self.route:
+            rows = batch[ROUTE][:, 0] == index
+            batch = {key: value[rows] for key, value in batch.items()}
+        return TeacherRequest(batch, self._transport(name, request.logits_transport))
 
     def _transport(self, name: str, asked: str) -> str:
         """What member `name` is asked for: its own encoding of the logits in place of the one in `asked`."""
@@ -93,23 +105,21 @@ class TeacherEnsemble:
     def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
         """Every member's answer to the request, in turn (evaluations ask this way)."""
         answers, waits = {}, {}
-        for name, source in self.sources.items():
+        for index, (name, source) in enumerate(self.sources.items()):
             started = time.perf_counter()
+            request = self._member_request(index, name, TeacherRequest(batch, logits_transport))
             with self._watch("the teacher request", self.roles[name]):
-                answers[name] = source.request(batch, self._transport(name, logits_transport))
+                answers[name] = source.request(request.batch, request.logits_transport)
             waits[name] = time.perf_counter() - started
         return _combined(answers, waits)
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:
         shared = SharedItems(items, len(self.sources))
-        def member_batch_fn(name: str) -> Callable[[Any], TeacherRequest]:
-            def request(item: Any) -> TeacherRequest:
-                asked = batch_fn(item)
-                return TeacherRequest(asked.batch, self._transport(name, asked.logits_transport))
-            return request
+        def member_batch_fn(index: int, name: str) -> Callable[[Any], TeacherRequest]:
+            return lambda item: self._member_request(index, name, batch_fn(item))
 
-        feeds = {name: source.prefetch(shared.reader(index), batch_fn=member_batch_fn(name), depth=depth)
+        feeds = {name: source.prefetch(shared.reader(index), batch_fn=member_batch_fn(index, name), depth=depth)
                  for index, (name, source) in enumerate(self.sources.items())}
 
         def pairs() -> Iterator[tuple[Any, Encoded | None]]:
@@ -171,14 +181,53 @@ def mix_full_answers(answers: dict[str, Encoded], weights: dict[str, float], *, 
     return {"mode": "full", "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)}
 
 
-def combined_kd_loss(answer: Encoded, loss_fn: Callable[[Encoded], torch.Tensor], *, weights: dict[str, float],
-                     combine: str, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def answered_rows(answer: Encoded) -> int:
+    """The rows one teacher's answer covers (every tensor of an encoding is [rows, ...])."""
+    return next(value.shape[0] for value in answer.values() if isinstance(value, torch.Tensor))
+
+
+def merge_routed_answers(answers: dict[str, Encoded], rows: dict[str, torch.Tensor]) -> Encoded:
+    """One answer for the whole micro-batch from each teacher's answer for its rows (`rows`: name -> bool [rows]).
+
+    The teachers answer in one encoding (full_bf16 next to full is taken as float32)."""
+    modes = {answer["mode"].replace("full_bf16", "full") for answer in answers.values()}
+    if len(modes) > 1:
+        raise ValueError(f"routed teachers answered in different encodings {sorted(modes)}: give them one "
+                         "logits_transport")
+    for name, answer in answers.items():
+        if answered_rows(answer) != int(rows[name].sum()):
+            raise ValueError(f"teacher {name!r} answered {answered_rows(answer)} rows, not the "
+                             f"{int(rows[name].sum())} routed to it")
+    first = next(iter(answers.values()))
+    total = next(iter(rows.values())).shape[0]
+    merged = {}
+    for key, value in first.items():
+        if not isinstance(value, torch.Tensor):
+            merged[key] = value
+            continue
+        dtype = torch.float32 if value.is_floating_point() else value.dtype
+        merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
+        for name, answer in answers.items():
+            merged[key][rows[name]] = answer[key].to(dtype)
+    merged["mode"] = "full" if first["mode"] == "full_bf16" else first["mode"]
+    return merged
+
+
+def combined_kd_loss(answer: Encoded, loss_fn: Callable[..., torch.Tensor], *, weights: dict[str, float],
+                     combine: str, temperature: float, routes: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the KD term of an ensemble's answer, each teacher's own divergence, detached) by `combine`.
 
-    `loss_fn(answer)`: the divergence of the student's logits to one answer at `temperature`. "sum" weighs
-    the members' divergences; "mixture" takes the divergence to their mixture (`mix_full_answers`), and
-    each member's own divergence for the metrics only."""
+    `loss_fn(answer, rows=None)`: the divergence of the student's logits to one answer at `temperature`
+    (over `rows` only: a bool [rows] mask). "sum" weighs the members' divergences; "mixture" takes the
+    divergence to their mixture (`mix_full_answers`), and each member's own divergence for the metrics only;
+    "route" the divergence of each row to its teacher (`routes`: [rows] each row's teacher's index)."""
     answers = answer["answers"]
+    if combine == "route":
+        rows = {name: routes == index for index, name in enumerate(answers)}
+        merged = merge_routed_answers(answers, rows)
+        each = {name: loss_fn(merged, rows[name]) for name in answers}
+        return sum(each.values()), {name: loss.detach() for name, loss in each.items()}
     if combine == "sum":
         each = {name: loss_fn(member) for name, member in answers.items()}
         total = sum(weights[name] * loss for name, loss in each.items())

@@ -129,7 +129,8 @@ class KDConfig:
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)
     cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one
     # Several teachers (`teachers`): sum (the weighted sum of the divergences to each) | mixture (the
-    # divergence to the weighted mixture of their distributions)
+    # divergence to the weighted mixture of their distributions) | route (each row's divergence to the one
+    # teacher its documents name in dataset.teacher_key)
     combine: str = "sum"
 
     @property
@@ -157,6 +158,9 @@ class DatasetConfig:
     max_document_chars: int | None = None
     packing: bool = True  # NEAT-pack several documents per row; false: one document per row
     on_bad_file: str = "error"  # a binary or non-UTF-8 file: error (refused, named) | skip (left out, named)
+    # With several teachers and kd.combine route: the JSONL field naming each document's teacher (rows hold
+    # one teacher's documents; each row asks only its teacher)
+    teacher_key: str | None = None
 
 
 @dataclass
@@ -351,6 +355,9 @@ def validate(config: KDRecipeConfig) -> None:
                 raise ConfigError(str(error)) from None
             _check_batch_split(config)
         return
+    if config.dataset.teacher_key is not None:
+        raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
+                          "(with kd.combine route), or leave the key out")
     _validate_one(config, check_world=True)
 
 
@@ -386,8 +393,13 @@ def _check_teachers(config: KDRecipeConfig) -> None:
     if sum(teacher.weight for teacher in config.teachers) <= 0:
         raise ConfigError("teachers: every weight is 0; give at least one teacher a weight > 0")
     kd = config.kd
-    if kd.combine not in ("sum", "mixture"):
-        raise ConfigError(f"kd.combine must be sum or mixture, got {kd.combine!r}")
+    if kd.combine not in ("sum", "mixture", "route"):
+        raise ConfigError(f"kd.combine must be sum, mixture or route, got {kd.combine!r}")
+    if (kd.combine == "route") != (config.dataset.teacher_key is not None):
+        raise ConfigError("kd.combine route sends each row to the teacher its documents name: it needs "
+                          "dataset.teacher_key (the JSONL field with the name), and dataset.teacher_key needs it")
+    if kd.combine == "route":
+        _check_routing(config)
     if kd.combine == "mixture":
         for teacher in config.teachers:
             transport = teacher.logits_transport or kd.logits_transport
@@ -400,6 +412,20 @@ def _check_teachers(config: KDRecipeConfig) -> None:
         if used:
             raise ConfigError(f"{key} does not yet work with several teachers (teachers); use one teacher "
                               "(teacher_model) for it")
+
+
+def _check_routing(config: KDRecipeConfig) -> None:
+    for teacher in config.teachers:
+        if teacher.weight != 1.0:
+            raise ConfigError(f"teachers.{teacher.name}.weight: with kd.combine route each row learns from its "
+                              "own teacher alone, so weights have no effect; leave them out")
+    transports = {teacher.logits_transport or config.kd.logits_transport for teacher in config.teachers}
+    if len(transports) > 1:
+        raise ConfigError(f"kd.combine route puts the teachers' answers for one micro-batch together: give every "
+                          f"teacher the same logits_transport, got {sorted(transports)}")
+    if config.kd.mode == "on_policy":
+        raise ConfigError("kd.combine route does not yet work with kd.mode on_policy (the prompts would need "
+                          "their teacher too)")
 
 
 def _validate_one(config: KDRecipeConfig, *, check_world: bool) -> None:

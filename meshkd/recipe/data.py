@@ -132,6 +132,7 @@ def build_datasets(
     max_document_chars: int | None = None,
     encoding_errors: str = "replace",
     on_bad_file: str = "read",
+    route_key: str | None = None,
     pack: bool = True,
     pack_texts: Callable[[list[str]], PackedDataset] | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
@@ -156,6 +157,8 @@ def build_datasets(
             encodings (Python's standard library has several); "strict" raises ValueError naming the file.
         on_bad_file: a file that is not text (binary, or not valid UTF-8): "read" decodes it anyway (with
             `encoding_errors`), "error" raises ValueError naming it, "skip" leaves it out with a warning.
+        route_key: JSONL field naming each document's teacher: the texts `pack_texts` gets carry it
+            (`meshkd.recipe.documents.RoutedText`).
         pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
             padded batch, whose mask holds 1 for tokens and 0 for padding.
         pack_texts: makes a split's rows from its texts in place of `tokenizer`'s packing (both
@@ -171,11 +174,9 @@ def build_datasets(
     train_texts, val_texts = split_texts(
         paths=paths, val_fraction=val_fraction, seed=seed, text_key=text_key, format=format,
         max_documents=max_documents, max_document_chars=max_document_chars, encoding_errors=encoding_errors,
-        on_bad_file=on_bad_file,
+        on_bad_file=on_bad_file, route_key=route_key,
     )  # fmt: skip
-    if pack_texts is None:
-        def pack_texts(texts: list[str]) -> PackedDataset:
-            return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
+    pack_texts = pack_texts or packer(tokenizer, sequence_length, pack=pack)
     train, val = pack_texts(train_texts), pack_texts(val_texts)
     for name, split, texts in (("training", train, train_texts), ("validation", val, val_texts)):
         if texts and len(split) == 0:
@@ -184,6 +185,14 @@ def build_datasets(
                 f"token for any of them"
             )
     return train, val
+
+
+def packer(tokenizer: PreTrainedTokenizerBase, sequence_length: int, *,
+           pack: bool = True) -> Callable[[list[str]], PackedDataset]:
+    """`build_datasets`' own way from a split's texts to its rows: tokenize, then pack (or one per row)."""
+    def pack_texts(texts: list[str]) -> PackedDataset:
+        return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
+    return pack_texts
 
 
 def split_texts(
@@ -197,6 +206,7 @@ def split_texts(
     max_document_chars: int | None = None,
     encoding_errors: str = "replace",
     on_bad_file: str = "read",
+    route_key: str | None = None,
 ) -> tuple[list[str], list[str]]:
     """The documents `build_datasets` reads, as (training texts, validation texts), before tokenizing
     (arguments and errors as there): what a tokenizer trained on the training split alone reads."""
@@ -208,7 +218,7 @@ def split_texts(
         files = [files[i] for i in _permutation(len(files), seed)]
     documents = read_documents(files, text_key=text_key, format=format, max_documents=max_documents,
                                max_document_chars=max_document_chars, encoding_errors=encoding_errors,
-                               on_bad_file=on_bad_file)
+                               on_bad_file=on_bad_file, route_key=route_key)
     if not documents:
         raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {describe_patterns(patterns)}")
 
@@ -243,7 +253,7 @@ def reading_arguments(dataset) -> dict:
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
             "seed": dataset.seed, "text_key": dataset.text_key, "format": dataset.format,
             "max_documents": dataset.max_documents, "max_document_chars": dataset.max_document_chars,
-            "on_bad_file": dataset.on_bad_file}
+            "on_bad_file": dataset.on_bad_file, "route_key": dataset.teacher_key}
 
 
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:

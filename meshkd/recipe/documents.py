@@ -6,6 +6,9 @@ byte is reported with its file (and line), not deep inside the tokenizer. A file
 byte: binary; or not valid UTF-8) is, by `on_bad_file`, read anyway ("read": decoded with
 `encoding_errors`), refused naming it ("error"), or left out with a warning naming it ("skip"; printed by
 the process of global rank 0 only, once per file, since every rank reads the same files).
+
+With `route_key` (several teachers, `kd.combine: route`) each JSONL document also names its teacher in that
+field: it is read as a `RoutedText`, a string that carries the name as `.route`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshkd.recipe.metrics import warn0
+
+
+class RoutedText(str):
+    """A document's text with the name of the teacher it is routed to (`route`)."""
+
+    route: str
+
+    @classmethod
+    def of(cls, text: str, route: str) -> RoutedText:
+        routed = cls(text)
+        routed.route = route
+        return routed
 
 
 def describe_patterns(patterns: list) -> str:
@@ -74,6 +89,7 @@ def read_documents(
     max_document_chars: int | None,
     encoding_errors: str,
     on_bad_file: str = "read",
+    route_key: str | None = None,
 ) -> list[str]:
     if on_bad_file not in BAD_FILE_POLICIES:
         raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
@@ -84,13 +100,17 @@ def read_documents(
             continue
         is_jsonl = format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl")
         if is_jsonl:
-            texts = _jsonl_documents(path, data, text_key, encoding_errors)
+            texts = _jsonl_documents(path, data, text_key, encoding_errors, route_key)
+        elif route_key is not None:
+            raise ValueError(f"{path} is not a JSONL file, so no document of it can name its teacher under the "
+                             f"route key {route_key!r}")
         else:
             texts = _text_document(path, data, encoding_errors)
         for text in texts:
             if not text.strip():
                 continue
-            documents.append(text if max_document_chars is None else text[:max_document_chars])
+            cut = text if max_document_chars is None else text[:max_document_chars]
+            documents.append(RoutedText.of(cut, text.route) if route_key is not None else cut)
             if max_documents is not None and len(documents) == max_documents:
                 return documents  # stop reading: a cap on a large corpus should not read all of it
     return documents
@@ -113,7 +133,8 @@ def _text_document(path: str, data: bytes, encoding_errors: str) -> Iterator[str
         ) from None
 
 
-def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str) -> Iterator[str]:
+def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str,
+                     route_key: str | None = None) -> Iterator[str]:
     for number, raw in enumerate(data.splitlines(), start=1):
         where = f"{path}:{number}"
         try:
@@ -134,7 +155,14 @@ def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str
         text = record[text_key]
         if not isinstance(text, str):
             raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
-        yield text
+        if route_key is None:
+            yield text
+            continue
+        route = record.get(route_key)
+        if not isinstance(route, str):
+            raise ValueError(f"{where}: the route key {route_key!r} must hold the name of the document's teacher, "
+                             f"got {route!r}")
+        yield RoutedText.of(text, route)
 
 
 def check_arguments(

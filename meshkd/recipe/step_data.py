@@ -19,16 +19,23 @@ from meshkd.recipe import data
 from meshkd.recipe.aligned_data import run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.on_policy import OnPolicyStep, build_prompt_set
+from meshkd.recipe.routing import routed_packing
 from meshkd.recipe.train_step import TrainStep, micro_batches, step_items
 
 
 def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     """(training rows, validation rows, training prompts, validation prompts) of a run; the prompts are None
     unless the student completes `dataset.prompt_key` prompts. With `kd.cross_tokenizer` the rows carry the
-    teacher's tokenization too (`meshkd.recipe.aligned_data`)."""
+    teacher's tokenization too (`meshkd.recipe.aligned_data`); with `dataset.teacher_key` their teacher
+    (`meshkd.recipe.routing`)."""
     steps = config.step_scheduler
+    pack_texts = run_packing(config, tokenizer, teacher_tokenizer)
+    if config.dataset.teacher_key is not None:
+        pack_texts = routed_packing(pack_texts or data.packer(tokenizer, steps.sequence_length,
+                                                              pack=config.dataset.packing),
+                                    [teacher.name for teacher in config.teachers])
     train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
-                                         pack_texts=run_packing(config, tokenizer, teacher_tokenizer))
+                                         pack_texts=pack_texts)
     if not (config.dataset.prompt_key and config.kd.generates):
         return train, val, None, None
     max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens

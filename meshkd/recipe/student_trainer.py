@@ -144,7 +144,8 @@ class StudentTrainer:
             return sources["teacher"]
         return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},
                                watch=self.faults.watch,
-                               transports={name: view.kd.logits_transport for name, view in self.views.items()})
+                               transports={name: view.kd.logits_transport for name, view in self.views.items()},
+                               route=config.kd.combine == "route")
 
     def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
         """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""

@@ -53,6 +53,9 @@ class TeacherForward:
         self.vocabulary_map = vocabulary_map
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
+        if request.batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
+            empty = torch.zeros(0, request.batch["input_ids"].shape[1], self.vocab_size, device=self.runner.device)
+            return self.encode(empty, request.batch, request.logits_transport) if self.encodes else None
         logits = self.runner.logits(teacher_side(request.batch))
         if logits is None or not self.encodes:
             return None

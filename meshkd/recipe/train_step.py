@@ -37,7 +37,7 @@ import torch.distributed as dist
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
-from meshkd.core.teacher_ensemble import TEACHERS, combined_kd_loss
+from meshkd.core.teacher_ensemble import ROUTE, TEACHERS, answered_rows, combined_kd_loss
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
@@ -216,29 +216,38 @@ class TrainStep:
                                 chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
-        each_teacher = {}
+        each_teacher, answered = {}, {}
         if kd.kd_ratio == 0:
             kd_loss = None
         elif answer.get("mode") == GROUPS:  # kd.cross_tokenizer's uld / gold
             kd_loss = group_kd_loss(kd_logits, micro_batch, answer["log_probs"], kd, num_valid_tokens=norm,
                                     vocabulary_map=self.vocabulary_map)
         else:
-            def divergence(encoded: dict) -> torch.Tensor:
-                return kd_loss_encoded(kd_logits, encoded, kd_labels(micro_batch, kd.ignore_index),
-                                       temperature=kd.temperature, ignore_index=kd.ignore_index,
-                                       num_valid_tokens=norm, chunk_size=kd.chunk_size or max(labels.numel(), 1),
-                                       divergence=kd.divergence, jsd_beta=kd.jsd_beta)
+            def divergence(encoded: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+                counted = kd_labels(micro_batch, kd.ignore_index)
+                if rows is not None:  # the other rows' labels do not count (no indexing of a sharded vocabulary)
+                    counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
+                return kd_loss_encoded(kd_logits, encoded, counted, temperature=kd.temperature,
+                                       ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                                       chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
+                                       jsd_beta=kd.jsd_beta)
 
             if answer.get("mode") == TEACHERS:
+                routes = micro_batch[ROUTE][:, 0] if kd.combine == "route" else None
                 kd_loss, each_teacher = combined_kd_loss(answer, divergence, weights=self.teacher_weights,
-                                                         combine=kd.combine, temperature=kd.temperature)
+                                                         combine=kd.combine, temperature=kd.temperature,
+                                                         routes=routes)
+                # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
+                answered = {f"teacher_rows/{name}": torch.tensor(answered_rows(member) / self.setup.cp_size,
+                                                                 device=logits.device)
+                            for name, member in answer["answers"].items()}
             else:
                 kd_loss = divergence(answer)
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
         zero = torch.zeros((), device=logits.device)
         values = {"ce_loss": ce.detach() if ce is not None else zero,
                   "kd_loss": kd_loss.detach() if kd_loss is not None else zero,
-                  **{f"kd_loss/{name}": value for name, value in each_teacher.items()}}
+                  **{f"kd_loss/{name}": value for name, value in each_teacher.items()}, **answered}
         if router is not None:
             share = router / (self.num_micro_batches * self.setup.dp_size)  # of the mean over the step's
             loss = loss + self.router_loss.coefficient * share

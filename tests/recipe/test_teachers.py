@@ -3,12 +3,14 @@
 Two identical teachers at weights 0.5 / 0.5 are one teacher, whichever way they combine; a teacher of weight 0
 drops out; two different teachers (a Llama and a Qwen2) on ranks of their own, each in its own layout, or one
 on the student's ranks beside another on its own, train the curve of the same two teachers in one process;
-a resumed run continues it exactly. Bad `teachers` configs are refused naming the key.
+a resumed run continues it exactly. Routed rows (`kd.combine: route`) reach only the teacher their documents
+name, counted against the rows each step draws. Bad `teachers` configs are refused naming the key.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -79,7 +81,37 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     first["lr_scheduler"]["total_steps"] = STEPS
     runs["resume_first"] = (first, False)
     runs["resume"] = (config, True)
+
+    # Routing: documents that all name "code" (the Llama alone), and documents of both teachers.
+    corpus = routed_corpus(tmp / "routed_corpus")
+    single = base_config(tmp / "routed_single")
+    single["distributed"], single["dataset"]["paths"] = ONE_PROCESS, [corpus["code"]]
+    runs["routed_single_teacher"] = (single, False)
+    routed = [teacher("code", llama_teacher(), 1.0), teacher("prose", qwen_teacher(), 1.0)]
+    config = with_teachers(tmp / "routed_all_code", ONE_PROCESS, routed, combine="route")
+    config["dataset"].update(paths=[corpus["code"]], teacher_key="teacher")
+    runs["routed_all_code"] = (config, False)
+    for name, student, teachers in (("routed_reference", ONE_PROCESS, routed),
+                                    ("routed_layout", {"dp_size": 2}, [{**routed[0], "distributed": {"dp_size": 1}},
+                                                                       routed[1]])):
+        config = with_teachers(tmp / name, student, teachers, combine="route", logits_transport="topk", topk=16,
+                               topk_tail_samples=4)
+        config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
+        runs[name] = (config, False)
     return runs
+
+
+def routed_corpus(directory: Path) -> dict[str, str]:
+    """JSONL files: "code" (every document names the teacher "code") and "both" (code and prose documents)."""
+    directory.mkdir(parents=True)
+    documents = [f"def f{index}():\n    return {index * 7 % 23}\n" for index in range(24)]
+    prose = [f"The {index}th word is w{index * 5 % 17}, and so on. " * 2 for index in range(24)]
+    files = {"code": [{"text": text, "teacher": "code"} for text in documents],
+             "both": [{"text": text, "teacher": name} for pair in zip(documents, prose)
+                      for text, name in zip(pair, ("code", "prose"))]}
+    for name, records in files.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return {name: str(directory / f"{name}.jsonl") for name in files}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +194,18 @@ CASES = {
     "a negative weight": (lambda c: c["teachers"][1].update(weight=-1), "teachers.prose.weight"),
     "every weight 0": (lambda c: [t.update(weight=0) for t in c["teachers"]], "every weight is 0"),
     "no teacher": (lambda c: c.update(teachers=[]), "teachers is empty"),
-    "an unknown rule": (lambda c: c["kd"].update(combine="max"), "kd.combine must be sum or mixture"),
+    "an unknown rule": (lambda c: c["kd"].update(combine="max"), "kd.combine must be sum, mixture or route"),
+    "routing without the field": (lambda c: c["kd"].update(combine="route"), "it needs dataset.teacher_key"),
+    "the field without routing": (lambda c: c["dataset"].update(teacher_key="teacher"),
+                                  "it needs dataset.teacher_key"),
+    "weights of routed teachers": (lambda c: (c["kd"].update(combine="route"),
+                                              c["dataset"].update(teacher_key="teacher")),
+                                   "teachers.code.weight: with kd.combine route"),
+    "routed teachers of two transports": (lambda c: (c["kd"].update(combine="route"),
+                                                     c["dataset"].update(teacher_key="teacher"),
+                                                     [t.update(weight=1.0) for t in c["teachers"]],
+                                                     c["teachers"][0].update(logits_transport="topk")),
+                                          "give every teacher the same logits_transport"),
     "a mixture of top-k answers": (lambda c: (c["kd"].update(combine="mixture"),
                                               c["teachers"][1].update(logits_transport="topk")),
                                    "teachers.prose.logits_transport"),
@@ -191,3 +234,69 @@ def test_the_world_is_the_students_ranks_and_each_teachers_own(tmp_path):
     assert required_world_size(config_from_dict(with_teachers(tmp_path, {"dp_size": 1}, shared))) == 2
     # Without a teacher of its own ranks the student's dp_size may stay open (from the process count).
     assert required_world_size(config_from_dict(with_teachers(tmp_path, {}, MIXED))) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routing
+
+
+@pytest.mark.world
+def test_rows_routed_to_one_teacher_train_its_curve_and_the_other_answers_none(runs):
+    records = runs.records("routed_all_code")
+    assert curve(records) == pytest.approx(curve(runs.records("routed_single_teacher")), rel=1e-6, abs=1e-9)
+    for record in train(records):
+        assert record["teacher_rows/code"] == 4 and record["teacher_rows/prose"] == 0
+        assert record["kd_loss/prose"] == 0 and record["kd_loss/code"] == pytest.approx(record["kd_loss"])
+
+
+def expected_routes(config: dict) -> list[dict[str, int]]:
+    """Per step, how many rows of its global batch name each teacher (the data the run reads, in-process)."""
+    from meshkd.core.teacher_ensemble import ROUTE
+    from meshkd.recipe.data import iterate_batches
+    from meshkd.recipe.loaders import load_section_tokenizer
+    from meshkd.recipe.step_data import run_datasets
+
+    parsed = config_from_dict(config)
+    train_set = run_datasets(parsed, load_section_tokenizer(parsed.model), None)[0]
+    steps = parsed.step_scheduler
+    batches = iterate_batches(train_set, global_batch_size=steps.global_batch_size, dp_rank=0, dp_size=1,
+                              seed=parsed.dataset.seed, start_step=0)
+    counts = []
+    for _ in range(steps.max_steps):
+        routes = next(batches)[ROUTE][:, 0].tolist()
+        counts.append({"code": routes.count(0), "prose": routes.count(1)})
+    return counts
+
+
+@pytest.mark.world
+def test_each_row_reaches_only_its_teacher_in_any_layout(runs):
+    reference, laid_out = runs.records("routed_reference"), runs.records("routed_layout")
+    assert curve(laid_out)[:3] == pytest.approx(curve(reference)[:3], rel=1e-5)
+    assert curve(laid_out) == pytest.approx(curve(reference), rel=1e-4)
+    expected = expected_routes(runs.configs["routed_layout"])
+    assert any(0 < counts["code"] < 4 for counts in expected)  # steps that ask both teachers
+    for records in (reference, laid_out):
+        answered = [{name: record[f"teacher_rows/{name}"] for name in ("code", "prose")} for record in train(records)]
+        assert answered == expected
+
+
+def test_the_routing_field_needs_several_teachers_and_names_known_ones(tmp_path):
+    config = base_config(tmp_path)
+    config["dataset"]["teacher_key"] = "teacher"
+    with pytest.raises(ConfigError, match="dataset.teacher_key routes rows to one of several teachers"):
+        config_from_dict(config)
+    from meshkd.recipe.loaders import load_section_tokenizer
+    from meshkd.recipe.step_data import run_datasets
+
+    corpus = routed_corpus(tmp_path / "routed")
+    config = with_teachers(tmp_path, ONE_PROCESS, [teacher("code", llama_teacher(), 1.0),
+                                                   teacher("poems", qwen_teacher(), 1.0)], combine="route")
+    config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
+    parsed = config_from_dict(config)
+    with pytest.raises(ValueError, match=r"dataset.teacher_key: a document names the teacher 'prose', which is none "
+                                         r"of the teachers \['code', 'poems'\]"):
+        run_datasets(parsed, load_section_tokenizer(parsed.model), None)
+    config["dataset"]["teacher_key"] = "nope"
+    parsed = config_from_dict(config)
+    with pytest.raises(ValueError, match=r"both.jsonl:1: the route key 'nope' must hold the name"):
+        run_datasets(parsed, load_section_tokenizer(parsed.model), None)
