@@ -104,6 +104,9 @@ class TeacherConfig:
     weight: float = 1.0  # the weights are normalized to sum to 1 (kd.combine)
     distributed: DistributedConfig | None = None  # ranks of its own with this layout; None: the student's ranks
     logits_transport: str | None = None  # how its logits travel; None: kd.logits_transport
+    # Its answers from this directory, written by `meshkd cache-teacher CONFIG --teacher NAME` (with
+    # `distributed` as the writer's layout): training runs no ranks for it
+    cache: str | None = None
 
 
 @dataclass
@@ -265,15 +268,21 @@ class KDRecipeConfig:
         return self.step_scheduler.sequence_length
 
     def teacher_views(self) -> dict[str, KDRecipeConfig]:
-        """Teacher name -> the one-teacher config of that teacher (its model, ranks and transport; the rest
-        this config's). The one-teacher form is one view, named "teacher": this config itself."""
+        """Teacher name -> the one-teacher config of that teacher (its model, ranks, transport and cache; the
+        rest this config's). The one-teacher form is one view, named "teacher": this config itself."""
         if not self.teachers:
             return {"teacher": self}
         return {teacher.name: dataclasses.replace(
             self, teachers=None, teacher_model=teacher.model, separate_meshes=teacher.distributed is not None,
             teacher_distributed=teacher.distributed,
-            kd=dataclasses.replace(self.kd, logits_transport=teacher.logits_transport or self.kd.logits_transport))
+            kd=dataclasses.replace(self.kd, logits_transport=teacher.logits_transport or self.kd.logits_transport,
+                                   teacher_cache=teacher.cache))
             for teacher in self.teachers}
+
+    def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
+        """Several teachers: name -> the layout of its own ranks in training; None: on the student's ranks (or
+        read from its cache)."""
+        return {teacher.name: teacher.distributed if teacher.cache is None else None for teacher in self.teachers}
 
     def teacher_weights(self) -> dict[str, float]:
         """Teacher name -> its weight, normalized to sum to 1."""
@@ -319,7 +328,7 @@ def required_world_size(config: KDRecipeConfig) -> int | None:
 
     student = ranks(config.distributed)
     if config.teachers:
-        own = [ranks(teacher.distributed) for teacher in config.teachers if teacher.distributed is not None]
+        own = [ranks(layout) for layout in config.teacher_layouts().values() if layout is not None]
         if not own:
             return student
         return None if student is None or None in own else student + sum(own)
@@ -349,8 +358,7 @@ def validate(config: KDRecipeConfig) -> None:
                               "check the *_size keys of distributed and teachers[i].distributed")
         if world_size is not None:
             try:
-                validate_teacher_layouts(config.distributed, {teacher.name: teacher.distributed
-                                                              for teacher in config.teachers}, world_size)
+                validate_teacher_layouts(config.distributed, config.teacher_layouts(), world_size)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
             _check_batch_split(config)
@@ -407,14 +415,18 @@ def _check_teachers(config: KDRecipeConfig) -> None:
                 raise ConfigError(f"kd.combine mixture mixes the teachers' whole distributions: "
                                   f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be full "
                                   f"or full_bf16, got {transport!r}")
-    refused = {"kd.teacher_cache": kd.teacher_cache is not None, "kd.cross_tokenizer": kd.cross_tokenizer is not None}
-    for key, used in refused.items():
-        if used:
-            raise ConfigError(f"{key} does not yet work with several teachers (teachers); use one teacher "
-                              "(teacher_model) for it")
+    if kd.teacher_cache is not None:
+        raise ConfigError("kd.teacher_cache: with several teachers each has its own, teachers[i].cache")
+    if kd.cross_tokenizer is not None:
+        raise ConfigError("kd.cross_tokenizer does not yet work with several teachers (teachers); use one teacher "
+                          "(teacher_model) for it")
 
 
 def _check_routing(config: KDRecipeConfig) -> None:
+    cached = [teacher.name for teacher in config.teachers if teacher.cache is not None]
+    if cached:
+        raise ConfigError(f"teachers.{cached[0]}.cache does not yet work with kd.combine route (a cache holds "
+                          "the rows of unrouted packing)")
     for teacher in config.teachers:
         if teacher.weight != 1.0:
             raise ConfigError(f"teachers.{teacher.name}.weight: with kd.combine route each row learns from its "

@@ -50,8 +50,7 @@ from meshkd.recipe.world import abort_communicators, close_world, init_world
 def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
     """The student's and each teacher's layouts (every rank builds them all: collective over the world)."""
     if config.teachers:
-        return create_teacher_setups(config.distributed, {teacher.name: teacher.distributed
-                                                          for teacher in config.teachers}, world_size)
+        return create_teacher_setups(config.distributed, config.teacher_layouts(), world_size)
     pair = create_kd_distributed_setups(config, world_size)
     return TeacherSetups(student=pair.student, teachers={"teacher": pair.teacher})
 
@@ -107,13 +106,14 @@ class KDRecipe:
     def _common_vocab_size(self, checked: dict[str, Preflight], rows: dict[str, int]) -> int:
         """The vocabulary the student and every teacher share; every rank learns every embedding size (`rows`:
         model -> rows, of the models this rank holds), so checks raise everywhere."""
-        names = ["student", *self.setups.teachers]
+        teachers = list(self.config.teacher_views())
+        names = ["student", *teachers]
         # On the role's device: a group made by init_process_group("nccl") takes CUDA tensors only.
         sizes = torch.tensor([rows.get(name, -1) for name in names], dtype=torch.int64, device=self.device)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
         student_rows, *teacher_rows = sizes.tolist()
         vocab_size = student_rows
-        for name, teacher in zip(self.setups.teachers, teacher_rows):
+        for name, teacher in zip(teachers, teacher_rows):
             label = "teacher_model" if name == "teacher" else f"teachers.{name}.model"
             with about(f"model.tokenizer / {label}.tokenizer"):
                 vocab_size = min(vocab_size, models.common_vocab_size(

@@ -79,7 +79,10 @@ class StudentTrainer:
         preflight, by name."""
         config = self.config
         self.views = config.teacher_views()
-        checked = checked[next(iter(self.views))]  # what they share: the student's tokenizer, the cache
+        # Teachers read from a cache: the cache's manifest, checked against the run.
+        self._manifests = {name: check.cache_manifest for name, check in checked.items()
+                           if check.cache_manifest is not None}
+        checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
@@ -91,9 +94,8 @@ class StudentTrainer:
                 self._model, self._checkpoint = load_section_model(section), None
             if config.model.activation_checkpointing:
                 enable_activation_checkpointing(self._model)
-        self._cache_manifest = checked.cache_manifest
-        self._teachers = {} if self._cache_manifest else {
-            name: load_teacher(view) for name, view in self.views.items() if not self.setups.separate(name)}
+        self._teachers = {name: load_teacher(view) for name, view in self.views.items()
+                          if not self.setups.separate(name) and name not in self._manifests}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
             config, checked, losses=("projection", "gold") if self._teachers else ("gold",))
@@ -106,8 +108,7 @@ class StudentTrainer:
     def vocab_rows(self) -> dict[str, int]:
         """Output-embedding rows of the models held here (the student, teachers on its ranks), by name."""
         rows = {name: model.get_output_embeddings().weight.shape[0] for name, (model, _) in self._teachers.items()}
-        if self._cache_manifest is not None:
-            rows["teacher"] = self._cache_manifest["teacher_vocab_rows"]
+        rows.update({name: manifest["teacher_vocab_rows"] for name, manifest in self._manifests.items()})
         return {"student": self._model.get_output_embeddings().weight.shape[0], **rows}
 
     def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
@@ -126,20 +127,21 @@ class StudentTrainer:
                 warn0(warning)
 
     def _setup_teacher_source(self) -> TeacherSource:
-        """From a cache, else each teacher's: on these ranks (laid out here) or on its own; several as one."""
+        """Each teacher's: from its cache, on these ranks (laid out here) or on its own; several as one."""
         config = self.config
-        if self._cache_manifest is not None:
-            datasets = {"train": self.train_set, "validation": self.val_set}
-            return CachedTeacher(config.kd.teacher_cache, self._cache_manifest, datasets, device=self.device,
-                                 asked=rows_asked(config, datasets, dp_size=self.dp_size))
+        datasets = {"train": self.train_set, "validation": self.val_set}
         sources = {}
         for name, view in self.views.items():
-            if name in self.bridges:
+            if name in self._manifests:
+                sources[name] = CachedTeacher(view.kd.teacher_cache, self._manifests[name], datasets,
+                                              device=self.device, asked=rows_asked(view, datasets,
+                                                                                   dp_size=self.dp_size))
+            elif name in self.bridges:
                 sources[name] = TeacherClient(self.bridges[name])
-                continue
-            runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
-            sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
-                                                        seed=config.seed, vocabulary_map=self._vocabulary_map))
+            else:
+                runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
+                sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
+                                                            seed=config.seed, vocabulary_map=self._vocabulary_map))
         if not config.teachers:
             return sources["teacher"]
         return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},

@@ -99,7 +99,8 @@ def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
         config_from_dict(config)
 
 
-@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "tiny_on_policy", "hf_gpu"])
+@pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "tiny_on_policy", "tiny_teachers",
+                                  "hf_gpu"])
 def test_example_configs_load(name):
     from pathlib import Path
 

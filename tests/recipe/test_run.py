@@ -69,6 +69,6 @@ def test_the_vocabulary_sizes_are_all_reduced_on_the_role_device(tmp_path):
     recipe.device = torch.device("meta")  # stands in for cuda: a CPU tensor would be found
     with audited_collectives(recipe.device, forward=False) as calls:
         with pytest.raises(NotImplementedError, match="meta"):  # a meta tensor has no values to read back
-            recipe._common_vocab_size(None, (262, -1))
+            recipe._common_vocab_size(None, {"student": 262})
     assert [call.name for call in calls] == ["all_reduce"]
 

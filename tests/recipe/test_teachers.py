@@ -82,6 +82,18 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     runs["resume_first"] = (first, False)
     runs["resume"] = (config, True)
 
+    # On-policy: every teacher scores the student's completions (twins: the one teacher's curve).
+    on_policy = {"mode": "on_policy", "on_policy_fraction": 0.5, "generation": {"prompt_tokens": 8,
+                                                                                 "max_new_tokens": 12}}
+    one_on_policy = copy.deepcopy(one)
+    one_on_policy["kd"].update(copy.deepcopy(on_policy))
+    one_on_policy["logging"]["run_dir"] = str(tmp / "one_on_policy" / "run")
+    runs["one_teacher_on_policy"] = (one_on_policy, False)
+    config = with_teachers(tmp / "twins_on_policy", ONE_PROCESS, [twins[0], {**twins[1], "distributed":
+                                                                             {"dp_size": 1}}],
+                           **copy.deepcopy(on_policy))
+    runs["twins_on_policy"] = (config, False)
+
     # Routing: documents that all name "code" (the Llama alone), and documents of both teachers.
     corpus = routed_corpus(tmp / "routed_corpus")
     single = base_config(tmp / "routed_single")
@@ -300,3 +312,13 @@ def test_the_routing_field_needs_several_teachers_and_names_known_ones(tmp_path)
     parsed = config_from_dict(config)
     with pytest.raises(ValueError, match=r"both.jsonl:1: the route key 'nope' must hold the name"):
         run_datasets(parsed, load_section_tokenizer(parsed.model), None)
+
+
+@pytest.mark.world
+def test_on_policy_every_teacher_scores_the_students_completions(runs):
+    one, twins = runs.records("one_teacher_on_policy"), runs.records("twins_on_policy")
+    assert curve(twins) == pytest.approx(curve(one), rel=1e-5)
+    for record in train(twins):
+        assert record["generated_tokens"] > 0
+        assert record["kd_loss/a"] == pytest.approx(record["kd_loss/b"], rel=1e-5)
+    assert twins[-1]["teacher_nll_of_samples/b"] == pytest.approx(one[-1]["teacher_nll_of_samples"], rel=1e-5)
