@@ -93,10 +93,31 @@ def train_command(config_path: str, overrides: list[str], nproc: int | None, res
     return launcher.launch(world_size, ["train", config_path, *_set_args(overrides), *resuming])
 
 
-def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None) -> int:
+def cached_teacher(config, teacher: str | None):
+    """The one-teacher config whose cache `meshkd cache-teacher` writes: the config itself, or with several
+    teachers (`teachers`) the view of the one named by `--teacher` (its `cache`, its `distributed` layout)."""
+    if not config.teachers:
+        if teacher is not None:
+            raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
+        return config
+    names = [entry.name for entry in config.teachers]
+    if teacher is None and len(names) > 1:
+        raise ConfigError(f"this config has several teachers: name the one whose cache to write with --teacher NAME "
+                          f"(one of {names})")
+    teacher = teacher or names[0]
+    if teacher not in names:
+        raise ConfigError(f"--teacher {teacher!r} is none of the teachers {names}")
+    view = config.teacher_views()[teacher]
+    if view.kd.teacher_cache is None:
+        raise ConfigError(f"teachers.{teacher}.cache: set it to the directory to write the cache to")
+    return view
+
+
+def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None,
+                          teacher: str | None = None) -> int:
     """`meshkd cache-teacher`: as `train_command`, with the teacher's ranks only."""
     overrides = _resolved(config_path, overrides)
-    config = load_config(config_path, overrides)
+    config = cached_teacher(load_config(config_path, overrides), teacher)
     if config.kd.teacher_cache is None:
         raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
                           "(e.g. --set kd.teacher_cache=runs/teacher_cache)")
@@ -115,6 +136,7 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
     world_size = _world_size(needed, nproc, dp_key)
     check_gpu_count(config, world_size)
     extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
+    extra += ["--teacher", teacher] if teacher is not None else []
     return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 
 
@@ -155,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local processes to start (default: the ranks the teacher's layout needs)")
     cache.add_argument("--shard-rows", type=int, default=None,
                        help="rows per shard file (default: about 256 MiB of answers per shard)")
+    cache.add_argument("--teacher", default=None, metavar="NAME",
+                       help="with several teachers: the one whose answers to write to its teachers[i].cache")
 
     demo = commands.add_parser("demo", help="heal a pruned SmolLM2 student by distilling the full model (CPU)")
     demo.add_argument("--compare", action="store_true", help="also heal with CE only and print both results")
@@ -197,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return train_command(args.config, args.set, args.nproc, args.resume)
         if args.command == "cache-teacher":
-            return cache_teacher_command(args.config, args.set, args.nproc, args.shard_rows)
+            return cache_teacher_command(args.config, args.set, args.nproc, args.shard_rows, args.teacher)
         if args.command == "demo":
             from meshkd.demo import run_demo
 

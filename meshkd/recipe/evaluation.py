@@ -64,12 +64,19 @@ from meshkd.recipe.train_step import shard, student_logits, sum_over_ranks
 
 def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
     """The summary's keys of an evaluation's figures: the student's with `suffix` ("_before" / "_after"), the
-    teacher's per byte as they are (the teacher does not train). Figures an evaluation did not report (an
-    older run's step 0 read back, or KL and top-1 from a teacher cache) are left out."""
+    teacher's per byte as they are (the teacher does not train); of several teachers each one's too, as
+    KEY_before/NAME or KEY/NAME. Figures an evaluation did not report (an older run's step 0 read back, or
+    KL and top-1 from a teacher cache) are left out."""
     student = ("val_nats_per_byte", "val_bits_per_byte", "val_kl", "val_top1_agreement")
-    teacher = ("teacher_val_nats_per_byte", "teacher_val_bits_per_byte")
-    return {**{key + suffix: figures[key] for key in student if key in figures},
-            **{key: figures[key] for key in teacher if key in figures}}
+    teacher = ("teacher_val_loss", "teacher_val_nats_per_byte", "teacher_val_bits_per_byte")
+    result = {}
+    for key, value in figures.items():
+        base, slash, name = key.partition("/")
+        if base in student:
+            result[base + suffix + slash + name] = value
+        elif base in teacher and (slash or base != "teacher_val_loss"):  # the plain one is the summary's own
+            result[key] = value
+    return result
 
 
 # Slots of the held-out sums, added over batches and ranks.
@@ -263,11 +270,15 @@ class TeachersEvaluation:
         self.group = next(iter(members.values())).group
 
     def _merged(self, figures: dict[str, dict[str, float]]) -> dict[str, float]:
-        result = dict(next(iter(figures.values())))
-        for key in list(result):
-            if key.startswith(self._TEACHER_KEYS):
+        """The student's figures once; each teacher's under KEY/NAME; their weighted mean under KEY where every
+        teacher reports KEY (a cached teacher's validation answers may hold its loss only)."""
+        result = {key: value for key, value in next(iter(figures.values())).items()
+                  if not key.startswith(self._TEACHER_KEYS)}
+        keys = dict.fromkeys(key for values in figures.values() for key in values if key.startswith(self._TEACHER_KEYS))
+        for key in keys:
+            if all(key in values for values in figures.values()):
                 result[key] = sum(self.weights[name] * values[key] for name, values in figures.items())
-                result.update({f"{key}/{name}": values[key] for name, values in figures.items()})
+            result.update({f"{key}/{name}": values[key] for name, values in figures.items() if key in values})
         return result
 
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""`meshkd plot RUN_DIR`: the loss curves of a run (train loss, CE, KD; validation loss) as a PNG."""
+"""`meshkd plot RUN_DIR`: the loss curves of a run (train loss, CE, KD, each teacher's KD; validation loss) as a
+PNG."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     train = [r for r in records if r["kind"] == "train" and not r.get("skipped")]  # a skipped step has NaN
     evals = [r for r in records if r["kind"] == "eval"]
     figure, axis = plt.subplots(figsize=(8, 4.5))
-    for key, label in (("loss", "train loss"), ("ce_loss", "train CE"), ("kd_loss", "train KD")):
+    # Several teachers: each one's own divergence (kd_loss/NAME) beside the combined one.
+    teachers = [(key, f"train KD to {key.partition('/')[2]}") for key in (train[0] if train else {})
+                if key.startswith("kd_loss/")]
+    for key, label in (("loss", "train loss"), ("ce_loss", "train CE"), ("kd_loss", "train KD"), *teachers):
         if any(r[key] != 0 for r in train):  # a term of weight 0 (kd_ratio 0 or 1) is logged as 0
             axis.plot([r["step"] for r in train], [r[key] for r in train], label=label)
     if evals:

@@ -17,7 +17,8 @@ import pytest
 
 from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.config import ConfigError, config_from_dict, required_world_size
-from tests.recipe.test_recipe import RecipeRuns, curve
+from tests.recipe.test_recipe import RecipeRuns, TrainRun, config_world_size, curve
+from tests.world import WorldsBySize
 from tests.tiny import STEPS, base_config, tiny_llama
 
 
@@ -94,6 +95,9 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
                            **copy.deepcopy(on_policy))
     runs["twins_on_policy"] = (config, False)
 
+    # Teacher "prose" read from a cache it wrote as tp 2, beside "code" live on a rank of its own.
+    runs["prose_cached"] = (cached_prose(tmp), False)
+
     # Routing: documents that all name "code" (the Llama alone), and documents of both teachers.
     corpus = routed_corpus(tmp / "routed_corpus")
     single = base_config(tmp / "routed_single")
@@ -113,6 +117,38 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     return runs
 
 
+def cached_prose(tmp: Path) -> dict:
+    teachers = [{**MIXED[0], "distributed": {"dp_size": 1}},
+                {**MIXED[1], "distributed": {"dp_size": 1, "tp_size": 2}, "cache": str(tmp / "prose_cache")}]
+    return with_teachers(tmp / "prose_cached", ONE_PROCESS, teachers)
+
+
+class WriteTeacherCache:
+    """A check that writes teacher `name`'s cache as `meshkd cache-teacher CONFIG --teacher NAME` does."""
+
+    def __init__(self, config: dict, name: str) -> None:
+        self.config, self.name, self.__name__ = config, name, f"write_cache_{name}"
+
+    def world_size(self) -> int:
+        layout = config_from_dict(self.config).teacher_views()[self.name].teacher_layout
+        return layout.dp_size * layout.tp_size * layout.cp_size * layout.pp_size
+
+    def __call__(self) -> None:
+        from meshkd.cli import cached_teacher
+        from meshkd.recipe.cache_writer import cache_teacher
+
+        cache_teacher(cached_teacher(config_from_dict(self.config), self.name), shard_rows=3)
+
+
+class TeachersRuns(RecipeRuns):
+    """`RecipeRuns` whose worlds first write the caches of `writes` (each a `WriteTeacherCache`)."""
+
+    def __init__(self, runs: dict[str, tuple[dict, bool]], writes: list[WriteTeacherCache]) -> None:
+        self.configs = {name: config for name, (config, _) in runs.items()}
+        self._worlds = WorldsBySize([(write.world_size(), write) for write in writes] + [
+            (config_world_size(config), TrainRun(config, resume, name=name)) for name, (config, resume) in runs.items()])
+
+
 def routed_corpus(directory: Path) -> dict[str, str]:
     """JSONL files: "code" (every document names the teacher "code") and "both" (code and prose documents)."""
     directory.mkdir(parents=True)
@@ -128,7 +164,8 @@ def routed_corpus(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> RecipeRuns:
-    return RecipeRuns(teachers_runs(tmp_path_factory.mktemp("teachers")))
+    runs = teachers_runs(tmp_path_factory.mktemp("teachers"))
+    return TeachersRuns(runs, [WriteTeacherCache(runs["prose_cached"][0], "prose")])
 
 
 def train(records: list[dict]) -> list[dict]:
@@ -221,7 +258,13 @@ CASES = {
     "a mixture of top-k answers": (lambda c: (c["kd"].update(combine="mixture"),
                                               c["teachers"][1].update(logits_transport="topk")),
                                    "teachers.prose.logits_transport"),
-    "a teacher cache": (lambda c: c["kd"].update(teacher_cache="cache"), "kd.teacher_cache does not yet work"),
+    "one cache for several teachers": (lambda c: c["kd"].update(teacher_cache="cache"),
+                                       "kd.teacher_cache: with several teachers each has its own, teachers[i].cache"),
+    "a cached teacher of routed rows": (lambda c: (c["kd"].update(combine="route"),
+                                                   c["dataset"].update(teacher_key="teacher"),
+                                                   [t.update(weight=1.0) for t in c["teachers"]],
+                                                   c["teachers"][1].update(cache="cache")),
+                                        "teachers.prose.cache does not yet work with kd.combine route"),
     "a teacher's own mistake": (lambda c: c["teachers"][1]["model"].update(dtype="float64"),
                                 "teachers.prose: teacher_model.dtype"),
 }
@@ -322,3 +365,29 @@ def test_on_policy_every_teacher_scores_the_students_completions(runs):
         assert record["generated_tokens"] > 0
         assert record["kd_loss/a"] == pytest.approx(record["kd_loss/b"], rel=1e-5)
     assert twins[-1]["teacher_nll_of_samples/b"] == pytest.approx(one[-1]["teacher_nll_of_samples"], rel=1e-5)
+
+
+@pytest.mark.world
+def test_a_teacher_read_from_its_cache_beside_a_live_one_trains_the_live_curve(runs):
+    records = runs.records("prose_cached")
+    assert curve(records) == pytest.approx(curve(runs.records("reference_sum")), rel=1e-5)
+    # Its cache holds label log-probabilities only for validation rows: its loss, not its KL, is evaluated.
+    first = records[0]
+    assert first["teacher_val_loss/prose"] == pytest.approx(runs.records("reference_sum")[0]["teacher_val_loss/prose"])
+    assert "val_kl/code" in first and "val_kl/prose" not in first
+
+
+def test_cache_teacher_names_the_teacher_of_several(tmp_path):
+    from meshkd.cli import cached_teacher
+
+    config = config_from_dict(cached_prose(tmp_path))
+    with pytest.raises(ConfigError, match=r"name the one whose cache to write with --teacher NAME"):
+        cached_teacher(config, None)
+    with pytest.raises(ConfigError, match=r"teachers.code.cache: set it"):
+        cached_teacher(config, "code")
+    with pytest.raises(ConfigError, match=r"--teacher 'poems' is none of the teachers"):
+        cached_teacher(config, "poems")
+    view = cached_teacher(config, "prose")
+    assert view.kd.teacher_cache == str(tmp_path / "prose_cache") and view.teacher_layout.tp_size == 2
+    # Training runs no ranks for a cached teacher: the student's and "code"'s only.
+    assert required_world_size(config) == 2
