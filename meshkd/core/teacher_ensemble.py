@@ -12,8 +12,10 @@ raised inside `watch(operation, role)` with that teacher's role, so a lost teach
 How answers combine into the KD term (`combined_kd_loss`), with weights w normalized to sum to 1:
 - "sum": sum_i w_i D(teacher_i || student), each divergence on its own answer, any transport;
 - "mixture": D(sum_i w_i p_i || student), against the mixture of the teachers' distributions at the
-  temperature (`mix_full_answers`; whole-distribution answers: full or full_bf16).
-Two identical teachers give the one-teacher objective either way, and a weight of 0 drops a teacher.
+  temperature (`mix_full_answers`; whole-distribution answers: full or full_bf16);
+- "route": each row's divergence to its own teacher, which alone was asked for it (the rows' `ROUTE` field;
+  the answers put back together by `merge_routed_answers`).
+Two identical teachers give the one-teacher objective by sum or mixture, and a weight of 0 drops a teacher.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from meshkd.core.logits_codec import LOGITS_MODES
-from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest, TeacherSource, _cuda_tensors
+from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest, TeacherSource, cuda_tensors
 
 TEACHERS = "teachers"
 """The mode of an ensemble's answer: {"mode": TEACHERS, "answers": {name: answer}, "wait_s": {name: seconds}}."""
@@ -61,7 +63,7 @@ class SharedItems:
                     item = next(self._items, self._END)
                     if item is self._END:
                         return
-                    if _cuda_tensors(item):
+                    if cuda_tensors(item):
                         torch.cuda.current_stream().synchronize()
                     for waiting in self._queues:
                         waiting.append(item)
@@ -116,6 +118,7 @@ class TeacherEnsemble:
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:
         shared = SharedItems(items, len(self.sources))
+
         def member_batch_fn(index: int, name: str) -> Callable[[Any], TeacherRequest]:
             return lambda item: self._member_request(index, name, batch_fn(item))
 
@@ -233,7 +236,7 @@ def combined_kd_loss(answer: Encoded, loss_fn: Callable[..., torch.Tensor], *, w
         total = sum(weights[name] * loss for name, loss in each.items())
         return total, {name: loss.detach() for name, loss in each.items()}
     if combine != "mixture":
-        raise ValueError(f"combine must be sum or mixture, got {combine!r}")
+        raise ValueError(f"combine must be sum, mixture or route, got {combine!r}")
     total = loss_fn(mix_full_answers(answers, weights, temperature=temperature))
     with torch.no_grad():
         each = {name: loss_fn(member).detach() for name, member in answers.items()}

@@ -310,7 +310,7 @@ class TeacherPrefetcher(TeacherFeed):
             if ready is not None:  # CUDA: what the request's stream did comes before the caller's use of it
                 stream = torch.cuda.current_stream(self.bridge.device)
                 stream.wait_event(ready)
-                for tensor in _cuda_tensors(pair):
+                for tensor in cuda_tensors(pair):
                     tensor.record_stream(stream)
             return pair
         self.close()
@@ -356,7 +356,7 @@ class TeacherPrefetcher(TeacherFeed):
                     ready = None
                     if self._stream is not None:
                         self._stream.wait_stream(self._caller_stream)
-                        for tensor in _cuda_tensors(payload):
+                        for tensor in cuda_tensors(payload):
                             tensor.record_stream(self._stream)
                     logits = self._client.exchange(payload)
                     if self._stream is not None:
@@ -368,12 +368,12 @@ class TeacherPrefetcher(TeacherFeed):
             self._ready.put(("error", raised))
 
 
-def _cuda_tensors(value: Any) -> list[torch.Tensor]:
+def cuda_tensors(value: Any) -> list[torch.Tensor]:
     """The CUDA tensors of a nested value (dicts, lists, tuples), in traversal order."""
     if isinstance(value, torch.Tensor):
         return [value] if value.is_cuda else []
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _cuda_tensors(item)]
+        return [tensor for item in value for tensor in cuda_tensors(item)]
     return []

@@ -333,22 +333,21 @@ def validate_teacher_layouts(student_section: Any, teacher_sections: Mapping[str
     """Check a student and several teachers' layouts without any process group; returns unbuilt setups.
 
     `teacher_sections`: name -> the teacher's own layout section, or None for a teacher on the student's ranks
-    (with the student's layout). Sections are labelled `teachers.NAME.distributed` in messages. The
-    student's dp_size may be left out only when no teacher has ranks of its own.
+    (with the student's layout). Sections are labelled `teachers.NAME.distributed` in messages. A student
+    section without dp_size takes the ranks the teachers leave.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     own = {name: section for name, section in teacher_sections.items() if section is not None}
     teachers = {}
     for name, section in own.items():
-        label = "teacher_distributed" if name == "teacher" else f"teachers.{name}.distributed"
+        label = f"teachers.{name}.distributed"
         teachers[name] = _resolve_section(section, label, world_size=None)
         if teachers[name].strategy == "ddp":
             raise ValueError(f"{label}.strategy 'ddp' is not supported for a teacher on its own ranks; use fsdp2")
     teacher_ranks = sum(_num_ranks(setup) for setup in teachers.values())
-    student = _resolve_section(student_section, "distributed", world_size=world_size - teacher_ranks if own else
-                               world_size)
-    if own and (student.strategy == "ddp"):
+    student = _resolve_section(student_section, "distributed", world_size=world_size - teacher_ranks)
+    if own and student.strategy == "ddp":
         raise ValueError("distributed.strategy 'ddp' is not supported beside teachers on their own ranks; use fsdp2")
     if _num_ranks(student) + teacher_ranks != world_size:
         parts = [_size_product(student, "distributed")] + [
