@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,16 +353,8 @@ def validate(config: KDRecipeConfig) -> None:
                 _validate_one(view, check_world=False)
             except ConfigError as error:
                 raise ConfigError(f"teachers.{name}: {error}") from None
-        world_size = required_world_size(config)
-        if world_size is not None and world_size > MAX_WORLD_SIZE:
-            raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): "
-                              "check the *_size keys of distributed and teachers[i].distributed")
-        if world_size is not None:
-            try:
-                validate_teacher_layouts(config.distributed, config.teacher_layouts(), world_size)
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
-            _check_batch_split(config)
+        _check_world(config, lambda world_size: validate_teacher_layouts(
+            config.distributed, config.teacher_layouts(), world_size), "distributed and teachers[i].distributed")
         return
     if config.dataset.teacher_key is not None:
         raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
@@ -369,7 +362,19 @@ def validate(config: KDRecipeConfig) -> None:
     _validate_one(config, check_world=True)
 
 
-def _check_batch_split(config: KDRecipeConfig) -> None:
+def _check_world(config: KDRecipeConfig, check_layout: Callable[[int], Any], sections: str) -> None:
+    """The world the layout needs (when it says): not absurdly large, laid out by `check_layout` (ValueError
+    naming the key), its student's batches divisible by its data-parallel size."""
+    world_size = required_world_size(config)
+    if world_size is None:
+        return
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
+                          f"the *_size keys of {sections}")
+    try:
+        check_layout(world_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     steps, student_dp = config.step_scheduler, config.distributed.dp_size
     if steps.global_batch_size % (steps.local_batch_size * student_dp):
         raise ConfigError(
@@ -505,18 +510,9 @@ def _validate_one(config: KDRecipeConfig, *, check_world: bool) -> None:
         raise ConfigError(f"setup_timeout_s must be a finite number of seconds > 0, got {config.setup_timeout_s}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
-    if not check_world:
-        return
-    world_size = required_world_size(config)
-    if world_size is not None and world_size > MAX_WORLD_SIZE:
-        raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
-                          "the *_size keys of distributed and teacher_distributed")
-    if world_size is not None:
-        try:
-            validate_kd_config(config, world_size)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        _check_batch_split(config)
+    if check_world:
+        _check_world(config, lambda world_size: validate_kd_config(config, world_size),
+                     "distributed and teacher_distributed")
 
 
 def _check_on_policy(config: KDRecipeConfig) -> None:

@@ -18,8 +18,8 @@ import pytest
 from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.config import ConfigError, config_from_dict, required_world_size
 from tests.recipe.test_recipe import RecipeRuns, TrainRun, config_world_size, curve
-from tests.world import WorldsBySize
 from tests.tiny import STEPS, base_config, tiny_llama
+from tests.world import WorldsBySize
 
 
 def llama_teacher() -> dict:
@@ -145,8 +145,9 @@ class TeachersRuns(RecipeRuns):
 
     def __init__(self, runs: dict[str, tuple[dict, bool]], writes: list[WriteTeacherCache]) -> None:
         self.configs = {name: config for name, (config, _) in runs.items()}
-        self._worlds = WorldsBySize([(write.world_size(), write) for write in writes] + [
-            (config_world_size(config), TrainRun(config, resume, name=name)) for name, (config, resume) in runs.items()])
+        trains = [(config_world_size(config), TrainRun(config, resume, name=name))
+                  for name, (config, resume) in runs.items()]
+        self._worlds = WorldsBySize([(write.world_size(), write) for write in writes] + trains)
 
 
 def routed_corpus(directory: Path) -> dict[str, str]:
