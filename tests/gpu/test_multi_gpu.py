@@ -5,7 +5,8 @@ teacher tp 2 on four GPUs trains 50 steps with the teacher overlapped and synchr
 curve, and the teacher wait and throughput of both printed for comparison (`-s` shows them). Killing or
 freezing the teacher of a student 1 + teacher 1 run ends every rank within twice `collective_timeout_s`, the
 student with the one line naming the teacher (a killed one within the timeout: the exit watch aborts the
-communicators; a frozen one through NCCL's blocking wait timing out).
+communicators; a frozen one through NCCL's blocking wait timing out). Two teachers, each on a GPU of its own
+(or one on the student's GPU), asked at once on threads and CUDA streams of their own, follow the CPU's curve.
 """
 
 import os
@@ -58,6 +59,28 @@ def test_tp2_student_and_tp2_teacher_train_50_steps_overlapped_and_not(tmp_path)
         later = records[5:]  # past the warm-up steps
         print(f"overlap {overlap}: teacher_wait_s median {statistics.median(r['teacher_wait_s'] for r in later):.4f}, "
               f"tokens_per_s median {statistics.median(r['tokens_per_s'] for r in later):.0f}")
+
+
+def two_teachers(tmp_path, name: str, *, own: int, device: str = "cuda") -> dict:
+    """base_config with two teachers (weights 0.7 / 0.3), the last `own` of them on a GPU of their own."""
+    config = base_config(tmp_path)
+    teacher = config.pop("teacher_model")
+    other = {**teacher, "seed": 5, "random_init": {**teacher["random_init"], "model_type": "qwen2"}}
+    config["teachers"] = [{"name": "a", "model": teacher, "weight": 0.7}, {"name": "b", "model": other, "weight": 0.3}]
+    for entry in config["teachers"][2 - own:]:
+        entry["distributed"] = {"dp_size": 1}
+    config.update(distributed={"dp_size": 1}, device=device)
+    config["logging"]["run_dir"] = str(tmp_path / name)
+    return config
+
+
+@pytest.mark.parametrize("own", [pytest.param(1, marks=gpus(2)), pytest.param(2, marks=gpus(3))])
+def test_two_teachers_asked_at_once_follow_the_cpus_curve(own, tmp_path):
+    on_gpu = train(two_teachers(tmp_path, "gpu", own=own))
+    on_cpu = train(two_teachers(tmp_path, "cpu", own=own, device="cpu"))
+    assert len(on_gpu) == len(on_cpu) > 0
+    torch.testing.assert_close(losses(on_gpu), losses(on_cpu), rtol=5e-3, atol=1e-4)
+    assert all(record["kd_loss/a"] > 0 and record["kd_loss/b"] > 0 for record in on_gpu)
 
 
 @gpus(2)

@@ -95,6 +95,11 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
                            **copy.deepcopy(on_policy))
     runs["twins_on_policy"] = (config, False)
 
+    # Teacher "prose" sends top-16 answers (with 4 tail samples) from a rank of its own; "code" full ones.
+    topk_prose = [MIXED[0], {**MIXED[1], "distributed": {"dp_size": 1}, "logits_transport": "topk"}]
+    runs["prose_topk"] = (with_teachers(tmp / "prose_topk", ONE_PROCESS, topk_prose, topk=16, topk_tail_samples=4),
+                          False)
+
     # Teacher "prose" read from a cache it wrote as tp 2, beside "code" live on a rank of its own.
     runs["prose_cached"] = (cached_prose(tmp), False)
 
@@ -392,3 +397,12 @@ def test_cache_teacher_names_the_teacher_of_several(tmp_path):
     assert view.kd.teacher_cache == str(tmp_path / "prose_cache") and view.teacher_layout.tp_size == 2
     # Training runs no ranks for a cached teacher: the student's and "code"'s only.
     assert required_world_size(config) == 2
+
+
+@pytest.mark.world
+def test_each_teacher_sends_its_answers_in_its_own_transport(runs):
+    full, mixed = train(runs.records("reference_sum"))[0], train(runs.records("prose_topk"))[0]
+    # Step 1, the same student: the full teacher's divergence is unchanged, the top-k one's an estimate.
+    assert mixed["kd_loss/code"] == pytest.approx(full["kd_loss/code"], rel=1e-6)
+    assert mixed["kd_loss/prose"] != pytest.approx(full["kd_loss/prose"], rel=1e-4)
+    assert mixed["kd_loss/prose"] == pytest.approx(full["kd_loss/prose"], rel=0.5)
