@@ -60,9 +60,9 @@ def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
     if not config.teachers:
         return {"teacher": preflight(config)}
     checked = {}
-    for name, view in views.items():
-        with about(f"teachers.{name}"):
-            checked[name] = preflight(view)
+    for index, (name, view) in enumerate(views.items()):
+        with about(f"teachers.{name}"):  # the data are the same for every teacher: read once
+            checked[name] = preflight(view, check_data=index == 0)
     return checked
 
 
@@ -74,7 +74,7 @@ def _names_tokenizer(section) -> bool:
     return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
 
 
-def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflight:
+def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True) -> Preflight:
     """Check everything that needs no process group; raises before any process or collective is involved.
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
@@ -87,7 +87,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
     pp_size against their decoder layers; a TP student's vocabulary against the common one. Training from
     `kd.teacher_cache` checks the cache against the run instead of the teacher
     (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
-    `writing_cache` (`meshkd cache-teacher`) checks the teacher.
+    `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
+    (`preflight_teachers`: read for the first teacher only).
 
     Raises:
         ConfigError (a ValueError) or ValueError: naming the config key.
@@ -131,8 +132,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False) -> Preflig
     with about("dataset.paths"):
         files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
         # Every file is read (and checked for being text, by `dataset.on_bad_file`); on a large corpus this
-        # is left to the students' setup, whose errors reach every rank too.
-        if sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
+        # is left to the students' setup, whose errors reach every rank too. `check_data` False: read already.
+        if check_data and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
             found = documents.read_documents(files, text_key=dataset.text_key, format=dataset.format,
                                              max_documents=None, max_document_chars=None, encoding_errors="replace",
                                              on_bad_file=dataset.on_bad_file)
