@@ -9,10 +9,8 @@ communicators; a frozen one through NCCL's blocking wait timing out). Two teache
 (or one on the student's GPU), asked at once on threads and CUDA streams of their own, follow the CPU's curve.
 """
 
-import os
 import signal
 import statistics
-import time
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ import yaml
 
 from tests.gpu import CUDA
 from tests.gpu.test_train_nccl import losses, train
-from tests.recipe.test_reliability import Run, process_gone, processes_mentioning
+from tests.recipe.test_reliability import Run, process_gone, processes_mentioning, signal_worker
 from tests.tiny import base_config, with_layout
 
 pytestmark = [*CUDA, pytest.mark.world]
@@ -96,18 +94,8 @@ def test_a_lost_teacher_ends_every_rank_of_an_nccl_run_within_twice_the_timeout(
     path = tmp_path / "lost.yaml"
     path.write_text(yaml.safe_dump(config))
     run = Run(path, tmp_path, "lost")
-    pids = {}
-    try:
-        run.wait_for_step(2, timeout=300)
-        pids = {rank: int((run.run_dir / "pids" / f"rank{rank}.pid").read_text().split()[0]) for rank in (0, 1)}
-        os.kill(pids[1], how)
-        lost_at = time.monotonic()
-        code = run.wait(4 * timeout)
-        elapsed = time.monotonic() - lost_at
-    finally:
-        for pid in pids.values():
-            if not process_gone(pid):
-                os.kill(pid, signal.SIGKILL)
+    ending = signal_worker(run, path, 1, how, timeout_s=timeout, world_size=2, step_timeout_s=300)
+    code, elapsed, pids = ending.code, ending.elapsed, ending.pids
     others = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("meshkd: ")]
     print(f"teacher {how.name}: meshkd train exited {elapsed:.1f} s after it (collective timeout {timeout} s); "
           f"{len(others)} other stderr line(s):", *others[:20], sep="\n")

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,9 @@ class Run:
                 raise AssertionError(f"{self.name} did not reach step {step} in {timeout} s")
             time.sleep(0.05)
 
-    def worker_pids(self) -> dict[int, int]:
+    def worker_pids(self, world_size: int = WORLD) -> dict[int, int]:
         return {rank: int(self.run_dir.joinpath("pids", f"rank{rank}.pid").read_text().split()[0])
-                for rank in range(WORLD)}
+                for rank in range(world_size)}
 
     def worker_endings(self) -> dict[int, str]:
         """'exit code 1', 'signal SIGKILL', ... per worker rank that did not exit 0, from the launcher's report."""
@@ -316,6 +317,40 @@ def test_resume_after_the_stop_finishes_with_every_step_logged_once(chain):
 
 
 @pytest.mark.world
+@dataclass
+class Ending:
+    """How a run ended after `signal_worker`: exit code of `meshkd train`, seconds from the signal to its exit,
+    the worker pids, and what of the run was still alive the moment it exited."""
+
+    code: int
+    elapsed: float
+    pids: dict[int, int]
+    left: list[str]
+
+
+def signal_worker(run: Run, path: Path, rank: int, signum: int, *, timeout_s: float, world_size: int = WORLD,
+                  step_timeout_s: float = 120) -> Ending:
+    """Once the run has logged step 2, send `signum` to worker `rank` and wait (at most 4 * `timeout_s`, the
+    collective timeout) for `meshkd train` to exit. Leaves no worker behind, whatever happens."""
+    pids = {}
+    try:
+        run.wait_for_step(2, timeout=step_timeout_s)
+        pids = run.worker_pids(world_size)
+        os.kill(pids[rank], signum)
+        sent_at = time.monotonic()
+        code = run.wait(4 * timeout_s)
+        elapsed = time.monotonic() - sent_at
+        left = [f"rank {r} (pid {pid})" for r, pid in pids.items() if not process_gone(pid)]
+        left += [f"pid {pid}" for pid in processes_mentioning(str(path)) if pid not in pids.values()]
+        return Ending(code, elapsed, pids, left)
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+        for pid in pids.values():
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_frozen_teacher_rank_ends_every_process_within_twice_the_timeout(tmp_path):
     """SIGSTOP on a teacher rank: its peers time out, and torchrun kills the frozen one after meshkd's grace."""
     timeout = 15
@@ -325,18 +360,8 @@ def test_a_frozen_teacher_rank_ends_every_process_within_twice_the_timeout(tmp_p
     path = tmp_path / "frozen.yaml"
     path.write_text(yaml.safe_dump(config))
     run = Run(path, tmp_path, "frozen")
-    pids = {}
-    try:
-        run.wait_for_step(2)
-        pids = run.worker_pids()
-        os.kill(pids[2], signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        code = run.wait(4 * timeout)
-        elapsed = time.monotonic() - frozen_at
-    finally:
-        for pid in pids.values():
-            if not process_gone(pid):
-                os.kill(pid, signal.SIGKILL)
+    ending = signal_worker(run, path, 2, signal.SIGSTOP, timeout_s=timeout)
+    code, elapsed, pids = ending.code, ending.elapsed, ending.pids
     print(f"frozen teacher rank: meshkd train exited {elapsed:.1f} s after the freeze (collective timeout {timeout} s)")
     assert code == 1, run.stderr[-3000:]
     assert elapsed < 2 * timeout, f"{elapsed:.1f} s after the freeze"

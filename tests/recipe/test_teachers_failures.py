@@ -9,16 +9,14 @@ after a couple of steps one teacher rank is killed (SIGKILL) or frozen (SIGSTOP)
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.recipe.test_reliability import Run, process_gone, processes_mentioning
+from tests.recipe.test_reliability import Run, signal_worker
 from tests.tiny import base_config, tiny_llama
 
 TIMEOUT_S = 15  # collective_timeout_s of the runs
@@ -39,33 +37,11 @@ def two_teacher_run(tmp: Path, name: str) -> tuple[Run, Path]:
     return Run(path, tmp, name), path
 
 
-def end_after(run: Run, path: Path, rank: int, signum: int) -> tuple[int, float, list[str]]:
-    """After step 2, send `signum` to `rank`'s worker; returns (the exit code of `meshkd train`, the seconds
-    from the signal to its exit, what of the run was still alive when it exited). Leaves no worker behind,
-    whatever happens."""
-    pids = {}
-    try:
-        run.wait_for_step(2)
-        pids = run.worker_pids()
-        os.kill(pids[rank], signum)
-        sent_at = time.monotonic()
-        code = run.wait(4 * TIMEOUT_S)
-        elapsed = time.monotonic() - sent_at
-        left = [f"rank {r} (pid {pid})" for r, pid in pids.items() if not process_gone(pid)]
-        left += [f"pid {pid}" for pid in processes_mentioning(str(path)) if pid not in pids.values()]
-        return code, elapsed, left
-    finally:
-        if run.process.poll() is None:
-            run.process.kill()
-        for pid in pids.values():
-            if not process_gone(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.world
 def test_killing_teacher_math_ends_every_rank_with_the_student_naming_it(tmp_path):
     run, path = two_teacher_run(tmp_path, "killed")
-    code, elapsed, left = end_after(run, path, RANKS["math"], signal.SIGKILL)
+    ending = signal_worker(run, path, RANKS["math"], signal.SIGKILL, timeout_s=TIMEOUT_S)
+    code, elapsed, left = ending.code, ending.elapsed, ending.left
     print(f"killed teacher 'math': meshkd train exited {elapsed:.1f} s after the kill "
           f"(collective timeout {TIMEOUT_S} s)")
     assert code == 1, run.stderr[-3000:]
@@ -84,7 +60,8 @@ def test_freezing_teacher_code_ends_every_rank_within_twice_the_timeout_with_the
     """SIGSTOP on teacher 'code': the student times out waiting for it, teacher 'math' loses the student, and
     the frozen rank is killed after meshkd's grace."""
     run, path = two_teacher_run(tmp_path, "frozen")
-    code, elapsed, left = end_after(run, path, RANKS["code"], signal.SIGSTOP)
+    ending = signal_worker(run, path, RANKS["code"], signal.SIGSTOP, timeout_s=TIMEOUT_S)
+    code, elapsed, left = ending.code, ending.elapsed, ending.left
     print(f"frozen teacher 'code': meshkd train exited {elapsed:.1f} s after the freeze "
           f"(collective timeout {TIMEOUT_S} s)")
     assert code == 1, run.stderr[-3000:]
