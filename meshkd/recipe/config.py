@@ -21,6 +21,7 @@ import yaml
 
 from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_kd_config, validate_teacher_layouts
+from meshkd.recipe.records import RECORD_FORMATS, TRAIN_ON
 from meshkd.recipe.typed_yaml import ConfigError, apply_override, build, parse_yaml
 
 MAX_WORLD_SIZE = 1 << 20
@@ -149,13 +150,37 @@ class KDConfig:
 
 
 @dataclass
+class HFDatasetConfig:
+    """A Hugging Face dataset (`meshkd.recipe.hf_sources`): a `save_to_disk` directory, a Hub id read from the
+    local cache, or a `datasets` builder (parquet, json, csv, arrow) with `data_files`."""
+
+    path: str = ""
+    name: str | None = None  # the subset (a Hub dataset's configuration)
+    split: str = "train"
+    revision: str | None = None
+    data_files: list[str] | None = None
+    streaming: bool = False  # read row by row, no Arrow copy in the datasets cache
+
+
+@dataclass
 class DatasetConfig:
-    """Text files (each one document) and JSONL files; `${stdlib}` expands to Python's stdlib sources."""
+    """Text files (each one document), JSONL / parquet / CSV / arrow / JSON rows and a Hugging Face dataset;
+    `${stdlib}` expands to Python's stdlib sources."""
 
     paths: list[str] = field(default_factory=list)
-    format: str | None = None
+    hf: HFDatasetConfig | None = None  # a Hugging Face dataset, read after the files of paths
+    format: str | None = None  # text | jsonl: read every file of paths so; null: by extension
+    records: str = "text"  # what a row holds: text | chat (messages) | prompt_completion (meshkd.recipe.records)
+    train_on: str = "answers"  # chat / prompt_completion: answers | last_answer | all (tokens the loss counts)
+    chat_template: bool | None = None  # prompt_completion rendered with model.tokenizer's template; null: if it has one
     text_key: str = "text"
-    prompt_key: str | None = None  # on-policy prompts: this JSONL field, whole (else each document's start)
+    messages_key: str = "messages"  # chat: a list of {role, content}
+    # On-policy prompts of text rows: this column, whole (else each document's start); prompt_completion: the
+    # prompt column (null: "prompt")
+    prompt_key: str | None = None
+    completion_key: str = "completion"
+    system_key: str | None = None  # prompt_completion: a column holding a system message
+    context_key: str | None = None  # prompt_completion: a column joined before the prompt
     val_fraction: float = 0.05
     seed: int = 0
     max_documents: int | None = None
@@ -165,6 +190,12 @@ class DatasetConfig:
     # With several teachers and kd.combine route: the JSONL field naming each document's teacher (rows hold
     # one teacher's documents; each row asks only its teacher)
     teacher_key: str | None = None
+
+    @property
+    def whole_prompts(self) -> bool:
+        """Whether on-policy prompts are whole prompts of their own, one per row: the `prompt_key` column of text
+        rows, or all of a chat / prompt_completion row before its last answer (else each row's start)."""
+        return self.prompt_key is not None or self.records != "text"
 
 
 @dataclass
@@ -482,10 +513,7 @@ def _validate_one(config: KDRecipeConfig, *, check_world: bool) -> None:
         raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
     if kd.chunk_size is not None and kd.chunk_size < 1:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
-    if config.dataset.on_bad_file not in ("error", "skip"):
-        raise ConfigError(f"dataset.on_bad_file must be error or skip, got {config.dataset.on_bad_file!r}")
-    if not config.dataset.paths:
-        raise ConfigError("dataset.paths is empty: give text or JSONL files (globs allowed)")
+    _check_dataset(config)
     steps = config.step_scheduler
     for name in ("max_steps", "global_batch_size", "local_batch_size", "sequence_length"):
         if getattr(steps, name) < 1:
@@ -515,6 +543,24 @@ def _validate_one(config: KDRecipeConfig, *, check_world: bool) -> None:
                      "distributed and teacher_distributed")
 
 
+def _check_dataset(config: KDRecipeConfig) -> None:
+    dataset = config.dataset
+    if dataset.on_bad_file not in ("error", "skip"):
+        raise ConfigError(f"dataset.on_bad_file must be error or skip, got {dataset.on_bad_file!r}")
+    if not dataset.paths and dataset.hf is None:
+        raise ConfigError("dataset.paths is empty and dataset.hf unset: give text, JSONL, parquet, CSV, arrow or "
+                          "JSON files (globs allowed), or a Hugging Face dataset")
+    if dataset.hf is not None and not dataset.hf.path:
+        raise ConfigError("dataset.hf.path is empty: give a save_to_disk directory, a Hub id or a datasets builder")
+    if dataset.records not in RECORD_FORMATS:
+        raise ConfigError(f"dataset.records must be one of {', '.join(RECORD_FORMATS)}, got {dataset.records!r}")
+    if dataset.train_on not in TRAIN_ON:
+        raise ConfigError(f"dataset.train_on must be one of {', '.join(TRAIN_ON)}, got {dataset.train_on!r}")
+    if dataset.records != "text" and config.kd.cross_tokenizer is not None:
+        raise ConfigError(f"dataset.records {dataset.records!r} with kd.cross_tokenizer is not supported yet (each "
+                          "side would render the row with its own template); use text rows")
+
+
 def _check_on_policy(config: KDRecipeConfig) -> None:
     kd, generation = config.kd, config.kd.generation
     try:
@@ -535,11 +581,11 @@ def _check_on_policy(config: KDRecipeConfig) -> None:
     if any(token < 0 for token in generation.stop_tokens or ()):
         raise ConfigError(f"kd.generation.stop_tokens must be token ids >= 0, got {generation.stop_tokens}")
     sequence_length = config.step_scheduler.sequence_length
-    longest = (1 if config.dataset.prompt_key else generation.prompt_tokens) + generation.max_new_tokens
+    longest = (1 if config.dataset.whole_prompts else generation.prompt_tokens) + generation.max_new_tokens
     if kd.mode == "on_policy" and longest > sequence_length:
         raise ConfigError(f"kd.generation.prompt_tokens ({generation.prompt_tokens}) + max_new_tokens "
                           f"({generation.max_new_tokens}) exceed step_scheduler.sequence_length ({sequence_length})"
-                          if not config.dataset.prompt_key else
+                          if not config.dataset.whole_prompts else
                           f"kd.generation.max_new_tokens ({generation.max_new_tokens}) leaves no room for a prompt "
                           f"in step_scheduler.sequence_length ({sequence_length})")
     if kd.mode != "on_policy" and not generation.evaluate:

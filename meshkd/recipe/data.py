@@ -27,6 +27,7 @@ Batch layout (every tensor int64, [rows, sequence_length]):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -37,6 +38,7 @@ import torch
 
 from meshkd.core.token_alignment import pad_token_id
 from meshkd.recipe.documents import check_arguments, describe_patterns, match_files, read_documents
+from meshkd.recipe.records import Document, record_reader
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -133,6 +135,8 @@ def build_datasets(
     encoding_errors: str = "replace",
     on_bad_file: str = "read",
     route_key: str | None = None,
+    read_record: Callable[[dict, str], Document | None] | None = None,
+    hf_section=None,
     pack: bool = True,
     pack_texts: Callable[[list[str]], PackedDataset] | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
@@ -158,7 +162,10 @@ def build_datasets(
         on_bad_file: a file that is not text (binary, or not valid UTF-8): "read" decodes it anyway (with
             `encoding_errors`), "error" raises ValueError naming it, "skip" leaves it out with a warning.
         route_key: JSONL field naming each document's teacher: the texts `pack_texts` gets carry it
-            (`meshkd.recipe.documents.RoutedText`).
+            (`meshkd.recipe.records.Document.route`).
+        read_record: turns each JSONL or `datasets` row into its document (`meshkd.recipe.records.record_reader`:
+            chat and prompt / completion rows, whose answers alone train); None: `text_key` and `route_key`.
+        hf_section: a `dataset.hf` section (`meshkd.recipe.hf_sources`) whose rows follow the files'.
         pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary
             padded batch, whose mask holds 1 for tokens and 0 for padding.
         pack_texts: makes a split's rows from its texts in place of `tokenizer`'s packing (both
@@ -174,7 +181,7 @@ def build_datasets(
     train_texts, val_texts = split_texts(
         paths=paths, val_fraction=val_fraction, seed=seed, text_key=text_key, format=format,
         max_documents=max_documents, max_document_chars=max_document_chars, encoding_errors=encoding_errors,
-        on_bad_file=on_bad_file, route_key=route_key,
+        on_bad_file=on_bad_file, route_key=route_key, read_record=read_record, hf_section=hf_section,
     )  # fmt: skip
     pack_texts = pack_texts or packer(tokenizer, sequence_length, pack=pack)
     train, val = pack_texts(train_texts), pack_texts(val_texts)
@@ -207,20 +214,25 @@ def split_texts(
     encoding_errors: str = "replace",
     on_bad_file: str = "read",
     route_key: str | None = None,
+    read_record: Callable[[dict, str], Document | None] | None = None,
+    hf_section=None,
 ) -> tuple[list[str], list[str]]:
     """The documents `build_datasets` reads, as (training texts, validation texts), before tokenizing
     (arguments and errors as there): what a tokenizer trained on the training split alone reads."""
     patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not patterns:
+    if not patterns and hf_section is None:
         raise ValueError("paths is empty: give at least one file path or glob pattern")
     files = match_files(patterns)
     if max_documents is not None:
         files = [files[i] for i in _permutation(len(files), seed)]
     documents = read_documents(files, text_key=text_key, format=format, max_documents=max_documents,
                                max_document_chars=max_document_chars, encoding_errors=encoding_errors,
-                               on_bad_file=on_bad_file, route_key=route_key)
+                               on_bad_file=on_bad_file, route_key=route_key, read_record=read_record,
+                               hf_section=hf_section)
     if not documents:
-        raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {describe_patterns(patterns)}")
+        where = f"the {len(files)} file(s) matched by {describe_patterns(patterns)}" + (
+            f" and dataset.hf {hf_section.path!r}" if hf_section is not None else "")
+        raise ValueError(f"no non-empty document in {where}")
 
     num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * len(documents)))
     if num_val >= len(documents):
@@ -238,22 +250,37 @@ def split_texts(
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
-                       ) -> tuple[PackedDataset, PackedDataset]:
-    """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says;
-    `text_key` and `pack` in place of the section's (on-policy prompts read another field, one per row)."""
-    return build_datasets(tokenizer, **{**reading_arguments(dataset), "text_key": text_key or dataset.text_key},
-                          sequence_length=sequence_length, pack=dataset.packing if pack is None else pack,
-                          pack_texts=pack_texts)
+                       prompts: bool = False) -> tuple[PackedDataset, PackedDataset]:
+    """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says; `text_key`
+    and `pack` in place of the section's (on-policy prompts of text rows read another column, one per row);
+    `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`)."""
+    if text_key is not None:
+        dataset = dataclasses.replace(dataset, text_key=text_key)
+    arguments = reading_arguments(dataset, tokenizer)
+    if prompts:
+        read_record = arguments["read_record"]
+        arguments["read_record"] = lambda record, where: _prompt_of(read_record(record, where), where)
+    return build_datasets(tokenizer, **arguments, sequence_length=sequence_length,
+                          pack=dataset.packing if pack is None else pack, pack_texts=pack_texts)
 
 
-def reading_arguments(dataset) -> dict:
-    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits)."""
+def _prompt_of(document: Document | None, where: str) -> Document | None:
+    if document is None or document.prompt_end is None:
+        return document
+    if document.prompt_end == 0:
+        raise ValueError(f"{where}: the row's answer starts at its first character, so it has no prompt")
+    return document.prompt()
+
+
+def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
+    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
+    renders chat rows (`meshkd.recipe.records.record_reader`)."""
     from meshkd.recipe.config import expand_path
 
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
-            "seed": dataset.seed, "text_key": dataset.text_key, "format": dataset.format,
-            "max_documents": dataset.max_documents, "max_document_chars": dataset.max_document_chars,
-            "on_bad_file": dataset.on_bad_file, "route_key": dataset.teacher_key}
+            "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
+            "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,
+            "read_record": record_reader(dataset, tokenizer), "hf_section": dataset.hf}
 
 
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:
@@ -402,16 +429,39 @@ def _permutation(size: int, seed: int) -> list[int]:
 # Tokenizing and packing
 
 
-def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[torch.Tensor]:
-    """One int64 tensor per document that yields tokens, EOS appended when the tokenizer has one."""
+def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per document that yields tokens: (int64 ids, EOS appended when the tokenizer has one and the document
+    takes it; which tokens train, a bool tensor, or None when all do: `answer_tokens`)."""
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     documents = []
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
         chunk = texts[start : start + _TOKENIZE_CHUNK]
+        masked = any(getattr(text, "answers", None) is not None for text in chunk)
+        if masked and not tokenizer.is_fast:
+            raise ValueError(f"answer-only loss finds the answer tokens by their character offsets, which "
+                             f"{type(tokenizer).__name__} (not a fast tokenizer) does not give; dataset.train_on: "
+                             f"all trains on every token")
         # verbose=False: documents longer than the model's context are expected, they are cut when packed.
-        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
-        documents.extend(torch.tensor(ids + eos, dtype=torch.int64) for ids in encoded if ids)
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False, return_offsets_mapping=masked)
+        for index, (text, ids) in enumerate(zip(chunk, encoded["input_ids"])):
+            if not ids:
+                continue
+            closing = eos if getattr(text, "eos", True) else []
+            trains = None
+            if getattr(text, "answers", None) is not None:
+                trains = answer_tokens(text.answers, encoded["offset_mapping"][index])
+                trains = torch.cat([trains, trains[-1:].expand(len(closing))])  # EOS trains with the answer it ends
+            documents.append((torch.tensor(ids + closing, dtype=torch.int64), trains))
     return documents
+
+
+def answer_tokens(answers: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Which tokens train: those whose first character lies in an answer span (character offsets [start, end))."""
+    starts = torch.tensor([start for start, _ in offsets], dtype=torch.int64)
+    trains = torch.zeros(len(offsets), dtype=torch.bool)
+    for begin, end in answers:
+        trains |= (starts >= begin) & (starts < end)
+    return trains
 
 
 def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
@@ -441,8 +491,10 @@ def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]
     return rows, offsets
 
 
-def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int, *, pack: bool) -> PackedDataset:
-    """Pack tokenized documents into NEAT rows [num_rows, sequence_length] (one piece per row unless `pack`)."""
+def _pack(documents: list[tuple[torch.Tensor, torch.Tensor | None]], sequence_length: int, pad_token_id: int, *,
+          pack: bool) -> PackedDataset:
+    """Pack tokenized documents (`_tokenize`) into NEAT rows [num_rows, sequence_length] (one piece per row
+    unless `pack`); a token that does not train is no position's target."""
     if not documents:
         return PackedDataset(
             **padding_rows(0, sequence_length, pad_token_id), pad_token_id=pad_token_id, num_documents=0
@@ -450,7 +502,7 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
     # Pieces: each document cut into row-sized parts, in document order; the concatenated tokens are those
     # of the pieces back to back.
     piece_lengths = []
-    for document in documents:
+    for document, _ in documents:
         full, rest = divmod(len(document), sequence_length)
         piece_lengths.extend([sequence_length] * full + ([rest] if rest else []))
     if pack:
@@ -465,14 +517,16 @@ def _pack(documents: list[torch.Tensor], sequence_length: int, pad_token_id: int
         pieces_in_row[row] += 1
         indices.append(pieces_in_row[row])
 
-    tokens = torch.cat(documents)
+    tokens = torch.cat([document for document, _ in documents])
+    trains = torch.cat([torch.ones(len(document), dtype=torch.bool) if mask is None else mask
+                        for document, mask in documents])
     lengths = torch.tensor(piece_lengths)
     piece_starts = torch.cumsum(lengths, 0) - lengths  # where each piece starts in `tokens`
     position = torch.arange(len(tokens)) - torch.repeat_interleave(piece_starts, lengths)
     destination = torch.repeat_interleave(torch.tensor(rows) * sequence_length + torch.tensor(offsets), lengths)
     destination += position
     # The target of a token is the next token of the same piece; a piece's last token has none.
-    targets = torch.roll(tokens, -1)
+    targets = torch.roll(tokens, -1).masked_fill(~torch.roll(trains, -1), IGNORE_INDEX)
     targets[piece_starts + lengths - 1] = IGNORE_INDEX
 
     batch = padding_rows(num_rows, sequence_length, pad_token_id)

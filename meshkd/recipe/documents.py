@@ -7,8 +7,10 @@ byte: binary; or not valid UTF-8) is, by `on_bad_file`, read anyway ("read": dec
 `encoding_errors`), refused naming it ("error"), or left out with a warning naming it ("skip"; printed by
 the process of global rank 0 only, once per file, since every rank reads the same files).
 
-With `route_key` (several teachers, `kd.combine: route`) each JSONL document also names its teacher in that
-field: it is read as a `RoutedText`, a string that carries the name as `.route`.
+Files ending in `.parquet`, `.csv`, `.arrow` or `.json` are read with `datasets` (`meshkd.recipe.hf_sources`),
+as is the dataset `dataset.hf` names. Every row of JSONL and those sources becomes a `Document` by
+`dataset.records` (`meshkd.recipe.records`: text, chat or prompt / completion rows; with `route_key`, several
+teachers' `kd.combine: route`, each also names its teacher).
 """
 
 from __future__ import annotations
@@ -17,22 +19,13 @@ import codecs
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
+from meshkd.recipe.hf_sources import builder_of, file_rows, section_rows
 from meshkd.recipe.metrics import warn0
-
-
-class RoutedText(str):
-    """A document's text with the name of the teacher it is routed to (`route`)."""
-
-    route: str
-
-    @classmethod
-    def of(cls, text: str, route: str) -> RoutedText:
-        routed = cls(text)
-        routed.route = route
-        return routed
+from meshkd.recipe.records import Document, record_reader
 
 
 def describe_patterns(patterns: list) -> str:
@@ -83,37 +76,59 @@ def check_text(path: str, data: bytes, on_bad_file: str) -> bool:
 def read_documents(
     files: list[str],
     *,
-    text_key: str,
+    text_key: str = "text",
     format: str | None,
     max_documents: int | None,
     max_document_chars: int | None,
     encoding_errors: str,
     on_bad_file: str = "read",
     route_key: str | None = None,
-) -> list[str]:
+    read_record: Callable[[dict, str], Document | None] | None = None,
+    hf_section=None,
+) -> list[Document]:
+    """The documents of `files` (then of the `dataset.hf` section `hf_section`), in order.
+
+    `read_record` turns a row into its document (`meshkd.recipe.records.record_reader`); None reads the
+    `text_key` column (and with `route_key` the teacher's name) of text rows.
+    """
     if on_bad_file not in BAD_FILE_POLICIES:
         raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
-    documents: list[str] = []
-    for path in files:
-        data = _read_bytes(path)
-        if not check_text(path, data, on_bad_file):
-            continue
-        is_jsonl = format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl")
-        if is_jsonl:
-            texts = _jsonl_documents(path, data, text_key, encoding_errors, route_key)
-        elif route_key is not None:
-            raise ValueError(f"{path} is not a JSONL file, so no document of it can name its teacher under the "
-                             f"route key {route_key!r}")
-        else:
-            texts = _text_document(path, data, encoding_errors)
-        for text in texts:
-            if not text.strip():
+    text_rows = read_record is None
+    if text_rows:
+        read_record = record_reader(SimpleNamespace(text_key=text_key, teacher_key=route_key))
+    documents: list[Document] = []
+    for rows in _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, hf_section):
+        for record, where in rows:
+            document = read_record(record, where) if isinstance(record, dict) else record
+            if document is None or not document.strip():
                 continue
-            cut = text if max_document_chars is None else text[:max_document_chars]
-            documents.append(RoutedText.of(cut, text.route) if route_key is not None else cut)
+            documents.append(document if max_document_chars is None else document.cut(max_document_chars))
             if max_documents is not None and len(documents) == max_documents:
                 return documents  # stop reading: a cap on a large corpus should not read all of it
     return documents
+
+
+def _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, hf_section):
+    """Each source's rows as (a row dict or a plain text file's Document, where)."""
+    for path in files:
+        if format is None and builder_of(path) is not None:
+            yield file_rows(path)
+            continue
+        data = _read_bytes(path)
+        if not check_text(path, data, on_bad_file):
+            continue
+        if format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl"):
+            yield _jsonl_rows(path, data, encoding_errors)
+        elif route_key is not None:
+            raise ValueError(f"{path} is not a JSONL file, so no document of it can name its teacher under the "
+                             f"route key {route_key!r}")
+        elif not text_rows:
+            raise ValueError(f"{path} is a plain text file: dataset.records reads rows of JSONL, parquet, CSV, "
+                             f"arrow or JSON files (or dataset.hf)")
+        else:
+            yield [(_text_document(path, data, encoding_errors), path)]
+    if hf_section is not None:
+        yield section_rows(hf_section)
 
 
 def _read_bytes(path: str) -> bytes:
@@ -124,17 +139,16 @@ def _read_bytes(path: str) -> bytes:
         raise ValueError(f"cannot read data file {path!r}: {error}") from error
 
 
-def _text_document(path: str, data: bytes, encoding_errors: str) -> Iterator[str]:
+def _text_document(path: str, data: bytes, encoding_errors: str) -> Document:
     try:
-        yield data.decode("utf-8", errors=encoding_errors)
+        return Document.of(data.decode("utf-8", errors=encoding_errors))
     except UnicodeDecodeError as error:
         raise ValueError(
             f"data file {path!r} is not valid UTF-8 ({error}); pass encoding_errors='replace' to read it anyway"
         ) from None
 
 
-def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str,
-                     route_key: str | None = None) -> Iterator[str]:
+def _jsonl_rows(path: str, data: bytes, encoding_errors: str) -> Iterator[tuple[dict, str]]:
     for number, raw in enumerate(data.splitlines(), start=1):
         where = f"{path}:{number}"
         try:
@@ -149,20 +163,7 @@ def _jsonl_documents(path: str, data: bytes, text_key: str, encoding_errors: str
             raise ValueError(f"{where}: invalid JSON ({error})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
-        if text_key not in record:
-            keys = ", ".join(repr(key) for key in list(record)[:8])
-            raise ValueError(f"{where}: no text_key {text_key!r} in the object (its keys: {keys or 'none'})")
-        text = record[text_key]
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
-        if route_key is None:
-            yield text
-            continue
-        route = record.get(route_key)
-        if not isinstance(route, str):
-            raise ValueError(f"{where}: the route key {route_key!r} must hold the name of the document's teacher, "
-                             f"got {route!r}")
-        yield RoutedText.of(text, route)
+        yield record, where
 
 
 def check_arguments(

@@ -3,7 +3,8 @@
 Design (GKD, Agarwal et al. 2024). With `kd.mode: on_policy`, a share `kd.on_policy_fraction` of each
 step's micro-batches is made of the student's own completions; the rest stays dataset text. Per micro-batch:
 1. Prompts: the first `kd.generation.prompt_tokens` tokens of each row's first document, or with
-   `dataset.prompt_key` the whole prompt of a JSONL line (rows of `build_prompt_set`).
+   whole prompts (`build_prompt_set`): the `dataset.prompt_key` column of a text row, or all of a chat /
+   prompt_completion row before its last answer (with the template's generation prompt).
 2. The student, with its current weights, samples a completion of every prompt (`Sampler`; the default
    `ModelGenerate` runs the model's own `generate`: batched, KV cache, no grad).
 3. `completion_batch` lays prompt + completion out as an ordinary row whose labels are the completion's
@@ -229,7 +230,7 @@ class StudentCompletions:
 
     Args:
         model: the module whose `generate` runs (DDP's inner module; FSDP2 and tensor-parallel as they are).
-        config: the recipe config (`kd.generation`, `dataset.prompt_key`, the sequence length).
+        config: the recipe config (`kd.generation`, `dataset`'s prompts, the sequence length).
         tokenizer: its EOS ends documents (dropped from prompts) and, by default, completions.
         greedy: the likeliest token each time, whatever `kd.generation.temperature` says (for evaluation).
         teacher_side: adds a teacher with another tokenizer's side to the rows made
@@ -247,7 +248,7 @@ class StudentCompletions:
                                     temperature=0.0 if greedy else generation.temperature,
                                     top_p=generation.top_p, stop_tokens=tuple(stops))
         self.sampler: Sampler = ModelGenerate(model, settings, pad_token_id=pad_token_id, device=device)
-        self.limit = None if config.dataset.prompt_key else generation.prompt_tokens
+        self.limit = None if config.dataset.whole_prompts else generation.prompt_tokens
         self.sequence_length = config.step_scheduler.sequence_length
         self.pad_token_id, self.device, self.teacher_side = pad_token_id, device, teacher_side
 
@@ -330,21 +331,24 @@ class OnPolicyStep:
 
 
 def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[PackedDataset, PackedDataset]:
-    """(train, validation) prompts under `dataset.prompt_key`, one per row, split as the text documents are.
+    """(train, validation) whole prompts, one per row, split as the rows are: the `dataset.prompt_key` column of
+    text rows, or each chat / prompt_completion row's text before its last answer.
 
     Raises ValueError naming the key when a prompt is longer than `max_prompt_tokens` (the sequence length
-    less `max_new_tokens`) or no line has a non-empty prompt.
+    less `max_new_tokens`) or no row has a non-empty prompt.
     """
-    key = dataset.prompt_key
+    key = f"dataset.prompt_key {dataset.prompt_key!r}" if dataset.records == "text" else (
+        f"dataset.records {dataset.records!r} (the prompts before the answers)")
     try:
-        splits = build_run_datasets(tokenizer, dataset, sequence_length=max_prompt_tokens + 1, text_key=key,
-                                    pack=False)
+        splits = build_run_datasets(tokenizer, dataset, sequence_length=max_prompt_tokens + 1, pack=False,
+                                    **({"text_key": dataset.prompt_key} if dataset.records == "text" else
+                                       {"prompts": True}))
     except ValueError as error:
-        raise ValueError(f"dataset.prompt_key {key!r}: {error}") from None
+        raise ValueError(f"{key}: {error}") from None
     for split in splits:
         if len(split) != split.num_documents:  # a prompt was cut into pieces: it did not fit one row
             raise ValueError(
-                f"dataset.prompt_key {key!r}: {len(split) - split.num_documents} prompt piece(s) beyond the "
+                f"{key}: {len(split) - split.num_documents} prompt piece(s) beyond the "
                 f"limit of {max_prompt_tokens} tokens (step_scheduler.sequence_length less "
                 f"kd.generation.max_new_tokens): shorten the prompts or raise the sequence length")
     return splits

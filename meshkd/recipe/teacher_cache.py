@@ -33,6 +33,7 @@ background thread. `check_cache` is the preflight: every key field against the r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -70,6 +71,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def hf_fingerprint(section) -> dict[str, Any]:
+    """The `dataset.hf` section, with every file of a local dataset directory by path, size and mtime."""
+    fingerprint = dataclasses.asdict(section)
+    path = os.path.expanduser(section.path)
+    if os.path.isdir(path):
+        fingerprint["files"] = [[name, os.path.getsize(os.path.join(path, name)),
+                                 os.path.getmtime(os.path.join(path, name))]
+                                for name in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, name))]
+    return fingerprint
+
+
 def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tokenizer=None) -> dict[str, Any]:
     """What the answers depend on, by the config key that sets each (a cache serves a run with the same key).
 
@@ -80,6 +92,11 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
         "dataset.paths": [[os.path.abspath(path), os.path.getsize(path), file_sha256(path)] for path in files],
         **{f"dataset.{name}": getattr(dataset, name) for name in
            ("format", "text_key", "val_fraction", "seed", "max_documents", "max_document_chars", "packing")},
+        **({f"dataset.{name}": getattr(dataset, name) for name in  # the answer-only mask is in the labels
+            ("records", "train_on", "chat_template", "messages_key", "prompt_key", "completion_key", "system_key",
+             "context_key")} | {"model.tokenizer.chat_template": tokenizer.chat_template}
+           if dataset.records != "text" else {}),
+        **({"dataset.hf": hf_fingerprint(dataset.hf)} if dataset.hf is not None else {}),
         "step_scheduler.sequence_length": config.step_scheduler.sequence_length,
         "model.tokenizer": tokenizer_fingerprint(tokenizer),
         "vocabulary": vocab_size,

@@ -465,7 +465,7 @@ def test_reading_errors_name_the_pattern_file_line_and_key(tmp_path):
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:2: expected a JSON object per line, got list"):
         build(str(bad))
     bad.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"content": "x", "id": 2}) + "\n")
-    message = rf"{re.escape(str(bad))}:2: no text_key 'text' in the object \(its keys: 'content', 'id'\)"
+    message = rf"{re.escape(str(bad))}:2: no text_key 'text' in the row \(its columns: 'content', 'id'\)"
     with pytest.raises(ValueError, match=message):
         build(str(bad))
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:1: no text_key 'content'"):

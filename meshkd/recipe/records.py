@@ -1,0 +1,204 @@
+"""Records: one dataset row (a JSONL object, a Hugging Face dataset row) -> one `Document`, by `dataset.records`.
+
+Design:
+- A `Document` is the text the student reads (a `str`) with what the loss needs beyond it: `answers`, the
+  character spans whose tokens train (None: every token trains), `prompt_end`, where the on-policy prompt of
+  the row ends, `eos`, whether the tokenizer's EOS closes it, and `route`, the teacher a routed row names.
+  Tokenizing maps the spans to tokens (`meshkd.recipe.data`), so the answer-only mask is carried by the labels
+  (-100 outside answers) and survives whatever carries labels: packing, cp sharding, pipeline stages, the
+  teacher cache, several teachers.
+- `text` rows: the `text_key` column, all of it trains, EOS appended (plain text files are such rows too).
+- `chat` rows: the `messages_key` column, a list of `{role, content}`, rendered with the tokenizer's own chat
+  template. An assistant turn i is the text between the rendering of turns [0, i) with the generation
+  prompt and that of turns [0, i]: so the answer holds what the template puts after the content (the
+  end-of-turn token: the model learns to stop) and not the assistant header. A template that does not
+  render conversations as prefixes of longer ones cannot be split so, and is refused naming the row.
+- `prompt_completion` rows: `prompt_key` and `completion_key` (strings, or lists of messages as TRL's
+  conversational form), optional `system_key` and `context_key` (joined before the prompt). With a chat
+  template (`dataset.chat_template` true, or null and the tokenizer has one) they are rendered as a chat of
+  system, user and assistant turns; without, the completion follows the prompt as it is, EOS appended.
+- `dataset.train_on`: `answers` (every assistant turn), `last_answer`, or `all` (every token, as text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+RECORD_FORMATS = ("text", "chat", "prompt_completion")
+TRAIN_ON = ("answers", "last_answer", "all")
+
+
+class Document(str):
+    """A document's text with what its loss reads beyond the text (see the module docstring)."""
+
+    answers: tuple[tuple[int, int], ...] | None = None
+    prompt_end: int | None = None
+    eos: bool = True
+    route: str | None = None
+
+    @classmethod
+    def of(cls, text: str, *, answers=None, prompt_end=None, eos: bool = True, route: str | None = None) -> Document:
+        document = cls(text)
+        document.answers = None if answers is None else tuple(answers)
+        document.prompt_end, document.eos, document.route = prompt_end, eos, route
+        return document
+
+    def cut(self, max_chars: int) -> Document:
+        """The first `max_chars` characters, the spans clipped to them (an answer cut away is dropped)."""
+        if len(self) <= max_chars:
+            return self
+        answers = None if self.answers is None else [(start, min(end, max_chars)) for start, end in self.answers
+                                                     if start < max_chars]
+        prompt_end = None if self.prompt_end is None or self.prompt_end > max_chars else self.prompt_end
+        return Document.of(self[:max_chars], answers=answers, prompt_end=prompt_end, eos=self.eos, route=self.route)
+
+    def prompt(self) -> Document:
+        """The row's on-policy prompt: its text before the last answer (the generation prompt included)."""
+        return Document.of(self[: self.prompt_end], eos=False, route=self.route)
+
+
+def record_reader(dataset, tokenizer=None) -> Callable[[dict, str], Document | None]:
+    """`(record, where) -> Document` (None: an empty text row, skipped) as the `dataset` section says.
+
+    `where` names the row in errors (`file:line`, or the dataset and index). `tokenizer` renders chat rows;
+    ValueError when they need a template it does not have.
+    """
+    records = getattr(dataset, "records", "text")
+    route_key = dataset.teacher_key
+    if records == "text":
+        convert = _text_reader(dataset.text_key)
+    else:
+        template = records == "chat" or dataset.chat_template or (
+            dataset.chat_template is None and tokenizer is not None and tokenizer.chat_template is not None)
+        if template and (tokenizer is None or tokenizer.chat_template is None):
+            raise ValueError(f"dataset.records {records!r} renders rows with the chat template of model.tokenizer, "
+                             f"which has none (dataset.chat_template: false joins prompt and completion as they "
+                             f"are)" if records == "prompt_completion" else
+                             "dataset.records 'chat' renders rows with the chat template of model.tokenizer, which "
+                             "has none")
+        render = ChatRenderer(tokenizer, dataset.train_on) if template else None
+        convert = _chat_reader(dataset.messages_key, render) if records == "chat" else _pair_reader(dataset, render)
+
+    def read(record: dict, where: str) -> Document | None:
+        document = convert(record, where)
+        if document is None or route_key is None:
+            return document
+        route = record.get(route_key)
+        if not isinstance(route, str):
+            raise ValueError(f"{where}: the route key {route_key!r} must hold the name of the row's teacher, "
+                             f"got {route!r}")
+        document.route = route
+        return document
+
+    return read
+
+
+def column(record: dict, key: str, where: str, setting: str) -> Any:
+    """`record[key]`; ValueError naming the row, the setting (`text_key`, ...) and the row's columns if absent."""
+    if key not in record:
+        keys = ", ".join(repr(name) for name in list(record)[:8])
+        raise ValueError(f"{where}: no {setting} {key!r} in the row (its columns: {keys or 'none'})")
+    return record[key]
+
+
+def _text_reader(text_key: str) -> Callable[[dict, str], Document | None]:
+    def read(record: dict, where: str) -> Document | None:
+        text = column(record, text_key, where, "text_key")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
+        return Document.of(text) if text.strip() else None
+    return read
+
+
+def _chat_reader(messages_key: str, render: ChatRenderer) -> Callable[[dict, str], Document]:
+    def read(record: dict, where: str) -> Document:
+        messages = column(record, messages_key, where, "messages_key")
+        return render(_messages(messages, f"{where}: {messages_key!r}"), where)
+    return read
+
+
+def _pair_reader(dataset, render: ChatRenderer | None) -> Callable[[dict, str], Document]:
+    keys = {"prompt": dataset.prompt_key or "prompt", "completion": dataset.completion_key}
+
+    def text(record: dict, key: str | None, where: str) -> str | None:
+        value = None if key is None else column(record, key, where, "column")
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{where}: {key!r} holds a {type(value).__name__}, not a string")
+        return value
+
+    def read(record: dict, where: str) -> Document:
+        prompt, completion = (column(record, keys[name], where, f"{name}_key") for name in ("prompt", "completion"))
+        system, context = (text(record, key, where) for key in (dataset.system_key, dataset.context_key))
+        if isinstance(prompt, str):
+            prompt = "\n\n".join([part for part in (context, prompt) if part])
+        if render is None:  # plain: the completion right after the prompt
+            for name, value in (("prompt", prompt), ("completion", completion)):
+                if not isinstance(value, str):
+                    raise ValueError(f"{where}: {keys[name]!r} holds a {type(value).__name__}; without a chat "
+                                     f"template prompt and completion are strings")
+            if not completion.strip():
+                raise ValueError(f"{where}: empty answer ({keys['completion']!r} is empty)")
+            head = "\n\n".join([part for part in (system, prompt) if part])
+            return Document.of(head + completion, answers=[(len(head), len(head) + len(completion))],
+                               prompt_end=len(head))
+        if isinstance(prompt, str):
+            prompt = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+        if isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        messages = (_messages(prompt, f"{where}: {keys['prompt']!r}")
+                    + _messages(completion, f"{where}: {keys['completion']!r}"))
+        return render(messages, where)
+
+    return read
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    """`value` checked to be a list of {role, content} objects (other keys kept for the template)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a non-empty list of {{role, content}} messages, got "
+                         f"{type(value).__name__}")
+    for index, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: message {index} is not a {{role, content}} object of strings: "
+                             f"{str(message)[:80]}")
+    return value
+
+
+class ChatRenderer:
+    """A list of messages -> its `Document` under a tokenizer's chat template (see the module docstring)."""
+
+    def __init__(self, tokenizer, train_on: str) -> None:
+        self.tokenizer, self.train_on = tokenizer, train_on
+
+    def render(self, messages: list[dict], where: str, *, generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as error:  # jinja's TemplateError (raise_exception in the template) and its kin
+            raise ValueError(f"{where}: the chat template of model.tokenizer refuses the row: {error}") from None
+
+    def __call__(self, messages: list[dict], where: str) -> Document:
+        text = self.render(messages, where)
+        answers = []
+        for turn, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:turn], where, generation_prompt=True) if turn else ""
+            through = self.render(messages[: turn + 1], where)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ValueError(f"{where}: the chat template of model.tokenizer does not render turn {turn} as a "
+                                 f"prefix of the whole conversation, so its answer cannot be told from the prompt "
+                                 f"(dataset.train_on: all trains on every token)")
+            if not message["content"].strip():
+                raise ValueError(f"{where}: empty answer (message {turn}, role 'assistant')")
+            answers.append((len(before), len(through)))
+        if not answers:
+            raise ValueError(f"{where}: no assistant message, so nothing to train on")
+        prompt_end = answers[-1][0]
+        if self.train_on == "all":
+            answers = None
+        elif self.train_on == "last_answer":
+            answers = answers[-1:]
+        return Document.of(text, answers=answers, prompt_end=prompt_end, eos=False)
