@@ -3,8 +3,8 @@
 - A file of `dataset.paths` ending in `.parquet`, `.csv`, `.arrow` or `.json` is read with the `datasets` builder
   of that name, streamed (row by row, no Arrow copy written to the datasets cache).
 - `dataset.hf` names one dataset: a `save_to_disk` directory (`load_from_disk`), or an id or builder for
-  `load_dataset` (a Hub id is read from the local Hugging Face cache when `HF_DATASETS_OFFLINE=1`, as on a
-  machine without network), with its subset (`name`), `split`, `revision`, `data_files` and `streaming`.
+  `load_dataset` (a Hub id is read from the local Hugging Face cache: meshkd sets `HF_DATASETS_OFFLINE=1`
+  unless the environment sets it), with its subset (`name`), `split`, `revision`, `data_files` and `streaming`.
 Rows come as `(row dict, where)`, `where` naming the source and row index for errors; any failure to open a
 source is one ValueError naming it. `datasets` is imported only when such a source is read.
 """
@@ -69,6 +69,9 @@ def _open(section):
 
 
 def _datasets():
+    # Hub ids are read from the local cache, not fetched (a run never downloads data); HF_DATASETS_OFFLINE=0
+    # set by the user lets `datasets` download. Read when `datasets` is first imported, so set before it.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
     except ImportError:

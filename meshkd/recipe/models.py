@@ -131,12 +131,19 @@ def load_tokenizer(*, path: str | os.PathLike[str] | None = None, gguf_file: str
     return tokenizer
 
 
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""The byte tokenizer's chat template: ChatML, as SmolLM2 and Qwen render chats."""
+
+
 def byte_tokenizer():
     """An offline byte-level tokenizer: one token per UTF-8 byte (ids 0-255), then eos (256) and pad (257).
 
     Built in code with the `tokenizers` library (byte-level BPE without merges, GPT-2's byte alphabet), so
     it is deterministic, encodes any text and round-trips it through `decode`. `len(tokenizer)` is its
-    vocabulary size, 258. Returns a `transformers.PreTrainedTokenizerFast`.
+    vocabulary size, 258. Chats render in ChatML (`CHATML_TEMPLATE`, its markers spelled in bytes). Returns a
+    `transformers.PreTrainedTokenizerFast`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -147,6 +154,7 @@ def byte_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=BYTE_EOS_TOKEN, pad_token=BYTE_PAD_TOKEN)
+    tokenizer.chat_template = CHATML_TEMPLATE
     assert tokenizer.eos_token_id == 256 and tokenizer.pad_token_id == 257 and len(tokenizer) == 258
     return tokenizer
 

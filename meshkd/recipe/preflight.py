@@ -131,17 +131,19 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                               dataset.max_document_chars, "replace")
     with about("dataset.paths"):
         files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
-        # Every file is read (and checked for being text, by `dataset.on_bad_file`); on a large corpus this
-        # is left to the students' setup, whose errors reach every rank too. `check_data` False: read already.
-        if check_data and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
-            found = documents.read_documents(files, text_key=dataset.text_key, format=dataset.format,
-                                             max_documents=None, max_document_chars=None, encoding_errors="replace",
-                                             on_bad_file=dataset.on_bad_file)
-            if not found:
-                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
-
     with about("model.tokenizer"):
         tokenizer = load_section_tokenizer(config.model)
+    # Every file is read (and checked for being text, by `dataset.on_bad_file`, and each row for its columns);
+    # a large corpus or a Hugging Face dataset is left to the students' setup, whose errors reach every rank
+    # too. `check_data` False: read already.
+    if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
+        with about("dataset.paths"):
+            arguments = data.reading_arguments(dataset, tokenizer)
+            found = documents.read_documents(files, format=dataset.format, max_documents=None,
+                                             max_document_chars=None, encoding_errors="replace",
+                                             on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])
+            if not found:
+                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
     with about("model"):
         student = load_section_skeleton(config.model)
     _warn_if_checkpoints_may_not_fit(config, student)
