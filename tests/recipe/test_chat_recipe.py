@@ -1,0 +1,126 @@
+"""The recipe on chat rows: only the answers train, and no layout, cache or teacher list changes that.
+
+A one-process run on chat rows made from the standard library counts exactly the answer tokens of the rows
+each step draws, and its held-out loss before training equals plain transformers' next-token loss over the
+answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, and two
+identical teachers at 0.5 / 0.5 all train its curve.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from meshkd.recipe.config import config_from_dict
+from tests.recipe.test_recipe import curve
+from tests.recipe.test_teacher_cache import run_all, train_records, variant
+from tests.tiny import STEPS, base_config
+
+pytestmark = pytest.mark.world
+
+
+def chat_config(tmp: Path) -> dict:
+    """base_config on 40 chat rows (question and answer cut so that a 256-token row holds one or two)."""
+    from meshkd.bench.corpora import stdlib_chat_rows
+
+    rows = []
+    for row in stdlib_chat_rows(max_rows=40, max_answer_chars=50):
+        question, answer = (message["content"] for message in row["messages"])
+        rows.append({"messages": [{"role": "user", "content": question[:30]},
+                                  {"role": "assistant", "content": answer}]})
+    path = tmp / "chat.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = base_config(tmp)
+    config["dataset"] = {"paths": [str(path)], "records": "chat", "val_fraction": 0.2, "seed": 3}
+    config["step_scheduler"]["sequence_length"] = 256
+    config["kd"]["logits_transport"] = "full_bf16"  # what a cache can hold exactly
+    return config
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("chat_one_rank")
+    base = chat_config(tmp)
+    runs = {"reference": variant(base, tmp, "reference", student={"dp_size": 1}),
+            "write_cache": variant(base, tmp, "write_cache", student={"dp_size": 1}, cache=str(tmp / "cache")),
+            "cached": variant(base, tmp, "cached", student={"dp_size": 1}, cache=str(tmp / "cache"))}
+    twins = copy.deepcopy(runs["reference"])
+    teacher = twins.pop("teacher_model")
+    twins["teachers"] = [{"name": "a", "model": teacher, "weight": 0.5}, {"name": "b", "model": teacher, "weight": 0.5}]
+    twins["logging"]["run_dir"] = str(tmp / "twins")
+    runs["twins"] = twins
+    return run_all(1, runs)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("chat_three_ranks")
+    base = chat_config(tmp)
+    return run_all(3, {name: variant(base, tmp, name, student=student, teacher={"dp_size": 1})
+                       for name, student in (("student_cp2", {"dp_size": 1, "cp_size": 2}),
+                                             ("student_pp2", {"dp_size": 1, "pp_size": 2}))})
+
+
+def test_each_step_counts_exactly_the_answer_tokens_of_its_rows(one_rank):
+    from meshkd.recipe import data
+    from meshkd.recipe.models import byte_tokenizer
+
+    config = one_rank["reference"]
+    parsed = config_from_dict(config)
+    tokenizer = byte_tokenizer()
+    train, _ = data.build_run_datasets(tokenizer, parsed.dataset, sequence_length=256)
+    batches = data.iterate_batches(train, global_batch_size=4, dp_rank=0, dp_size=1, seed=parsed.dataset.seed)
+    expected = []
+    for batch in itertools.islice(batches, STEPS):
+        counted = batch["labels"] != -100
+        targets = tokenizer.decode(batch["labels"][counted])
+        assert "<|im_start|>" not in targets and "user\n" not in targets  # no prompt, no header
+        assert targets.count("<|im_end|>") > 0
+        expected.append(int(counted.sum()))
+    records = train_records(config)
+    assert [r["num_tokens"] for r in records if r["kind"] == "train"] == expected
+
+
+def test_held_out_loss_before_training_is_the_answers_next_token_loss(one_rank):
+    import torch
+
+    from meshkd.recipe import data
+    from meshkd.recipe.models import byte_tokenizer, load_causal_lm
+
+    config = one_rank["reference"]
+    parsed = config_from_dict(config)
+    _, rows = data.build_run_datasets(byte_tokenizer(), parsed.dataset, sequence_length=256)
+    model = load_causal_lm(random_init=config["model"]["random_init"], seed=config["model"]["seed"]).eval()
+    total = tokens = 0.0
+    for index in range(min(len(rows), config["step_scheduler"]["val_batches"])):
+        row = rows[index : index + 1]
+        documents = row["attention_mask"][0]
+        with torch.no_grad():  # each document of the row on its own: what the packed mask lets a token see
+            for document in range(1, int(documents.max()) + 1):
+                at = documents == document
+                logits = model(input_ids=row["input_ids"][0][at][None]).logits[0]
+                labels = row["labels"][0][at]
+                losses = torch.nn.functional.cross_entropy(logits.double(), labels.clamp(min=0), reduction="none")
+                total += float(losses[labels != -100].sum())
+                tokens += float((labels != -100).sum())
+    before = next(r for r in train_records(config) if r["kind"] == "eval")
+    assert before["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cached", "twins"])
+def test_a_cache_and_a_list_of_two_identical_teachers_follow_the_curve(name, one_rank):
+    reference = curve(train_records(one_rank["reference"]))
+    assert curve(train_records(one_rank[name])) == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["student_cp2", "student_pp2"])
+def test_context_parallel_and_pipelined_students_follow_the_curve(name, one_rank, three_ranks):
+    reference = curve(train_records(one_rank["reference"]))
+    values = curve(train_records(three_ranks[name]))
+    assert values[:3] == pytest.approx(reference[:3], abs=1e-5)
+    assert values == pytest.approx(reference, abs=1e-4)
