@@ -1,4 +1,4 @@
-"""The `meshkd` command: train, cache-teacher, prune, demo, bench, plot.
+"""The `meshkd` command: train, cache-teacher, prepare-data, prune, demo, bench, plot.
 
 `meshkd train CONFIG` validates the config and runs the recipe's preflight checks in the calling process
 (a typo or a missing file fails in seconds, before any process starts), then starts `--nproc` local
@@ -156,6 +156,23 @@ def _plot(run_dir: str, out: str | None) -> int:
     return 0
 
 
+def _prepare_data(config_path: str, overrides: list[str]) -> int:
+    """`meshkd prepare-data`: the token store of the config's corpus and its packing, written here."""
+    config = load_config(config_path, overrides)
+    if config.dataset.token_store is None:
+        raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
+    from meshkd.recipe import data
+    from meshkd.recipe.loaders import load_section_tokenizer
+
+    train, val = data.build_run_datasets(load_section_tokenizer(config.model), config.dataset,
+                                         sequence_length=config.step_scheduler.sequence_length,
+                                         store_wait_s=config.setup_timeout_s)
+    print(f"meshkd prepare-data: {train.store.directory}: {train.store.manifest['documents']} documents, "
+          f"{train.store.manifest['tokens']} tokens ({train.store.manifest['token_dtype']}); training {len(train)} "
+          f"rows, validation {len(val)} rows of {config.step_scheduler.sequence_length} tokens")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshkd", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 
+    prepare = commands.add_parser("prepare-data", help="tokenize the corpus once into dataset.token_store (a run "
+                                                       "otherwise does it on first use)")
+    prepare.add_argument("config", help="YAML config file: the same as for train")
+    prepare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config value, e.g. --set dataset.token_store=~/tokens (repeatable)")
+
     prune = commands.add_parser("prune", help="choose the student's layers by measured importance "
                                               "(model.keep_layers: {auto: N}) and record them in the run directory")
     prune.add_argument("config", help="YAML config file: the same as for train")
@@ -228,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
         if args.command == "prune":
             return _prune(args.config, args.set)
+        if args.command == "prepare-data":
+            return _prepare_data(args.config, args.set)
         return _plot(args.run_dir, args.out)
     except (ConfigError, ValueError, OSError) as error:
         print(f"meshkd: error: {error}", file=sys.stderr)

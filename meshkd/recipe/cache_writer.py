@@ -138,7 +138,7 @@ class CacheWriter:
             state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
         state = gather_values(state, device=self.device)[0]  # rank 0's: the plan key and the shards kept
         todo = [shard for shard in plan if shard.name not in state["done"]]
-        tokens = {split: (datasets[split].attention_mask != 0).sum(dim=1).tolist() for split in cache.SPLITS}
+        tokens = {split: datasets[split].tokens_per_row() for split in cache.SPLITS}
         started = time.perf_counter()
         if todo and not self._compute(todo, setups.student, faults, datasets, state["plan"], hashes, vocab_size,
                                       tokens, checked):

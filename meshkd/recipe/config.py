@@ -186,6 +186,9 @@ class DatasetConfig:
     max_documents: int | None = None
     max_document_chars: int | None = None
     packing: bool = True  # NEAT-pack several documents per row; false: one document per row
+    # A directory of token stores: the corpus tokenized once and read by memory map (meshkd.recipe.token_store);
+    # null: tokenized in memory at every start
+    token_store: str | None = None
     on_bad_file: str = "error"  # a binary or non-UTF-8 file: error (refused, named) | skip (left out, named)
     # With several teachers and kd.combine route: the JSONL field naming each document's teacher (rows hold
     # one teacher's documents; each row asks only its teacher)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshkd.core.token_alignment import pad_token_id
-from meshkd.recipe.documents import check_arguments, describe_patterns, match_files, read_documents
+from meshkd.recipe.documents import check_arguments, describe_patterns, iter_documents, match_files
 from meshkd.recipe.records import Document, record_reader
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
@@ -97,6 +97,10 @@ class PackedDataset:
     def num_tokens(self) -> int:
         """Number of non-padding tokens."""
         return int((self.attention_mask != 0).sum())
+
+    def tokens_per_row(self) -> list[int]:
+        """Non-padding tokens of each row."""
+        return (self.attention_mask != 0).sum(dim=1).tolist()
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch dict of the selected rows; an int selects one row as a batch of one.
@@ -219,49 +223,78 @@ def split_texts(
 ) -> tuple[list[str], list[str]]:
     """The documents `build_datasets` reads, as (training texts, validation texts), before tokenizing
     (arguments and errors as there): what a tokenizer trained on the training split alone reads."""
+    documents = list(corpus_documents(
+        paths=paths, seed=seed, text_key=text_key, format=format, max_documents=max_documents,
+        max_document_chars=max_document_chars, encoding_errors=encoding_errors, on_bad_file=on_bad_file,
+        route_key=route_key, read_record=read_record, hf_section=hf_section))  # fmt: skip
+    val_indices = set(validation_documents(len(documents), val_fraction, seed).tolist())
+    # Kept in corpus order within each split: the training order is shuffled per epoch later anyway.
+    train_texts = [text for i, text in enumerate(documents) if i not in val_indices]
+    val_texts = [text for i, text in enumerate(documents) if i in val_indices]
+    return train_texts, val_texts
+
+
+def corpus_documents(*, paths, seed: int, hf_section=None, max_documents: int | None = None,
+                     **reading) -> Iterator[Document]:
+    """The documents `split_texts` reads, in corpus order, one at a time (`documents.iter_documents`'s
+    `reading` arguments); ValueError when there is none."""
     patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not patterns and hf_section is None:
         raise ValueError("paths is empty: give at least one file path or glob pattern")
     files = match_files(patterns)
     if max_documents is not None:
         files = [files[i] for i in _permutation(len(files), seed)]
-    documents = read_documents(files, text_key=text_key, format=format, max_documents=max_documents,
-                               max_document_chars=max_document_chars, encoding_errors=encoding_errors,
-                               on_bad_file=on_bad_file, route_key=route_key, read_record=read_record,
-                               hf_section=hf_section)
-    if not documents:
+    count = 0
+    for document in iter_documents(files, max_documents=max_documents, hf_section=hf_section, **reading):
+        count += 1
+        yield document
+    if not count:
         where = f"the {len(files)} file(s) matched by {describe_patterns(patterns)}" + (
             f" and dataset.hf {hf_section.path!r}" if hf_section is not None else "")
         raise ValueError(f"no non-empty document in {where}")
 
-    num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * len(documents)))
-    if num_val >= len(documents):
+
+def validation_documents(num_documents: int, val_fraction: float, seed: int) -> torch.Tensor:
+    """Indices of the documents held out for validation: a seeded share, at least one when `val_fraction` > 0."""
+    num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * num_documents))
+    if num_val >= num_documents:
         raise ValueError(
-            f"val_fraction={val_fraction} of {len(documents)} document(s) leaves no document, and so no packed "
+            f"val_fraction={val_fraction} of {num_documents} document(s) leaves no document, and so no packed "
             f"row, for training; add documents or lower val_fraction"
         )
-    # Kept in corpus order within each split: the training order is shuffled per epoch later anyway.
-    val_indices = set(_permutation(len(documents), seed)[:num_val])
-    train_texts = [text for i, text in enumerate(documents) if i not in val_indices]
-    val_texts = [text for i, text in enumerate(documents) if i in val_indices]
-    return train_texts, val_texts
+    return torch.randperm(num_documents, generator=torch.Generator().manual_seed(seed))[:num_val]
 
 
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
-                       prompts: bool = False) -> tuple[PackedDataset, PackedDataset]:
+                       prompts: bool = False, store_wait_s: float = 3600.0) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says; `text_key`
     and `pack` in place of the section's (on-policy prompts of text rows read another column, one per row);
-    `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`)."""
+    `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`).
+
+    With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.token_store`,
+    written first if there is none; `store_wait_s`: how long to wait for another process writing it), unless
+    `pack_texts` makes them (a cross-tokenizer or routed run) or `text_key` / `prompts` ask for prompts."""
+    pack = dataset.packing if pack is None else pack
+    if dataset.token_store is not None and pack_texts is None and text_key is None and not prompts:
+        from meshkd.recipe.token_store import stored_datasets
+
+        check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+                        dataset.max_document_chars, "replace")
+        return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s)
     if text_key is not None:
         dataset = dataclasses.replace(dataset, text_key=text_key)
     arguments = reading_arguments(dataset, tokenizer)
     if prompts:
-        read_record = arguments["read_record"]
-        arguments["read_record"] = lambda record, where: _prompt_of(read_record(record, where), where)
-    return build_datasets(tokenizer, **arguments, sequence_length=sequence_length,
-                          pack=dataset.packing if pack is None else pack, pack_texts=pack_texts)
+        read_row = arguments["read_record"]
+
+        def read_record(record: dict, where: str) -> Document | None:
+            return _prompt_of(read_row(record, where), where)
+
+        read_record.records, read_record.route_key = read_row.records, read_row.route_key
+        arguments["read_record"] = read_record
+    return build_datasets(tokenizer, **arguments, sequence_length=sequence_length, pack=pack, pack_texts=pack_texts)
 
 
 def _prompt_of(document: Document | None, where: str) -> Document | None:
@@ -341,7 +374,7 @@ def _step_rows(num_rows: int, global_batch_size: int, seed: int, start_step: int
     per_epoch = num_rows // global_batch_size
     epoch, step_in_epoch = divmod(start_step, per_epoch)
     while True:
-        order = torch.as_tensor(_permutation(num_rows, seed + epoch))
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))  # = _permutation
         for step in range(step_in_epoch, per_epoch):
             yield order[step * global_batch_size : (step + 1) * global_batch_size]
         epoch, step_in_epoch = epoch + 1, 0
@@ -429,9 +462,11 @@ def _permutation(size: int, seed: int) -> list[int]:
 # Tokenizing and packing
 
 
-def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Per document that yields tokens: (int64 ids, EOS appended when the tokenizer has one and the document
-    takes it; which tokens train, a bool tensor, or None when all do: `answer_tokens`)."""
+def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str], *,
+              keep_empty: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per document that yields tokens (every document with `keep_empty`): (int64 ids, EOS appended when the
+    tokenizer has one and the document takes it; which tokens train, a bool tensor, or None when all do:
+    `answer_tokens`)."""
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     documents = []
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
@@ -445,6 +480,8 @@ def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[tupl
         encoded = tokenizer(chunk, add_special_tokens=False, verbose=False, return_offsets_mapping=masked)
         for index, (text, ids) in enumerate(zip(chunk, encoded["input_ids"])):
             if not ids:
+                if keep_empty:
+                    documents.append((torch.zeros(0, dtype=torch.int64), None))
                 continue
             closing = eos if getattr(text, "eos", True) else []
             trains = None

@@ -73,7 +73,12 @@ def check_text(path: str, data: bytes, on_bad_file: str) -> bool:
     return False
 
 
-def read_documents(
+def read_documents(files: list[str], **arguments) -> list[Document]:
+    """The documents of `files` (then of the `dataset.hf` section `hf_section`), in order: `iter_documents`."""
+    return list(iter_documents(files, **arguments))
+
+
+def iter_documents(
     files: list[str],
     *,
     text_key: str = "text",
@@ -85,27 +90,27 @@ def read_documents(
     route_key: str | None = None,
     read_record: Callable[[dict, str], Document | None] | None = None,
     hf_section=None,
-) -> list[Document]:
-    """The documents of `files` (then of the `dataset.hf` section `hf_section`), in order.
+) -> Iterator[Document]:
+    """The documents of `files` (then of the `dataset.hf` section `hf_section`), in order, one at a time.
 
     `read_record` turns a row into its document (`meshkd.recipe.records.record_reader`); None reads the
     `text_key` column (and with `route_key` the teacher's name) of text rows.
     """
     if on_bad_file not in BAD_FILE_POLICIES:
         raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
-    text_rows = read_record is None
-    if text_rows:
+    if read_record is None:
         read_record = record_reader(SimpleNamespace(text_key=text_key, teacher_key=route_key))
-    documents: list[Document] = []
-    for rows in _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, hf_section):
+    count = 0
+    for rows in _sources(files, format, encoding_errors, on_bad_file, read_record.records == "text",
+                         read_record.route_key, hf_section):
         for record, where in rows:
             document = read_record(record, where) if isinstance(record, dict) else record
             if document is None or not document.strip():
                 continue
-            documents.append(document if max_document_chars is None else document.cut(max_document_chars))
-            if max_documents is not None and len(documents) == max_documents:
-                return documents  # stop reading: a cap on a large corpus should not read all of it
-    return documents
+            yield document if max_document_chars is None else document.cut(max_document_chars)
+            count += 1
+            if count == max_documents:
+                return  # stop reading: a cap on a large corpus should not read all of it
 
 
 def _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, hf_section):

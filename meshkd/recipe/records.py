@@ -91,6 +91,8 @@ def record_reader(dataset, tokenizer=None) -> Callable[[dict, str], Document | N
         document.route = route
         return document
 
+    # What a plain text file can be: a document of text rows only, and one naming no teacher.
+    read.records, read.route_key = records, route_key
     return read
 
 

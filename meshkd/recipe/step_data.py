@@ -35,7 +35,7 @@ def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
                                                               pack=config.dataset.packing),
                                     [teacher.name for teacher in config.teachers])
     train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
-                                         pack_texts=pack_texts)
+                                         pack_texts=pack_texts, store_wait_s=config.setup_timeout_s)
     if not (config.dataset.whole_prompts and config.kd.generates):
         return train, val, None, None
     max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens

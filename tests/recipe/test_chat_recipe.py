@@ -2,8 +2,8 @@
 
 A one-process run on chat rows made from the standard library counts exactly the answer tokens of the rows
 each step draws, and its held-out loss before training equals plain transformers' next-token loss over the
-answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, and two
-identical teachers at 0.5 / 0.5 all train its curve.
+answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, two
+identical teachers at 0.5 / 0.5 and rows read from the token store all train its curve.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def one_rank(tmp_path_factory) -> dict:
     twins["teachers"] = [{"name": "a", "model": teacher, "weight": 0.5}, {"name": "b", "model": teacher, "weight": 0.5}]
     twins["logging"]["run_dir"] = str(tmp / "twins")
     runs["twins"] = twins
+    stored = variant(base, tmp, "stored", student={"dp_size": 1})
+    stored["dataset"]["token_store"] = str(tmp / "tokens")
+    runs["stored"] = stored
     return run_all(1, runs)
 
 
@@ -61,9 +64,11 @@ def one_rank(tmp_path_factory) -> dict:
 def three_ranks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("chat_three_ranks")
     base = chat_config(tmp)
-    return run_all(3, {name: variant(base, tmp, name, student=student, teacher={"dp_size": 1})
-                       for name, student in (("student_cp2", {"dp_size": 1, "cp_size": 2}),
-                                             ("student_pp2", {"dp_size": 1, "pp_size": 2}))})
+    runs = {name: variant(base, tmp, name, student=student, teacher={"dp_size": 1})
+            for name, student in (("student_cp2", {"dp_size": 1, "cp_size": 2}),
+                                  ("student_pp2", {"dp_size": 1, "pp_size": 2}))}
+    runs["student_cp2"]["dataset"]["token_store"] = str(tmp / "tokens")  # two student ranks share one store
+    return run_all(3, runs)
 
 
 def test_each_step_counts_exactly_the_answer_tokens_of_its_rows(one_rank):
@@ -112,8 +117,8 @@ def test_held_out_loss_before_training_is_the_answers_next_token_loss(one_rank):
     assert before["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["cached", "twins"])
-def test_a_cache_and_a_list_of_two_identical_teachers_follow_the_curve(name, one_rank):
+@pytest.mark.parametrize("name", ["cached", "twins", "stored"])
+def test_a_cache_two_identical_teachers_and_the_token_store_follow_the_curve(name, one_rank):
     reference = curve(train_records(one_rank["reference"]))
     assert curve(train_records(one_rank[name])) == pytest.approx(reference, abs=1e-5)
 

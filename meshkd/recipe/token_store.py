@@ -1,0 +1,375 @@
+"""Token store: a corpus tokenized once into flat files, packed once, read by every rank through memory maps.
+
+Design:
+- `dataset.token_store: DIR` keeps each corpus's tokens under DIR/<key digest>/, the key being what the tokens
+  depend on: every source file by path, size and mtime (a `dataset.hf` directory's files likewise, a Hub id by
+  name and revision), the tokenizer's fingerprint and chat template, and the reading settings. A changed source
+  or tokenizer gives another key, so a new store is written (and the run says so); the old one stays until
+  removed.
+- Files: `tokens.bin` (every document's ids back to back, in the smallest unsigned type that holds the
+  vocabulary), `trains.bin` (a byte per token, 1 where it trains, for chat / prompt_completion rows),
+  `documents.bin` (int64 [documents + 1] offsets) and `manifest.json` (the key, the counts, and a CRC-32 per
+  MiB block of each file). Written in a temporary directory and renamed into place, so nothing half-written is
+  ever read; the first process of a host to take the store's file lock writes it, the others wait for the
+  lock under `setup_timeout_s`.
+- A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the same
+  split and first-fit packing as `meshkd.recipe.data`, so rows equal the in-memory ones token for token) and
+  kept beside the tokens in `plan-<digest>/`, written the same way.
+- `StoredRows` is a split's rows: a batch is built on demand from the memory-mapped tokens, so a rank's resident
+  memory does not grow with the corpus. Each MiB block is checked against its CRC-32 the first time this
+  process reads it: damaged bytes are refused naming the file, never read silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "meshkd-token-store", 1
+BLOCK = 1 << 20
+"""Bytes per checksummed block."""
+_IGNORE = -100
+
+
+def token_dtype(vocabulary: int) -> np.dtype:
+    """The smallest unsigned integer type that holds every id of a vocabulary of this size."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocabulary - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+class _Checked:
+    """A memory-mapped file whose MiB blocks are checked against the manifest's CRC-32s when first read."""
+
+    def __init__(self, path: Path, dtype: np.dtype, crcs: list[int], size: int) -> None:
+        actual = path.stat().st_size if path.exists() else -1
+        if actual != size:
+            raise ValueError(f"token store file {path} holds {actual} bytes, its manifest says {size}: damaged or "
+                             f"half-copied; remove {path.parent} to rebuild it")
+        self.path, self.crcs, self.dtype = path, crcs, dtype
+        self.array = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+        self.checked = np.zeros(len(crcs), dtype=bool)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop), their blocks checked first."""
+        itemsize = self.dtype.itemsize
+        first, last = start * itemsize // BLOCK, max(start, stop - 1) * itemsize // BLOCK
+        for block in range(first, last + 1):
+            if not self.checked[block]:
+                raw = self.array.view(np.uint8)[block * BLOCK : (block + 1) * BLOCK]
+                if zlib.crc32(raw) != self.crcs[block]:
+                    raise ValueError(f"token store file {self.path}: block {block} (bytes {block * BLOCK} on) does "
+                                     f"not match its checksum: damaged; remove {self.path.parent} to rebuild it")
+                self.checked[block] = True
+        return self.array[start:stop]
+
+    def whole(self) -> np.ndarray:
+        return self.read(0, len(self.array))
+
+
+def _block_crcs(path: Path) -> list[int]:
+    crcs = []
+    with open(path, "rb") as file:
+        while block := file.read(BLOCK):
+            crcs.append(zlib.crc32(block))
+    return crcs
+
+
+@contextlib.contextmanager
+def _host_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """An exclusive lock on `path` among this host's processes; ValueError after `timeout_s` of waiting."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"waited {timeout_s:.0f} s (setup_timeout_s) for another process writing the "
+                                     f"token store ({path}); raise setup_timeout_s for a large corpus") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_atomically(directory: Path, write) -> None:
+    """`write(tmp)` fills a temporary directory, then it becomes `directory` by one rename."""
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        os.rename(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TokenStore:
+    """One corpus's tokens on disk (see the module docstring); `open` or `build` it, then `rows(...)`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        manifest_path = directory / "manifest.json"
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{manifest_path}: not a readable token store manifest ({error})") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise ValueError(f"{manifest_path}: not a meshkd token store of version {VERSION}")
+        files = self.manifest["files"]
+        self.tokens = _Checked(directory / "tokens.bin", np.dtype(self.manifest["token_dtype"]),
+                               files["tokens.bin"]["crc32"], files["tokens.bin"]["bytes"])
+        self.trains = (_Checked(directory / "trains.bin", np.dtype(np.uint8), files["trains.bin"]["crc32"],
+                                files["trains.bin"]["bytes"]) if "trains.bin" in files else None)
+        offsets = _Checked(directory / "documents.bin", np.dtype(np.int64), files["documents.bin"]["crc32"],
+                           files["documents.bin"]["bytes"])
+        self.offsets = offsets.whole()
+        if len(self.offsets) != self.manifest["documents"] + 1 or self.offsets[-1] != self.manifest["tokens"]:
+            raise ValueError(f"token store {directory}: its document index does not match its manifest")
+
+    @property
+    def num_documents(self) -> int:
+        return self.manifest["documents"]
+
+    @staticmethod
+    def write(directory: Path, key: dict, documents: Iterable[list[tuple[torch.Tensor, torch.Tensor | None]]],
+              vocabulary: int, *, masked: bool, progress: bool) -> None:
+        """Write the store of `documents` (chunks of `data._tokenize`'s output) at `directory`, atomically."""
+        dtype = token_dtype(vocabulary)
+
+        def fill(tmp: Path) -> None:
+            count = tokens = 0
+            offsets = [np.zeros(1, dtype=np.int64)]
+            bar = _progress(progress)
+            with open(tmp / "tokens.bin", "wb") as ids_file, \
+                    open(tmp / "trains.bin", "wb") if masked else contextlib.nullcontext() as trains_file:
+                for chunk in documents:
+                    for ids, trains in chunk:
+                        ids_file.write(ids.numpy().astype(dtype).tobytes())
+                        if trains_file is not None:
+                            mask = torch.ones(len(ids), dtype=torch.bool) if trains is None else trains
+                            trains_file.write(mask.numpy().astype(np.uint8).tobytes())
+                    lengths = np.array([len(ids) for ids, _ in chunk], dtype=np.int64)
+                    offsets.append(tokens + np.cumsum(lengths))
+                    tokens += int(lengths.sum())
+                    count += len(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+                        bar.set_postfix(tokens=tokens)
+            if bar is not None:
+                bar.close()
+            np.concatenate(offsets).tofile(tmp / "documents.bin")
+            names = ["tokens.bin", "documents.bin"] + (["trains.bin"] if masked else [])
+            manifest = {"format": FORMAT, "version": VERSION, "key": key, "documents": count, "tokens": tokens,
+                        "token_dtype": dtype.name,
+                        "files": {name: {"bytes": (tmp / name).stat().st_size, "crc32": _block_crcs(tmp / name)}
+                                  for name in names}}
+            (tmp / "manifest.json").write_text(json.dumps(manifest))
+
+        _write_atomically(directory, fill)
+
+    def document_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def piece(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, start + length) and whether each trains (None: all do)."""
+        trains = None if self.trains is None else self.trains.read(start, start + length)
+        return self.tokens.read(start, start + length), trains
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc="meshkd: tokenizing", unit=" docs", file=sys.stderr, mininterval=1.0)
+
+
+class StoredRows:
+    """A split's NEAT-packed rows read from a token store: the interface of `meshkd.recipe.data.PackedDataset`.
+
+    A plan lists the split's pieces by row: `starts` (in the store's tokens), `lengths` and `offsets` (in the
+    row), and `row_starts` [rows + 1] (the row's first piece); the k-th piece of a row is its document k + 1.
+    `documents` [1] counts the split's documents that have a token.
+    """
+
+    def __init__(self, store: TokenStore, plan: dict[str, np.ndarray], *, sequence_length: int,
+                 pad_token_id: int) -> None:
+        self.store, self.plan = store, plan
+        self.sequence_length, self.pad_token_id = sequence_length, pad_token_id
+        self.num_documents = int(plan["documents"][0])  # source documents with a token, as PackedDataset counts
+        self.extra: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.plan["row_starts"]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.plan["lengths"].sum())
+
+    def tokens_per_row(self) -> list[int]:
+        """Non-padding tokens of each row."""
+        return np.add.reduceat(self.plan["lengths"], self.plan["row_starts"][:-1]).tolist() if len(self) else []
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        from meshkd.recipe.data import padding_rows
+
+        if isinstance(index, int):
+            rows = [index]
+        elif isinstance(index, slice):
+            rows = range(*index.indices(len(self)))
+        else:
+            rows = torch.as_tensor(index).reshape(-1).tolist()
+        batch = padding_rows(len(rows), self.sequence_length, self.pad_token_id)
+        plan = self.plan
+        for out, row in enumerate(rows):
+            for document, piece in enumerate(range(plan["row_starts"][row], plan["row_starts"][row + 1]), start=1):
+                start, length, offset = (int(plan[key][piece]) for key in ("starts", "lengths", "offsets"))
+                ids, trains = self.store.piece(start, length)
+                ids = torch.from_numpy(ids.astype(np.int64))
+                at = slice(offset, offset + length)
+                batch["input_ids"][out, at] = ids
+                targets = ids[1:].clone()
+                if trains is not None:
+                    targets[torch.from_numpy(trains[1:] == 0)] = _IGNORE
+                batch["labels"][out, offset : offset + length - 1] = targets
+                batch["position_ids"][out, at] = torch.arange(length)
+                batch["attention_mask"][out, at] = document
+        return batch
+
+    def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
+        from meshkd.recipe.data import padding_rows
+
+        return padding_rows(num_rows, self.sequence_length, self.pad_token_id)
+
+    def __repr__(self) -> str:
+        return (f"StoredRows(rows={len(self)}, sequence_length={self.sequence_length}, "
+                f"documents={self.num_documents}, tokens={self.num_tokens})")
+
+
+def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
+    """The packing plan of documents (token `lengths`, `starts` in the store), in order, as `data._pack` packs."""
+    from meshkd.recipe.data import _first_fit
+
+    full, rest = np.divmod(lengths, sequence_length)
+    pieces_per_document = full + (rest > 0)
+    piece_lengths = np.full(int(pieces_per_document.sum()), sequence_length, dtype=np.int64)
+    last = np.cumsum(pieces_per_document) - 1
+    piece_lengths[last[rest > 0]] = rest[rest > 0]
+    first_of_document = np.repeat(starts, pieces_per_document)
+    within = np.arange(len(piece_lengths)) - np.repeat(np.cumsum(pieces_per_document) - pieces_per_document,
+                                                       pieces_per_document)
+    piece_starts = first_of_document + within * sequence_length
+    if pack:
+        rows, offsets = _first_fit(piece_lengths.tolist(), sequence_length)
+        rows, offsets = np.asarray(rows, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    else:
+        rows, offsets = np.arange(len(piece_lengths), dtype=np.int64), np.zeros(len(piece_lengths), dtype=np.int64)
+    order = np.argsort(rows, kind="stable")  # placement order within a row is offset order
+    num_rows = int(rows.max()) + 1 if len(rows) else 0
+    row_starts = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=num_rows), out=row_starts[1:])
+    return {"starts": piece_starts[order], "lengths": piece_lengths[order], "offsets": offsets[order],
+            "row_starts": row_starts, "documents": np.array([np.count_nonzero(lengths)], dtype=np.int64)}
+
+
+def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wait_s: float,
+                    progress: bool = True) -> tuple[StoredRows, StoredRows]:
+    """(train, validation) rows of a recipe's `dataset` section read from its token store (`dataset.token_store`),
+    which this process writes first when no store of these sources, tokenizer and settings exists yet."""
+    from meshkd.recipe import data
+    from meshkd.recipe.config import expand_path
+
+    arguments = data.reading_arguments(dataset, tokenizer)
+    key = store_key(tokenizer, dataset, arguments)
+    root = Path(expand_path(dataset.token_store))
+    directory = root / digest(key)
+    split_key = {"sequence_length": sequence_length, "packing": pack, "val_fraction": dataset.val_fraction,
+                 "seed": dataset.seed}
+    plans = directory / f"plan-{digest(split_key)}"
+    with _host_lock(root / f"{directory.name}.lock", wait_s):
+        if not (directory / "manifest.json").exists():
+            others = [path.name for path in root.glob("*/manifest.json")]
+            print(f"meshkd: tokenizing the corpus once into {directory}" + (
+                f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
+                file=sys.stderr, flush=True)
+            reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
+            documents = data.corpus_documents(**reading, encoding_errors="replace")
+            chunks = (data._tokenize(tokenizer, chunk, keep_empty=True) for chunk in _chunks(documents))
+            TokenStore.write(directory, key, chunks, len(tokenizer), masked=dataset.records != "text",
+                             progress=progress)
+        store = TokenStore(directory)
+        if not plans.exists():
+            lengths = store.document_lengths()
+            held_out = np.zeros(len(lengths), dtype=bool)
+            held_out[data.validation_documents(len(lengths), dataset.val_fraction, dataset.seed).numpy()] = True
+            starts = store.offsets[:-1]
+            save_plans(plans, {split: plan_split(lengths[chosen], starts[chosen], sequence_length, pack=pack)
+                               for split, chosen in (("train", ~held_out), ("validation", held_out))})
+    pad = data.pad_token_id(tokenizer)
+    train, val = (StoredRows(store, load_plan(plans / split), sequence_length=sequence_length, pad_token_id=pad)
+                  for split in ("train", "validation"))
+    return train, val
+
+
+def store_key(tokenizer, dataset, arguments: dict) -> dict:
+    """What a store's tokens depend on (see the module docstring)."""
+    from meshkd.recipe.documents import match_files
+    from meshkd.recipe.teacher_cache import hf_fingerprint, tokenizer_fingerprint
+
+    files = match_files(arguments["paths"]) if arguments["paths"] else []
+    settings = {name: getattr(dataset, name) for name in
+                ("format", "records", "train_on", "chat_template", "text_key", "messages_key", "prompt_key",
+                 "completion_key", "system_key", "context_key", "max_documents", "max_document_chars", "on_bad_file")}
+    return {"sources": [[path, os.path.getsize(path), os.stat(path).st_mtime_ns] for path in files],
+            "dataset.hf": None if dataset.hf is None else hf_fingerprint(dataset.hf),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "chat_template": tokenizer.chat_template if dataset.records != "text" else None,
+            "seed": dataset.seed if dataset.max_documents is not None else None, "settings": settings}
+
+
+def _chunks(documents: Iterable, size: int = 256) -> Iterator[list]:
+    chunk = []
+    for document in documents:
+        chunk.append(document)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def load_plan(directory: Path) -> dict[str, np.ndarray]:
+    return {name: np.load(directory / f"{name}.npy", mmap_mode="r")
+            for name in ("starts", "lengths", "offsets", "row_starts", "documents")}
+
+
+def save_plans(directory: Path, plans: dict[str, dict[str, np.ndarray]]) -> None:
+    def fill(tmp: Path) -> None:
+        for split, plan in plans.items():
+            (tmp / split).mkdir()
+            for name, array in plan.items():
+                np.save(tmp / split / f"{name}.npy", array)
+    _write_atomically(directory, fill)

@@ -1,0 +1,139 @@
+"""The token store (`dataset.token_store`): written once, read back equal to in-memory tokenization token for
+token, rebuilt when a source or the tokenizer changes, refused when damaged, written by one process of many."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshkd.recipe import data
+from meshkd.recipe.config import DatasetConfig
+from meshkd.recipe.models import byte_tokenizer
+from meshkd.recipe.token_store import token_dtype
+from tests.recipe.test_chat_data import chat_rows, write_jsonl
+from tests.tiny import write_corpus
+
+TOKENIZER = byte_tokenizer()
+
+
+def assert_same_rows(stored, in_memory) -> None:
+    assert (len(stored), stored.num_documents, stored.num_tokens) == (len(in_memory), in_memory.num_documents,
+                                                                      in_memory.num_tokens)
+    for index in (slice(0, len(in_memory)), torch.tensor([len(in_memory) - 1, 0, 1 % len(in_memory)]), 0):
+        expected, got = in_memory[index], stored[index]
+        for key in data.BATCH_KEYS:
+            assert torch.equal(got[key], expected[key]), key
+    assert stored.tokens_per_row() == in_memory.tokens_per_row()
+
+
+@pytest.mark.parametrize("kind", ["text", "text_unpacked", "chat", "prompt_completion"])
+def test_stored_rows_equal_in_memory_rows_token_for_token(kind, tmp_path):
+    if kind.startswith("text"):
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3,
+                                packing=kind == "text")
+    elif kind == "chat":
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))], records="chat",
+                                val_fraction=0.1)
+    else:
+        rows = [{"prompt": f"Q{i}?", "completion": "A" * (i % 7 + 1)} for i in range(40)]
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "pairs.jsonl", rows)], records="prompt_completion",
+                                chat_template=False, val_fraction=0.1)
+    for length in (16, 200):
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length)
+        stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
+                                         sequence_length=length)
+        for got, expected in zip(stored, in_memory):
+            assert_same_rows(got, expected)
+    # Two sequence lengths, one store: tokenized once, packed twice.
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    assert len(list(store.glob("plan-*"))) == 2
+
+
+def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
+    corpus = write_corpus(tmp_path / "corpus")
+    dataset = DatasetConfig(paths=[corpus], val_fraction=0.2, token_store=str(tmp_path / "store"))
+
+    def build(tokenizer=TOKENIZER):
+        return data.build_run_datasets(tokenizer, dataset, sequence_length=32)
+
+    first = build()
+    assert "tokenizing the corpus once" in capfd.readouterr().err
+    build()
+    assert "tokenizing" not in capfd.readouterr().err  # read back, not tokenized again
+    changed = tmp_path / "corpus" / "doc03.txt"
+    changed.write_text(changed.read_text() + "# one more line\n")
+    rebuilt = build()
+    assert "(1 store(s) of other sources, tokenizer or settings there)" in capfd.readouterr().err
+    assert sum(split.num_tokens for split in rebuilt) == sum(split.num_tokens for split in first) + 16
+    in_memory = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=None), sequence_length=32)
+    for got, expected in zip(rebuilt, in_memory):
+        assert_same_rows(got, expected)
+    other = byte_tokenizer()
+    other.add_tokens(["return"])
+    build(other)
+    assert "(2 store(s) of other sources" in capfd.readouterr().err
+
+
+def test_damaged_and_half_written_stores_are_refused_naming_the_file(tmp_path):
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2,
+                            token_store=str(tmp_path / "store"))
+    data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    tokens = store / "tokens.bin"
+    original = tokens.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    tokens.write_bytes(bytes(damaged))
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r": block 0 .* does not match its checksum"):
+        train[0 : len(train)]
+    tokens.write_bytes(original[:-10])
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r" holds \d+ bytes, its manifest says \d+"):
+        data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    # A store without its manifest (a writer killed before its rename leaves only a .tmp directory) is none:
+    # it is written anew.
+    (store / "manifest.json").unlink()
+    os.rename(store, store.with_name(store.name + ".tmp-1"))
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    assert train.num_tokens > 0 and (store / "manifest.json").exists()
+
+
+def test_the_smallest_token_type_that_holds_the_vocabulary():
+    assert [token_dtype(size) for size in (256, 258, 65536, 65537, 2**32 + 1)] == [
+        np.uint8, np.uint16, np.uint16, np.uint32, np.int64]
+
+
+def _build_in_a_process(dataset: DatasetConfig, out: str) -> None:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        train, _ = data.build_run_datasets(byte_tokenizer(), dataset, sequence_length=32)
+    torch.save({"rows": train[0 : len(train)], "log": err.getvalue()}, out)
+
+
+def test_processes_starting_together_tokenize_once_and_read_the_same_rows(tmp_path):
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2,
+                            token_store=str(tmp_path / "store"))
+    context = multiprocessing.get_context("spawn")
+    outs = [str(tmp_path / f"out{i}.pt") for i in range(3)]
+    processes = [context.Process(target=_build_in_a_process, args=(dataset, out)) for out in outs]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    results = [torch.load(out) for out in outs]
+    assert sum("tokenizing the corpus once" in result["log"] for result in results) == 1
+    for result in results[1:]:
+        for key in data.BATCH_KEYS:
+            assert torch.equal(result["rows"][key], results[0]["rows"][key])
+    assert not [path for path in Path(tmp_path / "store").iterdir() if ".tmp-" in path.name]
