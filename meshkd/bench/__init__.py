@@ -3,7 +3,7 @@
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
 Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
-`step`; `cross_tokenizer`; `teachers`), in that order. The JSON file is rewritten after each section, so an
+`step`; `cross_tokenizer`; `teachers`; `data`), in that order. The JSON file is rewritten after each section, so an
 interrupted run keeps what it measured. A section whose prerequisites are missing (the demo teacher for
 `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`, `loading` and `precision` on
 the CPU, transformers for `modes`, `cache`, `precision`, `step`, `cross_tokenizer` and `teachers`) is skipped
@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step",
-            "cross_tokenizer", "teachers")
+            "cross_tokenizer", "teachers", "data")
 # Sections measured together: the three world sections share one world.
 _GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
-           ("step",), ("cross_tokenizer",), ("teachers",))
+           ("step",), ("cross_tokenizer",), ("teachers",), ("data",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers")
+    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "data")
     if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step", "cross_tokenizer"):
@@ -65,6 +65,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import cross_tokenizer
 
         return cross_tokenizer.run_section(quick)
+    if names == ["data"]:
+        from meshkd.bench import data
+
+        return data.run_section(quick)
     if names == ["teachers"]:
         from meshkd.bench import teachers
 

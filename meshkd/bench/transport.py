@@ -330,6 +330,14 @@ def _targets(results: dict) -> list[dict]:
     if "cache" in results:
         value = results["cache"]["bytes_per_position"]
         add("teacher cache bytes per training position, top-64 + 32 tail", value, "<= 1024", value <= 1024)
+    if "data" in results:
+        data = results["data"]
+        add("token store: prepare / tokenizer batch-encoding throughput, largest corpus",
+            data["rows"][-1]["throughput_ratio"], ">= 0.8", data["rows"][-1]["throughput_ratio"] >= 0.8)
+        add("token store: a rank's peak memory, largest / smallest corpus", data["peak_growth"], "<= 1.1",
+            data["peak_growth"] <= 1.1)
+        add("token store: seconds to the first batch, largest corpus", data["rows"][-1]["first_batch_s"], "<= 5",
+            data["rows"][-1]["first_batch_s"] <= 5)
     for row in results.get("memory", []):
         name = f"vocab {row['vocab']}, chunk {row['chunk_size']}"
         add(f"chunked / naive KD loss peak memory, {name}", row["ratio"], "<= 0.25", row["ratio"] <= 0.25)

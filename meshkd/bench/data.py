@@ -1,0 +1,155 @@
+"""Data at scale: the token store's tokenization throughput, a rank's resident memory, and its start.
+
+    meshkd bench --only data [--quick] [--json OUT]
+
+Corpora of about 0.1, 0.5 and 2 GB of text (0.02 and 0.1 GB with --quick) are made by repeating the standard
+library's sources (about 31 MB, outside site-packages), each copy's lines prefixed with the copy's number so no
+two documents are equal, as JSONL `text` rows in files of about 64 MB. The tokenizer is the demo model's
+(SmolLM2, a 49152-token BPE) when installed, else meshkd's byte tokenizer; sequence length 1024.
+
+For each size:
+- tokenization: what `meshkd prepare-data` does (reading, tokenizing, writing the store and its packing plan)
+  against the tokenizer's own batch encoding of the same documents in the same chunks (reading included,
+  nothing written), each in a fresh process timed after the tokenizer loads, both on all cores; the figure is
+  the ratio of their throughputs (target >= 0.8);
+- a rank's start: a fresh process opens the prepared store as a training rank does and draws step 0's batch;
+  its peak resident memory (VmHWM) and the seconds from opening to the batch (after imports and the tokenizer);
+  the in-memory path's peak beside it at the smallest size. Targets: peak within 10% from the smallest to the
+  largest size; at most 5 s to the first batch at the largest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import yaml
+
+_FILE_BYTES = 64 << 20
+
+
+def make_corpus(directory: Path, target_bytes: int) -> int:
+    """JSONL files of stdlib sources repeated with variation up to about `target_bytes` of text; bytes written."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = [path.read_text(encoding="utf-8", errors="replace") for path in sorted(root.rglob("*.py"))
+               if "site-packages" not in path.parts]
+    directory.mkdir(parents=True, exist_ok=True)
+    written, copy, index = 0, 0, 0
+    sink = None
+    while written < target_bytes:
+        for text in sources:
+            if sink is None or sink.tell() > _FILE_BYTES:
+                if sink is not None:
+                    sink.close()
+                sink = open(directory / f"part{index:04d}.jsonl", "w")
+                index += 1
+            varied = "".join(f"{copy}|{line}\n" for line in text.splitlines())
+            sink.write(json.dumps({"text": varied}) + "\n")
+            written += len(varied.encode())
+            if written >= target_bytes:
+                break
+        copy += 1
+    sink.close()
+    return written
+
+
+def _config(corpus: Path, store: Path, tokenizer: dict) -> dict:
+    return {"model": tokenizer, "teacher_model": tokenizer,
+            "dataset": {"paths": [str(corpus / "*.jsonl")], "val_fraction": 0.001, "token_store": str(store)},
+            "step_scheduler": {"global_batch_size": 8, "local_batch_size": 1, "sequence_length": 1024}}
+
+
+_BASELINE = """
+import sys, time, json
+from meshkd.recipe.config import load_config
+from meshkd.recipe import data
+from meshkd.recipe.loaders import load_section_tokenizer
+from meshkd.recipe.token_store import _chunks
+config = load_config(sys.argv[1])
+tokenizer = load_section_tokenizer(config.model)
+arguments = {k: v for k, v in data.reading_arguments(config.dataset, tokenizer).items() if k != "val_fraction"}
+started, tokens = time.perf_counter(), 0
+for chunk in _chunks(data.corpus_documents(**arguments, encoding_errors="replace")):
+    tokens += sum(len(ids) for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
+"""
+
+# "prepare": what `meshkd prepare-data` does (the store and its packing plan written); "store": a rank starting
+# from the prepared store; "memory": the in-memory path.
+_RANK = """
+import sys, time, json
+from meshkd.recipe.config import load_config
+from meshkd.recipe import data
+from meshkd.recipe.loaders import load_section_tokenizer
+config = load_config(sys.argv[1])
+if sys.argv[2] == "memory":
+    config.dataset.token_store = None
+tokenizer = load_section_tokenizer(config.model)
+started = time.perf_counter()
+train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
+batch = next(data.iterate_batches(train, global_batch_size=8, dp_rank=0, dp_size=1, seed=0))
+seconds = time.perf_counter() - started
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "rows": len(train)}))
+"""
+
+
+def _python(code: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_section(quick: bool) -> dict:
+    from meshkd.recipe import models
+
+    try:
+        tokenizer, name = models.demo_teacher_source(), "SmolLM2 BPE (49152)"
+    except ImportError:  # without the demo model the byte tokenizer stands in
+        tokenizer, name = {"tokenizer": "byte", "random_init": {"model_type": "llama"}}, "byte (258)"
+    sizes = (0.02, 0.1) if quick else (0.1, 0.5, 2.0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="meshkd-bench-data-") as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            corpus, store = root / f"corpus{size}", root / f"store{size}"
+            text_bytes = make_corpus(corpus, int(size * 1e9))
+            config = root / f"config{size}.yaml"
+            config.write_text(yaml.safe_dump(_config(corpus, store, tokenizer)))
+            prepare_s = _python(_RANK, str(config), "prepare")["seconds"]
+            baseline = _python(_BASELINE, str(config))
+            manifest = json.loads(next(store.glob("*/manifest.json")).read_text())
+            rank = _python(_RANK, str(config), "store")
+            row = {"text_gb": text_bytes / 1e9, "tokens": manifest["tokens"],
+                   "store_mib": sum(f["bytes"] for f in manifest["files"].values()) / 2**20,
+                   "prepare_s": prepare_s, "baseline_s": baseline["seconds"],
+                   "throughput_ratio": baseline["seconds"] / prepare_s,
+                   "rank_peak_mib": rank["peak_mib"], "first_batch_s": rank["seconds"], "rows": rank["rows"]}
+            if size == sizes[0]:
+                row["in_memory_peak_mib"] = _python(_RANK, str(config), "memory")["peak_mib"]
+            rows.append(row)
+            print(f"meshkd bench data: {json.dumps(row)}", flush=True)
+            for path in corpus.iterdir():
+                path.unlink()
+    result = {"tokenizer": name, "rows": rows,
+              "peak_growth": rows[-1]["rank_peak_mib"] / rows[0]["rank_peak_mib"]}
+    print(report(result))
+    return {"data": result}
+
+
+def report(result: dict) -> str:
+    from meshkd.bench.transport import _table
+
+    return _table(
+        f"(data) token store, tokenizer {result['tokenizer']}, sequence 1024; throughput ratio = baseline time / "
+        f"prepare time (the packing plan included); a rank's peak and time to its first batch from the prepared "
+        f"store",
+        ["text GB", "tokens", "store MiB", "prepare s", "baseline s", "ratio", "rank peak MiB", "first batch s",
+         "in-memory peak MiB"],
+        [[r["text_gb"], r["tokens"], r["store_mib"], r["prepare_s"], r["baseline_s"], r["throughput_ratio"],
+          r["rank_peak_mib"], r["first_batch_s"], r.get("in_memory_peak_mib", "")] for r in result["rows"]])
