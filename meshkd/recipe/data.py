@@ -6,13 +6,18 @@ Design:
   every time; with `max_documents` the file list is shuffled by `seed` first, so a cap samples broadly.
 - The validation split takes a seeded share of the DOCUMENTS before packing, so no document contributes
   tokens to both splits.
-- Each document is tokenized without special tokens, the tokenizer's EOS appended, and packed greedily
-  first-fit in document order into rows of `sequence_length` tokens (the NEAT layout of
-  `meshkd.core.packing`). A document longer than a row is cut into row-sized pieces; each piece is a document
-  of its own in its row.
+- Rows of JSONL, parquet, CSV, arrow and JSON files and of a Hugging Face dataset become documents by
+  `dataset.records` (`meshkd.recipe.records`: text, or chat and prompt / completion rows whose answers alone
+  train).
+- Each document is tokenized without special tokens, the tokenizer's EOS appended (unless a chat template
+  closes it), and packed greedily first-fit in document order into rows of `sequence_length` tokens (the
+  NEAT layout of `meshkd.core.packing`). A document longer than a row is cut into row-sized pieces; each
+  piece is a document of its own in its row. With `dataset.token_store` the tokens are kept on disk and the
+  same rows are read through memory maps (`meshkd.recipe.token_store`).
 - Labels are shifted here, once: `labels[i]` is the target of position i, i.e. `input_ids[i + 1]` when
-  that token belongs to the same document, else -100. The losses do no shifting, so any slice of the
-  sequence dim (context-parallel sharding included) carries its own targets.
+  that token belongs to the same document and trains (an answer token of a chat row), else -100. The
+  losses do no shifting, so any slice of the sequence dim (context-parallel sharding included) carries its
+  own targets.
 - Training batches: epoch e visits the rows in a permutation seeded by `seed + e`; step s is a pure
   function of (seed, s), so a resumed run jumps straight to its step. Each global batch is split
   contiguously over the data-parallel ranks, so the global batch does not depend on `dp_size`.
@@ -38,7 +43,7 @@ import torch
 
 from meshkd.core.token_alignment import pad_token_id
 from meshkd.recipe.documents import check_arguments, describe_patterns, iter_documents, match_files
-from meshkd.recipe.records import Document, record_reader
+from meshkd.recipe.records import Document, record_reader, tokenize_documents
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -48,11 +53,6 @@ IGNORE_INDEX = -100
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 """Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
-
-# Documents are tokenized this many at a time: big enough for the fast tokenizer's batch encoding to
-# pay off, small enough that the token lists of a large corpus never exist all at once as Python lists.
-_TOKENIZE_CHUNK = 256
-
 
 class PackedDataset:
     """NEAT-packed rows of one split: four int64 tensors [num_rows, sequence_length] (see `BATCH_KEYS`).
@@ -202,7 +202,7 @@ def packer(tokenizer: PreTrainedTokenizerBase, sequence_length: int, *,
            pack: bool = True) -> Callable[[list[str]], PackedDataset]:
     """`build_datasets`' own way from a split's texts to its rows: tokenize, then pack (or one per row)."""
     def pack_texts(texts: list[str]) -> PackedDataset:
-        return _pack(_tokenize(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
+        return _pack(tokenize_documents(tokenizer, texts), sequence_length, pad_token_id(tokenizer), pack=pack)
     return pack_texts
 
 
@@ -290,19 +290,12 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
         read_row = arguments["read_record"]
 
         def read_record(record: dict, where: str) -> Document | None:
-            return _prompt_of(read_row(record, where), where)
+            document = read_row(record, where)
+            return document if document is None else document.prompt(where)
 
         read_record.records, read_record.route_key = read_row.records, read_row.route_key
         arguments["read_record"] = read_record
     return build_datasets(tokenizer, **arguments, sequence_length=sequence_length, pack=pack, pack_texts=pack_texts)
-
-
-def _prompt_of(document: Document | None, where: str) -> Document | None:
-    if document is None or document.prompt_end is None:
-        return document
-    if document.prompt_end == 0:
-        raise ValueError(f"{where}: the row's answer starts at its first character, so it has no prompt")
-    return document.prompt()
 
 
 def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
@@ -462,45 +455,6 @@ def _permutation(size: int, seed: int) -> list[int]:
 # Tokenizing and packing
 
 
-def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str], *,
-              keep_empty: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Per document that yields tokens (every document with `keep_empty`): (int64 ids, EOS appended when the
-    tokenizer has one and the document takes it; which tokens train, a bool tensor, or None when all do:
-    `answer_tokens`)."""
-    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    documents = []
-    for start in range(0, len(texts), _TOKENIZE_CHUNK):
-        chunk = texts[start : start + _TOKENIZE_CHUNK]
-        masked = any(getattr(text, "answers", None) is not None for text in chunk)
-        if masked and not tokenizer.is_fast:
-            raise ValueError(f"answer-only loss finds the answer tokens by their character offsets, which "
-                             f"{type(tokenizer).__name__} (not a fast tokenizer) does not give; dataset.train_on: "
-                             f"all trains on every token")
-        # verbose=False: documents longer than the model's context are expected, they are cut when packed.
-        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False, return_offsets_mapping=masked)
-        for index, (text, ids) in enumerate(zip(chunk, encoded["input_ids"])):
-            if not ids:
-                if keep_empty:
-                    documents.append((torch.zeros(0, dtype=torch.int64), None))
-                continue
-            closing = eos if getattr(text, "eos", True) else []
-            trains = None
-            if getattr(text, "answers", None) is not None:
-                trains = answer_tokens(text.answers, encoded["offset_mapping"][index])
-                trains = torch.cat([trains, trains[-1:].expand(len(closing))])  # EOS trains with the answer it ends
-            documents.append((torch.tensor(ids + closing, dtype=torch.int64), trains))
-    return documents
-
-
-def answer_tokens(answers: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Which tokens train: those whose first character lies in an answer span (character offsets [start, end))."""
-    starts = torch.tensor([start for start, _ in offsets], dtype=torch.int64)
-    trains = torch.zeros(len(offsets), dtype=torch.bool)
-    for begin, end in answers:
-        trains |= (starts >= begin) & (starts < end)
-    return trains
-
-
 def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
     """Row and offset of each piece, placed first-fit in order into rows of `capacity` tokens.
 
@@ -530,7 +484,7 @@ def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]
 
 def _pack(documents: list[tuple[torch.Tensor, torch.Tensor | None]], sequence_length: int, pad_token_id: int, *,
           pack: bool) -> PackedDataset:
-    """Pack tokenized documents (`_tokenize`) into NEAT rows [num_rows, sequence_length] (one piece per row
+    """Pack tokenized documents (`tokenize_documents`) into NEAT rows [num_rows, sequence_length] (one piece per row
     unless `pack`); a token that does not train is no position's target."""
     if not documents:
         return PackedDataset(

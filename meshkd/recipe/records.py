@@ -18,12 +18,16 @@ Design:
   template (`dataset.chat_template` true, or null and the tokenizer has one) they are rendered as a chat of
   system, user and assistant turns; without, the completion follows the prompt as it is, EOS appended.
 - `dataset.train_on`: `answers` (every assistant turn), `last_answer`, or `all` (every token, as text).
+- `tokenize_documents` maps the spans to tokens: a token trains when its first character lies in an answer,
+  by the fast tokenizer's offsets over the whole text (the tokens the model sees at inference).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 RECORD_FORMATS = ("text", "chat", "prompt_completion")
 TRAIN_ON = ("answers", "last_answer", "all")
@@ -53,8 +57,13 @@ class Document(str):
         prompt_end = None if self.prompt_end is None or self.prompt_end > max_chars else self.prompt_end
         return Document.of(self[:max_chars], answers=answers, prompt_end=prompt_end, eos=self.eos, route=self.route)
 
-    def prompt(self) -> Document:
-        """The row's on-policy prompt: its text before the last answer (the generation prompt included)."""
+    def prompt(self, where: str) -> Document:
+        """The row's on-policy prompt: its text before the last answer (the generation prompt included); a
+        text row is its own. ValueError naming the row (`where`) when the answer starts the row."""
+        if self.prompt_end is None:
+            return self
+        if self.prompt_end == 0:
+            raise ValueError(f"{where}: the row's answer starts at its first character, so it has no prompt")
         return Document.of(self[: self.prompt_end], eos=False, route=self.route)
 
 
@@ -204,3 +213,47 @@ class ChatRenderer:
         elif self.train_on == "last_answer":
             answers = answers[-1:]
         return Document.of(text, answers=answers, prompt_end=prompt_end, eos=False)
+
+
+# Documents are tokenized this many at a time: big enough for the fast tokenizer's batch encoding to
+# pay off, small enough that the token lists of a large corpus never exist all at once as Python lists.
+TOKENIZE_CHUNK = 256
+
+
+def tokenize_documents(tokenizer, texts: list[str], *,
+              keep_empty: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per document that yields tokens (every document with `keep_empty`): (int64 ids, EOS appended when the
+    tokenizer has one and the document takes it; which tokens train, a bool tensor, or None when all do:
+    `answer_tokens`)."""
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    documents = []
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        chunk = texts[start : start + TOKENIZE_CHUNK]
+        masked = any(getattr(text, "answers", None) is not None for text in chunk)
+        if masked and not tokenizer.is_fast:
+            raise ValueError(f"answer-only loss finds the answer tokens by their character offsets, which "
+                             f"{type(tokenizer).__name__} (not a fast tokenizer) does not give; dataset.train_on: "
+                             f"all trains on every token")
+        # verbose=False: documents longer than the model's context are expected, they are cut when packed.
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False, return_offsets_mapping=masked)
+        for index, (text, ids) in enumerate(zip(chunk, encoded["input_ids"])):
+            if not ids:
+                if keep_empty:
+                    documents.append((torch.zeros(0, dtype=torch.int64), None))
+                continue
+            closing = eos if getattr(text, "eos", True) else []
+            trains = None
+            if getattr(text, "answers", None) is not None:
+                trains = answer_tokens(text.answers, encoded["offset_mapping"][index])
+                trains = torch.cat([trains, trains[-1:].expand(len(closing))])  # EOS trains with the answer it ends
+            documents.append((torch.tensor(ids + closing, dtype=torch.int64), trains))
+    return documents
+
+
+def answer_tokens(answers: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Which tokens train: those whose first character lies in an answer span (character offsets [start, end))."""
+    starts = torch.tensor([start for start, _ in offsets], dtype=torch.int64)
+    trains = torch.zeros(len(offsets), dtype=torch.bool)
+    for begin, end in answers:
+        trains |= (starts >= begin) & (starts < end)
+    return trains

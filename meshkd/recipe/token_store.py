@@ -156,7 +156,8 @@ class TokenStore:
     @staticmethod
     def write(directory: Path, key: dict, documents: Iterable[list[tuple[torch.Tensor, torch.Tensor | None]]],
               vocabulary: int, *, masked: bool, progress: bool) -> None:
-        """Write the store of `documents` (chunks of `data._tokenize`'s output) at `directory`, atomically."""
+        """Write the store of `documents` (chunks of `records.tokenize_documents`' output) at `directory`,
+        atomically."""
         dtype = token_dtype(vocabulary)
 
         def fill(tmp: Path) -> None:
@@ -301,6 +302,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     which this process writes first when no store of these sources, tokenizer and settings exists yet."""
     from meshkd.recipe import data
     from meshkd.recipe.config import expand_path
+    from meshkd.recipe.records import tokenize_documents
 
     arguments = data.reading_arguments(dataset, tokenizer)
     key = store_key(tokenizer, dataset, arguments)
@@ -317,7 +319,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
                 file=sys.stderr, flush=True)
             reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
             documents = data.corpus_documents(**reading, encoding_errors="replace")
-            chunks = (data._tokenize(tokenizer, chunk, keep_empty=True) for chunk in _chunks(documents))
+            chunks = (tokenize_documents(tokenizer, chunk, keep_empty=True) for chunk in _chunks(documents))
             TokenStore.write(directory, key, chunks, len(tokenizer), masked=dataset.records != "text",
                              progress=progress)
         store = TokenStore(directory)
