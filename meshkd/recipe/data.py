@@ -455,7 +455,7 @@ def _permutation(size: int, seed: int) -> list[int]:
 # Tokenizing and packing
 
 
-def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
+def first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
     """Row and offset of each piece, placed first-fit in order into rows of `capacity` tokens.
 
     A max-tree over the rows' free space finds the first row with room in O(log rows), so packing stays
@@ -497,7 +497,7 @@ def _pack(documents: list[tuple[torch.Tensor, torch.Tensor | None]], sequence_le
         full, rest = divmod(len(document), sequence_length)
         piece_lengths.extend([sequence_length] * full + ([rest] if rest else []))
     if pack:
-        rows, offsets = _first_fit(piece_lengths, sequence_length)
+        rows, offsets = first_fit(piece_lengths, sequence_length)
     else:
         rows, offsets = list(range(len(piece_lengths))), [0] * len(piece_lengths)
     num_rows = max(rows) + 1

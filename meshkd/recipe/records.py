@@ -132,15 +132,16 @@ def _chat_reader(messages_key: str, render: ChatRenderer) -> Callable[[dict, str
 def _pair_reader(dataset, render: ChatRenderer | None) -> Callable[[dict, str], Document]:
     keys = {"prompt": dataset.prompt_key or "prompt", "completion": dataset.completion_key}
 
-    def text(record: dict, key: str | None, where: str) -> str | None:
-        value = None if key is None else column(record, key, where, "column")
+    def text(record: dict, key: str | None, where: str, setting: str) -> str | None:
+        value = None if key is None else column(record, key, where, setting)
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} holds a {type(value).__name__}, not a string")
         return value
 
     def read(record: dict, where: str) -> Document:
         prompt, completion = (column(record, keys[name], where, f"{name}_key") for name in ("prompt", "completion"))
-        system, context = (text(record, key, where) for key in (dataset.system_key, dataset.context_key))
+        system, context = (text(record, getattr(dataset, setting), where, setting)
+                           for setting in ("system_key", "context_key"))
         if isinstance(prompt, str):
             prompt = "\n\n".join([part for part in (context, prompt) if part])
         if render is None:  # plain: the completion right after the prompt

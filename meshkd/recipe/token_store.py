@@ -272,7 +272,7 @@ class StoredRows:
 
 def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
     """The packing plan of documents (token `lengths`, `starts` in the store), in order, as `data._pack` packs."""
-    from meshkd.recipe.data import _first_fit
+    from meshkd.recipe.data import first_fit
 
     full, rest = np.divmod(lengths, sequence_length)
     pieces_per_document = full + (rest > 0)
@@ -284,7 +284,7 @@ def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *,
                                                        pieces_per_document)
     piece_starts = first_of_document + within * sequence_length
     if pack:
-        rows, offsets = _first_fit(piece_lengths.tolist(), sequence_length)
+        rows, offsets = first_fit(piece_lengths.tolist(), sequence_length)
         rows, offsets = np.asarray(rows, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
     else:
         rows, offsets = np.arange(len(piece_lengths), dtype=np.int64), np.zeros(len(piece_lengths), dtype=np.int64)

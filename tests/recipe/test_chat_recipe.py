@@ -3,7 +3,8 @@
 A one-process run on chat rows made from the standard library counts exactly the answer tokens of the rows
 each step draws, and its held-out loss before training equals plain transformers' next-token loss over the
 answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, two
-identical teachers at 0.5 / 0.5 and rows read from the token store all train its curve.
+identical teachers at 0.5 / 0.5 and rows read from the token store all train its curve. On-policy, the student
+completes the rows' own prompts.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def one_rank(tmp_path_factory) -> dict:
     stored = variant(base, tmp, "stored", student={"dp_size": 1})
     stored["dataset"]["token_store"] = str(tmp / "tokens")
     runs["stored"] = stored
+    on_policy = variant(base, tmp, "on_policy", student={"dp_size": 1},
+                        kd={"mode": "on_policy", "generation": {"max_new_tokens": 8}})
+    on_policy["step_scheduler"]["max_steps"] = 2
+    runs["on_policy"] = on_policy
     return run_all(1, runs)
 
 
@@ -129,3 +134,12 @@ def test_context_parallel_and_pipelined_students_follow_the_curve(name, one_rank
     values = curve(train_records(three_ranks[name]))
     assert values[:3] == pytest.approx(reference[:3], abs=1e-5)
     assert values == pytest.approx(reference, abs=1e-4)
+
+
+def test_on_policy_completes_the_rows_own_prompts(one_rank):
+    """The student completes each chat row up to its last answer (the assistant header included) with 8 tokens."""
+    steps = [r for r in train_records(one_rank["on_policy"]) if r["kind"] == "train"]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["on_policy_share"] == 1.0 and 0 < record["mean_completion_length"] <= 8
+        assert record["num_tokens"] == record["generated_tokens"]  # only the completions count
