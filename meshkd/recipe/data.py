@@ -298,15 +298,16 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     return build_datasets(tokenizer, **arguments, sequence_length=sequence_length, pack=pack, pack_texts=pack_texts)
 
 
-def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
+def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
+                      teachers: list[str] | None = None) -> dict:
     """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
-    renders chat rows (`meshkd.recipe.records.record_reader`)."""
+    renders chat rows, `teachers` are the names routed rows may give (`meshkd.recipe.records.record_reader`)."""
     from meshkd.recipe.config import expand_path
 
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
             "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
             "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,
-            "read_record": record_reader(dataset, tokenizer), "hf_section": dataset.hf}
+            "read_record": record_reader(dataset, tokenizer, teachers), "hf_section": dataset.hf}
 
 
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:

@@ -62,7 +62,7 @@ def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
     checked = {}
     for index, (name, view) in enumerate(views.items()):
         with about(f"teachers.{name}"):  # the data are the same for every teacher: read once
-            checked[name] = preflight(view, check_data=index == 0)
+            checked[name] = preflight(view, check_data=index == 0, teachers=list(views))
     return checked
 
 
@@ -74,7 +74,8 @@ def _names_tokenizer(section) -> bool:
     return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
 
 
-def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True) -> Preflight:
+def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True,
+              teachers: list[str] | None = None) -> Preflight:
     """Check everything that needs no process group; raises before any process or collective is involved.
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
@@ -88,7 +89,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     `kd.teacher_cache` checks the cache against the run instead of the teacher
     (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
     `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
-    (`preflight_teachers`: read for the first teacher only).
+    (`preflight_teachers`: read for the first teacher only); `teachers`: the names routed rows may give.
 
     Raises:
         ConfigError (a ValueError) or ValueError: naming the config key.
@@ -138,7 +139,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     # too. `check_data` False: read already.
     if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
         with about("dataset.paths"):
-            arguments = data.reading_arguments(dataset, tokenizer)
+            arguments = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
             found = documents.read_documents(files, format=dataset.format, max_documents=None,
                                              max_document_chars=None, encoding_errors="replace",
                                              on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])

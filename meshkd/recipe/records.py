@@ -67,11 +67,11 @@ class Document(str):
         return Document.of(self[: self.prompt_end], eos=False, route=self.route)
 
 
-def record_reader(dataset, tokenizer=None) -> Callable[[dict, str], Document | None]:
+def record_reader(dataset, tokenizer=None, teachers: list[str] | None = None) -> Callable[[dict, str], Document | None]:
     """`(record, where) -> Document` (None: an empty text row, skipped) as the `dataset` section says.
 
     `where` names the row in errors (`file:line`, or the dataset and index). `tokenizer` renders chat rows;
-    ValueError when they need a template it does not have.
+    ValueError when they need a template it does not have. `teachers`: the names a routed row may give.
     """
     records = getattr(dataset, "records", "text")
     route_key = dataset.teacher_key
@@ -97,6 +97,9 @@ def record_reader(dataset, tokenizer=None) -> Callable[[dict, str], Document | N
         if not isinstance(route, str):
             raise ValueError(f"{where}: the route key {route_key!r} must hold the name of the row's teacher, "
                              f"got {route!r}")
+        if teachers is not None and route not in teachers:
+            raise ValueError(f"{where}: dataset.teacher_key {route_key!r} names the teacher {route!r}, which is "
+                             f"none of the teachers {teachers}")
         document.route = route
         return document
 
