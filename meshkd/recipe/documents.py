@@ -5,7 +5,8 @@ in `.jsonl`, or every file with `format: jsonl`). Files are read as bytes and de
 byte is reported with its file (and line), not deep inside the tokenizer. A file that is not text (a NUL
 byte: binary; or not valid UTF-8) is, by `on_bad_file`, read anyway ("read": decoded with
 `encoding_errors`), refused naming it ("error"), or left out with a warning naming it ("skip"; printed by
-the process of global rank 0 only, once per file, since every rank reads the same files).
+the process of global rank 0 only, once per file, since every rank reads the same files). The check scans
+a file in blocks and JSONL files are read line by line, so a file larger than memory streams.
 
 Files ending in `.parquet`, `.csv`, `.arrow` or `.json` are read with `datasets` (`meshkd.recipe.hf_sources`),
 as is the dataset `dataset.hf` names. Every row of JSONL and those sources becomes a `Document` by
@@ -49,21 +50,38 @@ BAD_FILE_POLICIES = ("read", "error", "skip")
 _FORMATS = ("text", "jsonl")
 
 
-def not_text(data: bytes) -> str | None:
-    """Why `data` is not a text file ("binary (...)", "not valid UTF-8 (...)"), or None when it is."""
-    nul = data.find(b"\0")
-    if nul >= 0:
-        return f"binary (a NUL byte at offset {nul})"
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start})"
-    return None
+_SCAN_BYTES = 16 << 20
 
 
-def check_text(path: str, data: bytes, on_bad_file: str) -> bool:
+def not_text(path: str) -> str | None:
+    """Why the file at `path` is not text ("binary (...)", a NUL byte anywhere first; else "not valid UTF-8
+    (...)"), or None when it is. Read in blocks: a file larger than memory is scanned in bounded memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, bad = 0, None
+    with open(path, "rb") as file:
+        while block := file.read(_SCAN_BYTES):
+            nul = block.find(b"\0")
+            if nul >= 0:
+                return f"binary (a NUL byte at offset {offset + nul})"
+            if bad is None:
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as error:
+                    # The decoder holds back at most 3 bytes of an unfinished character from the block before.
+                    position = offset + error.start - len(error.object) + len(block)
+                    bad = f"not valid UTF-8 (byte 0x{error.object[error.start]:02x} at offset {position})"
+            offset += len(block)
+    if bad is None:
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as error:
+            bad = f"not valid UTF-8 (a character cut at the end, offset {offset - len(error.object) + error.start})"
+    return bad
+
+
+def check_text(path: str, on_bad_file: str) -> bool:
     """Whether to read `path`: False to skip it (warned); ValueError when it is not text and that is an error."""
-    reason = None if on_bad_file == "read" else not_text(data)
+    reason = None if on_bad_file == "read" else not_text(path)
     if reason is None:
         return True
     if on_bad_file == "error":
@@ -119,11 +137,13 @@ def _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, 
         if format is None and builder_of(path) is not None:
             yield file_rows(path)
             continue
-        data = _read_bytes(path)
-        if not check_text(path, data, on_bad_file):
-            continue
+        try:
+            if not check_text(path, on_bad_file):
+                continue
+        except OSError as error:
+            raise ValueError(f"cannot read data file {path!r}: {error}") from error
         if format == "jsonl" or (format is None and Path(path).suffix.lower() == ".jsonl"):
-            yield _jsonl_rows(path, data, encoding_errors)
+            yield _jsonl_rows(path, encoding_errors)
         elif route_key is not None:
             raise ValueError(f"{path} is not a JSONL file, so no document of it can name its teacher under the "
                              f"route key {route_key!r}")
@@ -131,7 +151,7 @@ def _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, 
             raise ValueError(f"{path} is a plain text file: dataset.records reads rows of JSONL, parquet, CSV, "
                              f"arrow or JSON files (or dataset.hf)")
         else:
-            yield [(_text_document(path, data, encoding_errors), path)]
+            yield [(_text_document(path, _read_bytes(path), encoding_errors), path)]
     if hf_section is not None:
         yield section_rows(hf_section)
 
@@ -153,8 +173,18 @@ def _text_document(path: str, data: bytes, encoding_errors: str) -> Document:
         ) from None
 
 
-def _jsonl_rows(path: str, data: bytes, encoding_errors: str) -> Iterator[tuple[dict, str]]:
-    for number, raw in enumerate(data.splitlines(), start=1):
+def _jsonl_rows(path: str, encoding_errors: str) -> Iterator[tuple[dict, str]]:
+    """The rows of a JSONL file, read line by line (a file larger than memory streams)."""
+    try:
+        file = open(path, "rb")
+    except OSError as error:
+        raise ValueError(f"cannot read data file {path!r}: {error}") from error
+    with file:
+        yield from _jsonl_lines(path, file, encoding_errors)
+
+
+def _jsonl_lines(path: str, lines, encoding_errors: str) -> Iterator[tuple[dict, str]]:
+    for number, raw in enumerate(lines, start=1):
         where = f"{path}:{number}"
         try:
             line = raw.decode("utf-8", errors=encoding_errors)
