@@ -189,6 +189,9 @@ class DatasetConfig:
     # A directory of token stores: the corpus tokenized once and read by memory map (meshkd.recipe.token_store);
     # null: tokenized in memory at every start
     token_store: str | None = None
+    # Processes that render and tokenize rows into the token store (spawned: a script of your own that builds the
+    # data guards its entry point with `if __name__ == "__main__":`)
+    tokenize_workers: int = 1
     on_bad_file: str = "error"  # a binary or non-UTF-8 file: error (refused, named) | skip (left out, named)
     # With several teachers and kd.combine route: the JSONL field naming each document's teacher (rows hold
     # one teacher's documents; each row asks only its teacher)
@@ -555,6 +558,8 @@ def _check_dataset(config: KDRecipeConfig) -> None:
                           "JSON files (globs allowed), or a Hugging Face dataset")
     if dataset.hf is not None and not dataset.hf.path:
         raise ConfigError("dataset.hf.path is empty: give a save_to_disk directory, a Hub id or a datasets builder")
+    if dataset.tokenize_workers < 1:
+        raise ConfigError(f"dataset.tokenize_workers must be >= 1, got {dataset.tokenize_workers}")
     if dataset.records not in RECORD_FORMATS:
         raise ConfigError(f"dataset.records must be one of {', '.join(RECORD_FORMATS)}, got {dataset.records!r}")
     if dataset.train_on not in TRAIN_ON:

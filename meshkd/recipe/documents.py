@@ -114,21 +114,37 @@ def iter_documents(
     `read_record` turns a row into its document (`meshkd.recipe.records.record_reader`); None reads the
     `text_key` column (and with `route_key` the teacher's name) of text rows.
     """
-    if on_bad_file not in BAD_FILE_POLICIES:
-        raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
     if read_record is None:
         read_record = record_reader(SimpleNamespace(text_key=text_key, teacher_key=route_key))
     count = 0
+    for record, where in iter_rows(files, format=format, encoding_errors=encoding_errors, on_bad_file=on_bad_file,
+                                   read_record=read_record, hf_section=hf_section):
+        document = to_document(read_record, record, where, max_document_chars)
+        if document is None:
+            continue
+        yield document
+        count += 1
+        if count == max_documents:
+            return  # stop reading: a cap on a large corpus should not read all of it
+
+
+def iter_rows(files: list[str], *, format: str | None, encoding_errors: str, on_bad_file: str,
+              read_record, hf_section=None) -> Iterator[tuple[dict | Document, str]]:
+    """Every row of `files` (then of `hf_section`) as (a row dict, or a plain text file's Document; where), in
+    order, before `to_document` (`read_record` says which files may be plain text and name teachers)."""
+    if on_bad_file not in BAD_FILE_POLICIES:
+        raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
     for rows in _sources(files, format, encoding_errors, on_bad_file, read_record.records == "text",
                          read_record.route_key, hf_section):
-        for record, where in rows:
-            document = read_record(record, where) if isinstance(record, dict) else record
-            if document is None or not document.strip():
-                continue
-            yield document if max_document_chars is None else document.cut(max_document_chars)
-            count += 1
-            if count == max_documents:
-                return  # stop reading: a cap on a large corpus should not read all of it
+        yield from rows
+
+
+def to_document(read_record, record: dict | Document, where: str, max_document_chars: int | None) -> Document | None:
+    """A row's document, cut to `max_document_chars`; None for a row with no text (skipped)."""
+    document = read_record(record, where) if isinstance(record, dict) else record
+    if document is None or not document.strip():
+        return None
+    return document if max_document_chars is None else document.cut(max_document_chars)
 
 
 def _sources(files, format, encoding_errors, on_bad_file, text_rows, route_key, hf_section):

@@ -11,7 +11,8 @@ Design:
   `documents.bin` (int64 [documents + 1] offsets) and `manifest.json` (the key, the counts, and a CRC-32 per
   MiB block of each file). Written in a temporary directory and renamed into place, so nothing half-written is
   ever read; the first process of a host to take the store's file lock writes it, the others wait for the
-  lock under `setup_timeout_s`.
+  lock under `setup_timeout_s`. With `dataset.tokenize_workers` > 1 it reads the rows and hands them in chunks
+  to worker processes that render and tokenize them, in order.
 - A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the same
   split and first-fit packing as `meshkd.recipe.data`, so rows equal the in-memory ones token for token) and
   kept beside the tokens in `plan-<digest>/`, written the same way.
@@ -26,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -167,11 +169,11 @@ class TokenStore:
             with open(tmp / "tokens.bin", "wb") as ids_file, \
                     open(tmp / "trains.bin", "wb") if masked else contextlib.nullcontext() as trains_file:
                 for chunk in documents:
-                    for ids, trains in chunk:
-                        ids_file.write(ids.numpy().astype(dtype).tobytes())
+                    for ids, trains in chunk:  # torch tensors, or numpy arrays from tokenizing workers
+                        ids_file.write(np.asarray(ids).astype(dtype).tobytes())
                         if trains_file is not None:
-                            mask = torch.ones(len(ids), dtype=torch.bool) if trains is None else trains
-                            trains_file.write(mask.numpy().astype(np.uint8).tobytes())
+                            mask = np.ones(len(ids), dtype=bool) if trains is None else np.asarray(trains)
+                            trains_file.write(mask.astype(np.uint8).tobytes())
                     lengths = np.array([len(ids) for ids, _ in chunk], dtype=np.int64)
                     offsets.append(tokens + np.cumsum(lengths))
                     tokens += int(lengths.sum())
@@ -181,6 +183,8 @@ class TokenStore:
                         bar.set_postfix(tokens=tokens)
             if bar is not None:
                 bar.close()
+            if count == 0:
+                raise ValueError("no non-empty document in dataset.paths / dataset.hf")
             np.concatenate(offsets).tofile(tmp / "documents.bin")
             names = ["tokens.bin", "documents.bin"] + (["trains.bin"] if masked else [])
             manifest = {"format": FORMAT, "version": VERSION, "key": key, "documents": count, "tokens": tokens,
@@ -302,7 +306,6 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     which this process writes first when no store of these sources, tokenizer and settings exists yet."""
     from meshkd.recipe import data
     from meshkd.recipe.config import expand_path
-    from meshkd.recipe.records import tokenize_documents
 
     arguments = data.reading_arguments(dataset, tokenizer)
     key = store_key(tokenizer, dataset, arguments)
@@ -317,11 +320,8 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
             print(f"meshkd: tokenizing the corpus once into {directory}" + (
                 f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
                 file=sys.stderr, flush=True)
-            reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
-            documents = data.corpus_documents(**reading, encoding_errors="replace")
-            chunks = (tokenize_documents(tokenizer, chunk, keep_empty=True) for chunk in _chunks(documents))
-            TokenStore.write(directory, key, chunks, len(tokenizer), masked=dataset.records != "text",
-                             progress=progress)
+            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments), len(tokenizer),
+                             masked=dataset.records != "text", progress=progress)
         store = TokenStore(directory)
         if not plans.exists():
             lengths = store.document_lengths()
@@ -334,6 +334,51 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     train, val = (StoredRows(store, load_plan(plans / split), sequence_length=sequence_length, pad_token_id=pad)
                   for split in ("train", "validation"))
     return train, val
+
+
+def _tokenized(tokenizer, dataset, arguments: dict) -> Iterator[list]:
+    """Chunks of the corpus's tokenized documents (`records.tokenize_documents`, empty ones kept), in corpus
+    order. With `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in
+    order), the rows are read here and turned into documents and tokens in worker processes, `imap` keeping
+    the order."""
+    from meshkd.recipe import data, documents
+    from meshkd.recipe.records import tokenize_documents
+
+    reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
+    if dataset.tokenize_workers <= 1 or dataset.max_documents is not None:
+        corpus = data.corpus_documents(**reading, encoding_errors="replace")
+        yield from (tokenize_documents(tokenizer, chunk, keep_empty=True) for chunk in _chunks(corpus))
+        return
+    files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
+    rows = documents.iter_rows(files, format=dataset.format, encoding_errors="replace",
+                               on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"],
+                               hf_section=dataset.hf)
+    # Spawned, not forked (the tokenizer and torch run threads); so a script of the user's own that builds the
+    # data guards its entry point, as multiprocessing requires (the meshkd commands do).
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(dataset.tokenize_workers, initializer=_start_worker, initargs=(tokenizer, dataset)) as pool:
+        yield from pool.imap(_tokenize_rows, _chunks(rows))
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer, dataset) -> None:
+    from meshkd.recipe.records import record_reader
+
+    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer), cut=dataset.max_document_chars)
+
+
+def _tokenize_rows(rows: list) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """A worker's chunk: rows -> documents -> tokens, as numpy arrays (torch tensors would travel as shared
+    memory handles, one per array)."""
+    from meshkd.recipe.documents import to_document
+    from meshkd.recipe.records import tokenize_documents
+
+    chunk = [document for document in (to_document(_WORKER["read"], record, where, _WORKER["cut"])
+                                        for record, where in rows) if document is not None]
+    return [(ids.numpy(), None if trains is None else trains.numpy())
+            for ids, trains in tokenize_documents(_WORKER["tokenizer"], chunk, keep_empty=True)]
 
 
 def store_key(tokenizer, dataset, arguments: dict) -> dict:

@@ -56,6 +56,20 @@ def test_stored_rows_equal_in_memory_rows_token_for_token(kind, tmp_path):
     assert len(list(store.glob("plan-*"))) == 2
 
 
+@pytest.mark.parametrize("records", ["text", "chat"])
+def test_worker_processes_tokenize_the_same_store(records, tmp_path):
+    """Rows rendered and tokenized by two worker processes, in chunks: the rows of one process, in order."""
+    if records == "text":
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2)
+    else:
+        rows = chat_rows(600)  # three chunks of 256 rows
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1)
+    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=128)
+    parallel = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=2)
+    for got, expected in zip(data.build_run_datasets(TOKENIZER, parallel, sequence_length=128), in_memory):
+        assert_same_rows(got, expected)
+
+
 def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
     corpus = write_corpus(tmp_path / "corpus")
     dataset = DatasetConfig(paths=[corpus], val_fraction=0.2, token_store=str(tmp_path / "store"))
