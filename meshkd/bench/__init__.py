@@ -6,7 +6,7 @@ Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loa
 `step`; `cross_tokenizer`; `teachers`; `data`), in that order. The JSON file is rewritten after each section, so an
 interrupted run keeps what it measured. A section whose prerequisites are missing (the demo teacher for
 `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`, `loading` and `precision` on
-the CPU, transformers for `modes`, `cache`, `precision`, `step`, `cross_tokenizer` and `teachers`) is skipped
+the CPU, transformers for `modes`, `cache`, `precision`, `step`, `cross_tokenizer`, `teachers` and `data`) is skipped
 with a note saying what to install; a section that fails is recorded with its error and the others still run
 (the exit status is then 1).
 """

@@ -196,25 +196,21 @@ def _jsonl_rows(path: str, encoding_errors: str) -> Iterator[tuple[dict, str]]:
     except OSError as error:
         raise ValueError(f"cannot read data file {path!r}: {error}") from error
     with file:
-        yield from _jsonl_lines(path, file, encoding_errors)
-
-
-def _jsonl_lines(path: str, lines, encoding_errors: str) -> Iterator[tuple[dict, str]]:
-    for number, raw in enumerate(lines, start=1):
-        where = f"{path}:{number}"
-        try:
-            line = raw.decode("utf-8", errors=encoding_errors)
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{where}: line is not valid UTF-8 ({error})") from None
-        if not line.strip():  # blank lines (a trailing newline, separators) are not records
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: invalid JSON ({error})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
-        yield record, where
+        for number, raw in enumerate(file, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8", errors=encoding_errors)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where}: line is not valid UTF-8 ({error})") from None
+            if not line.strip():  # blank lines (a trailing newline, separators) are not records
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: invalid JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object per line, got {type(record).__name__}")
+            yield record, where
 
 
 def check_arguments(

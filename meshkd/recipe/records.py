@@ -4,7 +4,7 @@ Design:
 - A `Document` is the text the student reads (a `str`) with what the loss needs beyond it: `answers`, the
   character spans whose tokens train (None: every token trains), `prompt_end`, where the on-policy prompt of
   the row ends, `eos`, whether the tokenizer's EOS closes it, and `route`, the teacher a routed row names.
-  Tokenizing maps the spans to tokens (`meshkd.recipe.data`), so the answer-only mask is carried by the labels
+  Tokenizing maps the spans to tokens (`tokenize_documents`), so the answer-only mask is carried by the labels
   (-100 outside answers) and survives whatever carries labels: packing, cp sharding, pipeline stages, the
   teacher cache, several teachers.
 - `text` rows: the `text_key` column, all of it trains, EOS appended (plain text files are such rows too).
@@ -201,7 +201,7 @@ class ChatRenderer:
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:turn], where, generation_prompt=True) if turn else ""
-            through = self.render(messages[: turn + 1], where)
+            through = text if turn == len(messages) - 1 else self.render(messages[: turn + 1], where)
             if not (through.startswith(before) and text.startswith(through)):
                 raise ValueError(f"{where}: the chat template of model.tokenizer does not render turn {turn} as a "
                                  f"prefix of the whole conversation, so its answer cannot be told from the prompt "
@@ -225,7 +225,7 @@ TOKENIZE_CHUNK = 256
 
 
 def tokenize_documents(tokenizer, texts: list[str], *,
-              keep_empty: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                       keep_empty: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Per document that yields tokens (every document with `keep_empty`): (int64 ids, EOS appended when the
     tokenizer has one and the document takes it; which tokens train, a bool tensor, or None when all do:
     `answer_tokens`)."""

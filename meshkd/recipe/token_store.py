@@ -129,7 +129,7 @@ def _write_atomically(directory: Path, write) -> None:
 
 
 class TokenStore:
-    """One corpus's tokens on disk (see the module docstring); `open` or `build` it, then `rows(...)`."""
+    """One corpus's tokens on disk (see the module docstring): `write` it, then open it to read pieces."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -150,10 +150,6 @@ class TokenStore:
         self.offsets = offsets.whole()
         if len(self.offsets) != self.manifest["documents"] + 1 or self.offsets[-1] != self.manifest["tokens"]:
             raise ValueError(f"token store {directory}: its document index does not match its manifest")
-
-    @property
-    def num_documents(self) -> int:
-        return self.manifest["documents"]
 
     @staticmethod
     def write(directory: Path, key: dict, documents: Iterable[list[tuple[torch.Tensor, torch.Tensor | None]]],
@@ -397,11 +393,13 @@ def store_key(tokenizer, dataset, arguments: dict) -> dict:
             "seed": dataset.seed if dataset.max_documents is not None else None, "settings": settings}
 
 
-def _chunks(documents: Iterable, size: int = 256) -> Iterator[list]:
+def _chunks(documents: Iterable) -> Iterator[list]:
+    from meshkd.recipe.records import TOKENIZE_CHUNK
+
     chunk = []
     for document in documents:
         chunk.append(document)
-        if len(chunk) == size:
+        if len(chunk) == TOKENIZE_CHUNK:
             yield chunk
             chunk = []
     if chunk:
