@@ -273,7 +273,8 @@ def pack_aligned_documents(
     pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
     stop at its end). Pieces go first-fit, in order, into the first row with room on both sides (a scan
     over the open rows: meant for a batch of documents, not a corpus at once); `pack=False` puts each
-    piece in a row of its own. Documents with no token on either side are skipped.
+    piece in a row of its own. A document with no token on one side (or both) is skipped: it has nothing to
+    pair (an empty text, say, with a tokenizer that adds neither BOS nor EOS).
 
     Raises:
         ValueError: mismatched document counts, a sequence length below 2, invalid spans (named by
@@ -367,7 +368,7 @@ def _new_bytes(document: TokenSpans, tokens: range) -> list[int]:
 def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
     """The document as pieces of whole groups, each as long as fits a row on both sides."""
     sb, tb = alignment.student_bounds, alignment.teacher_bounds
-    if sb[-1] == 0 and tb[-1] == 0:
+    if sb[-1] == 0 or tb[-1] == 0:  # nothing to pair on one side
         return []
     pieces = []
     first = 0

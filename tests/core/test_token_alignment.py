@@ -1,5 +1,7 @@
 """Token alignment (no process group): byte spans of real tokenizers, the grouping's invariants, packing."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -195,6 +197,20 @@ def test_long_documents_are_cut_at_common_boundaries_on_both_sides():
         s_pieces.append(student_tokenizer.decode(s_ids, skip_special_tokens=True))
         t_pieces.append(teacher_tokenizer.decode(t_ids, skip_special_tokens=True))
     assert s_pieces == t_pieces and "".join(s_pieces) == text
+
+
+def test_a_document_with_no_token_on_one_side_is_skipped():
+    """An empty text with a tokenizer that adds neither BOS nor EOS has nothing to pair: only "ab" is packed."""
+    student_tokenizer = TOKENIZERS["byte"]()
+    teacher_tokenizer = copy.deepcopy(TOKENIZERS["unigram_120"]())
+    teacher_tokenizer.eos_token = None
+    batch = pack_aligned(["", "ab"], student_tokenizer, teacher_tokenizer, student_sequence_length=16,
+                         teacher_sequence_length=16, student_add_bos=False)
+    assert batch.student["input_ids"].shape[0] == batch.teacher["input_ids"].shape[0] == 1
+    for side, tokenizer in ((batch.student, student_tokenizer), (batch.teacher, teacher_tokenizer)):
+        ids = side["input_ids"][0][side["attention_mask"][0] != 0].tolist()
+        assert tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+        assert (side["position_ids"][0][: len(ids)] == torch.arange(len(ids))).all()  # one document from 0
 
 
 def test_smollm2_against_the_byte_tokenizer():
