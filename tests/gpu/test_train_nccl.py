@@ -83,27 +83,43 @@ def test_the_fp32_curve_on_the_gpu_is_the_cpus(tmp_path):
     torch.testing.assert_close(losses(on_gpu), losses(on_cpu), rtol=5e-3, atol=1e-4)
 
 
+class CountedStep:
+    """The recipe's training step with each call's host syncs counted by source line (torch.cuda's sync debug
+    mode; on the CPU, where there is none, each call counts nothing).
+
+    It stands in for the `TrainStep` in `recipe.role.step` and hands every other attribute to it: the loop
+    reads the step's layout (`pipeline`, `num_micro_batches`, `scheduler`) as well as calling it.
+    """
+
+    def __init__(self, step, per_step: list[Counter]) -> None:
+        self.step, self.per_step = step, per_step
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+    def __call__(self, feed, **kwargs) -> dict[str, float]:
+        if not torch.cuda.is_available():
+            self.per_step.append(Counter())
+            return self.step(feed, **kwargs)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return self.step(feed, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            self.per_step.append(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                         if "synchronizing" in str(w.message)))
+
+
 def count_host_syncs(rank: int, config: dict, out: str) -> None:
-    """Train `config` on this one-rank NCCL world, counting each training step's host syncs by source line."""
+    """Train `config` on this one-rank world, counting each training step's host syncs by source line."""
     from meshkd.recipe.run import KDRecipe
 
     recipe, per_step = KDRecipe(config_from_dict(config)), []
     try:
         recipe.setup()
-        step = recipe.role.step
-
-        def counted(feed, **kwargs):
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    return step(feed, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                per_step.append(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                        if "synchronizing" in str(w.message)))
-
-        recipe.role.step = counted
+        recipe.role.step = CountedStep(recipe.role.step, per_step)
         recipe.train()
     finally:
         recipe.cleanup()

@@ -2,7 +2,8 @@
 
 No GPU is needed: the GPU count is simulated (torch.cuda's device_count and is_available patched) and a
 device the CPU cannot show is stood in for by the meta device, with the collectives recorded instead of
-run (`tests.collectives`). The GPU suite (tests/gpu) runs the same paths on a real device.
+run (`tests.collectives`). The GPU suite (tests/gpu) runs the same paths on a real device; its own code that
+can run without one (the step counter of its host-sync count) runs here in a one-rank gloo world.
 """
 
 from __future__ import annotations
@@ -72,3 +73,18 @@ def test_the_vocabulary_sizes_are_all_reduced_on_the_role_device(tmp_path):
             recipe._common_vocab_size(None, {"student": 262})
     assert [call.name for call in calls] == ["all_reduce"]
 
+
+
+@pytest.mark.world
+def test_the_gpu_suites_step_counter_trains_every_step_on_the_cpu(tmp_path):
+    """The GPU suite's host-sync count, through its own code path in a one-rank gloo world: the counter it puts
+    in place of the training step must be a step the loop can read and call."""
+    import json
+
+    from meshkd.core.local_world import spawn_world
+    from tests.gpu.test_train_nccl import count_host_syncs, one_gpu
+
+    config = one_gpu(tmp_path, "syncs", dtype="float32", device="cpu")
+    out = tmp_path / "syncs.json"
+    assert spawn_world(1, count_host_syncs, (config, str(out)), timeout_s=60, deadline_s=300) is None
+    assert json.loads(out.read_text()) == [{}] * config["step_scheduler"]["max_steps"]
