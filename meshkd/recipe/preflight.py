@@ -82,10 +82,11 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
     corpus only when it is at most 64 MiB. Checks: unsupported student layouts; data files exist, are text
     (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; both tokenizers load and
-    agree, and fit both embedding tables; `step_scheduler.sequence_length` against each model's
-    max_position_embeddings; each model's layer attention kinds against the masks meshkd prepares; tp sizes
-    against the model's own tensor-parallel plan (styles, attention and key/value head counts); both roles'
-    pp_size against their decoder layers; a TP student's vocabulary against the common one. Training from
+    agree, and fit both embedding tables; each model directory's safetensors headers;
+    `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
+    attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel plan
+    (styles, attention and key/value head counts); both roles' pp_size against their decoder layers; a TP
+    student's vocabulary against the common one. Training from
     `kd.teacher_cache` checks the cache against the run instead of the teacher
     (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
     `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
@@ -146,7 +147,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
             if not found:
                 raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
     with about("model"):
-        student = load_section_skeleton(config.model)
+        student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = None
     if from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
@@ -163,7 +164,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         with about("teacher_model.tokenizer"):
             teacher_tokenizer = load_section_tokenizer(config.teacher_model)
         with about("teacher_model"):
-            teacher = load_section_skeleton(config.teacher_model)
+            teacher = load_section_skeleton(config.teacher_model, "teacher_model")
         teacher_rows = _embedding_rows(teacher)
     with about("model.tokenizer / teacher_model.tokenizer"):
         vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),

@@ -537,6 +537,13 @@ def hf_dir_without_weights(directory: Path) -> str:
     return str(directory)
 
 
+def garbage_weights(directory: Path) -> str:
+    """A model directory whose config is fine and whose model.safetensors is not a safetensors file."""
+    hf_dir_without_weights(directory)
+    (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all" * 64)
+    return str(directory)
+
+
 def write_file(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("not a directory\n")
@@ -589,11 +596,11 @@ def preflight_cases(tmp: Path) -> dict:
                                                 ConfigError, r"model: vocabulary 300 differs from the common "
                                                 r"vocabulary 262"),
         "keep_layers_out_of_range": ({"model__keep_layers": [0, 5]}, ValueError,
-                                     r"model: keep_layers \[5\] out of range"),
+                                     r"model\.keep_layers \[5\] out of range"),
         "misspelled_model_size": ({"model": llama(hidden_sise=64)}, ValueError,
-                                  r"model: random_init keys \['hidden_sise'\]"),
+                                  r"model\.random_init keys \['hidden_sise'\]"),
         "unknown_model_type": ({"teacher_model": {"random_init": {"model_type": "lama"}, "tokenizer": "byte"}},
-                               ValueError, r"teacher_model: random_init model_type 'lama'"),
+                               ValueError, r"teacher_model\.random_init model_type 'lama'"),
         "teacher_layout_without_dp_size": ({"teacher_distributed": {"tp_size": 2}}, ConfigError,
                                            r"teacher_distributed\.dp_size is required with separate_meshes: true"),
         "student_pp_above_layers": ({"distributed": {"dp_size": 1, "pp_size": 3}}, ConfigError,
@@ -618,7 +625,12 @@ def preflight_cases(tmp: Path) -> dict:
         "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}}, ConfigError,
                                       r"distributed\.sequence_parallel is not supported for the student"),
         "negative_model_size": ({"model__random_init__hidden_size": -64}, ValueError,
-                                r"model: random_init: .*negative dimension -64"),
+                                r"model\.random_init\.hidden_size \(-64\): .*negative dimension -64"),
+        "negative_head_count": ({"teacher_model": llama(num_attention_heads=-4)}, ValueError,
+                                r"teacher_model\.random_init\.num_attention_heads \(-4\): .*negative dimension"),
+        "garbage_safetensors": ({"teacher_model": {"path": garbage_weights(tmp / "garbage"), "tokenizer": "byte"}},
+                                ValueError, r"teacher_model\.path: .*garbage/model\.safetensors is not a readable "
+                                r"safetensors file"),
         "run_dir_is_a_file": ({"logging__run_dir": write_file(tmp / "afile")}, ConfigError,
                               r"logging\.run_dir: .*afile exists and is not a directory"),
         "checkpoint_dir_under_a_file": ({"checkpoint__dir": str(Path(write_file(tmp / "bfile")) / "ckpt")},
@@ -641,7 +653,8 @@ PREFLIGHT_CASES = [
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
     "student_experts_over_dp_with_cp", "student_sequence_parallel",
     "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
-    "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json",
+    "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json", "negative_head_count",
+    "garbage_safetensors",
 ]
 
 
