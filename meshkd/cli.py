@@ -149,10 +149,10 @@ def _prune(config_path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _plot(run_dir: str, out: str | None) -> int:
-    from meshkd.recipe.plot import plot_run
+def _plot(run_dirs: list[str], out: str | None, labels: list[str] | None) -> int:
+    from meshkd.recipe.plot import plot_runs
 
-    print(plot_run(run_dir, out))
+    print(plot_runs(run_dirs, out, labels))
     return 0
 
 
@@ -227,9 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                                               "side by side", add_help=False)
     bench.add_argument("bench_args", nargs="*", help="see meshkd bench --help")
 
-    plot = commands.add_parser("plot", help="draw a run's loss curves to a PNG")
-    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot = commands.add_parser("plot", help="draw a run's loss curves to a PNG; several runs on one figure")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    plot.add_argument("--out", default=None,
+                      help="PNG path (default RUN_DIR/curves.png; with several runs FIRST_RUN_DIR/compare.png)")
+    plot.add_argument("--label", action="append", default=None, metavar="NAME",
+                      help="a run's name in the legend, one per RUN_DIR in order (default: the directory names)")
     return parser
 
 
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             return _prune(args.config, args.set)
         if args.command == "prepare-data":
             return _prepare_data(args.config, args.set)
-        return _plot(args.run_dir, args.out)
+        return _plot(args.run_dirs, args.out, args.label)
     except (ConfigError, ValueError, OSError) as error:
         print(f"meshkd: error: {error}", file=sys.stderr)
         return 2

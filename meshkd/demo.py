@@ -105,7 +105,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if code != 0:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
-    _demo_report(load_config(config_path, demo_overrides(args.run_dir, cache + args.set + layers)), summaries)
+    _demo_report(load_config(config_path, demo_overrides(args.run_dir, cache + args.set + layers)), summaries,
+                 {name: run_dir for name, run_dir, _ in runs})
     return 0
 
 
@@ -148,6 +149,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     for name, text in compare_completions(config.teacher_model, config.model.keep_layers, trained, _DEMO_PROMPT,
                                           max_new_tokens=16).items():
         print(f"--- {name}\n{_DEMO_PROMPT}{text}")
+    print_curves({name: directory for name, directory, _ in runs})
     return 0
 
 
@@ -171,8 +173,12 @@ def figures_report(kd: dict, ce: dict | None) -> None:
         print(f"  {label:<44} {figure(summary, bits, '.4f'):>9}  {kl:>20}  {top1:>15}")
 
 
-def _demo_report(config, summaries: dict[str, dict]) -> None:
-    """Losses, the share of the pruned student's gap to the teacher that healing closed, completions, curves."""
+_LABELS = {"kd": "KD", "ce": "CE only"}
+
+
+def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -> None:
+    """Losses, the share of the pruned student's gap to the teacher that healing closed, completions, and the
+    runs' curves on one figure."""
     kd = summaries["kd"]
     teacher, before = kd["teacher_val_loss"], kd["val_loss_before"]
 
@@ -197,7 +203,13 @@ def _demo_report(config, summaries: dict[str, dict]) -> None:
                                     _DEMO_PROMPT, max_new_tokens=16)
         for name, text in texts.items():
             print(f"--- {name}\n{_DEMO_PROMPT}{text}")
-    with contextlib.suppress(RuntimeError):  # matplotlib missing: the figures above stand
-        from meshkd.recipe.plot import plot_run
+    print_curves({_LABELS[name]: run_dir for name, run_dir in run_dirs.items()})
 
-        print(f"\ncurves: {plot_run(config.logging.run_dir)}")
+
+def print_curves(run_dirs: dict[str, str]) -> None:
+    """Draw the runs (label -> run directory) on one figure and print its path (a run alone: its own loss
+    terms); where matplotlib is missing the figures printed before stand alone."""
+    with contextlib.suppress(RuntimeError):
+        from meshkd.recipe.plot import plot_runs
+
+        print(f"\ncurves: {plot_runs(list(run_dirs.values()), labels=list(run_dirs))}")

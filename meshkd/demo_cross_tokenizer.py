@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from meshkd import cli
-from meshkd.demo import demo_overrides, figures_report
+from meshkd.demo import demo_overrides, figures_report, print_curves
 from meshkd.recipe.config import ConfigError, load_config
 
 STUDENT_VOCAB = 4096
@@ -69,4 +69,5 @@ def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
         where = "below" if kd_bits < ce_bits else "above"
         print(f"KD ends {abs(ce_bits - kd_bits) / ce_bits:.1%} {where} CE only in bits per byte "
               f"({kd_bits:.4f} against {ce_bits:.4f})")
+    print_curves({"KD" if name == "kd" else "CE only": directory for name, directory, _ in runs})
     return 0
