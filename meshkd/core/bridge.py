@@ -6,7 +6,9 @@ replicas)`; in wave w teacher replica t serves student replica w*T + t. A teache
 partner in the last wave still receives student replica 0's batch, so every rank issues the same
 collectives in the same order, but it has no output route. Logits go to the last pipeline stage of the
 student replica only (all its ranks without pipeline parallelism). All route groups are created at
-construction by every rank (new_group is collective), in one deterministic order.
+construction by every rank (new_group is collective), in one deterministic order, as groups meshkd waits on
+itself: under NCCL with blocking wait, so a silent peer raises in the waiting thread after `timeout`
+(`meshkd.core.groups`).
 
 A value travels along a route as a one-word header, the structure spec (`meshkd.core.wire`) only when it
 differs from the last one on that route, and one broadcast of all its tensor bytes; once a spec keeps
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshkd.core import wire
+from meshkd.core.groups import waiting_group
 from meshkd.core.topology import KDDistributedSetups, Replica, last_stage_ranks, model_replicas
 
 RUN_TEACHER = 1
@@ -169,7 +172,7 @@ class KDMeshBridge:
     def _group(self, ranks: tuple[int, ...] | list[int]) -> dist.ProcessGroup | None:
         key = tuple(sorted(ranks))
         if key not in self._groups:
-            self._groups[key] = dist.new_group(ranks=list(key), timeout=self._timeout)
+            self._groups[key] = waiting_group(key, timeout=self._timeout)
         return self._groups[key]
 
     def _route(self, src: int, receivers: tuple[int, ...]) -> Route:

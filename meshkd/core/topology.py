@@ -10,6 +10,10 @@ rank builds both roles' meshes, including the one it is not in. torch cannot sli
 rank outside it through the public API (`mesh[...]` needs the local rank), so the `dp` view is built from
 the root mesh's layout, which every rank can compute (see `flatten_axes`).
 
+Every mesh group (each axis, and the flattened views) is created with the run's collective timeout
+(`timeout=`, kept in `DistributedSetup.collective_timeout` for the views flattened later) and without
+NCCL's blocking wait, so FSDP2, tp, cp and pp overlap communication with compute: `meshkd.core.groups`.
+
 The rank's own setup is registered as the "current" one (`set_current_setup`), which is where the
 pipeline-parallel helpers find their default pipeline group.
 """
@@ -17,6 +21,7 @@ pipeline-parallel helpers find their default pipeline group.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import warnings
 from collections.abc import Mapping
@@ -26,6 +31,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from meshkd.core.groups import mesh_backend_override
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
@@ -48,7 +55,8 @@ class DistributedSetup:
     `dp_size` = `dp_replicate_size` * `dp_shard_size`; the role spans dp * cp * tp * pp ranks (expert
     parallelism is folded into data parallelism and does not add ranks). `device_mesh` has the axes
     `MESH_AXES` in that order, size-1 axes included, and a flattened `dp` view (`device_mesh["dp"]`) on
-    its own ranks. It is None only for a setup that was validated but not built.
+    its own ranks. It is None only for a setup that was validated but not built. `collective_timeout`: the
+    timeout its mesh groups were created with (None: torch's default), which views flattened later take too.
     """
 
     ranks: tuple[int, ...]
@@ -62,6 +70,7 @@ class DistributedSetup:
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"  # a trained (student) pipeline's schedule, one of PP_SCHEDULES
     device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
+    collective_timeout: datetime.timedelta | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def dp_shard_size(self) -> int:
@@ -367,12 +376,12 @@ def validate_teacher_layouts(student_section: Any, teacher_sections: Mapping[str
 
 
 def create_teacher_setups(student_section: Any, teacher_sections: Mapping[str, Any], world_size: int, *,
-                          device_type: str | None = None) -> TeacherSetups:
+                          device_type: str | None = None, timeout: datetime.timedelta | None = None) -> TeacherSetups:
     """Build the student's and every teacher's setups (`validate_teacher_layouts`); every rank must call this.
 
     Meshes are built in order, the student's first, then each teacher with ranks of its own; a teacher on
     the student's ranks shares the student's setup. The calling rank's own setup is registered with
-    `set_current_setup`.
+    `set_current_setup`. `timeout`: how long a mesh group's collective may wait (None: torch's default).
     """
     student, teachers = validate_teacher_layouts(student_section, teacher_sections, world_size)
     if not dist.is_initialized():
@@ -380,33 +389,39 @@ def create_teacher_setups(student_section: Any, teacher_sections: Mapping[str, A
     if dist.get_world_size() != world_size:
         raise ValueError(f"world_size {world_size} does not match the process group's size {dist.get_world_size()}")
     device_type = device_type or _default_device_type()
-    student = _build_mesh(student, device_type)
+    student = _build_mesh(student, device_type, timeout)
     setups = TeacherSetups(student=student, teachers={
-        name: student if setup is None else _build_mesh(setup, device_type) for name, setup in teachers.items()})
+        name: student if setup is None else _build_mesh(setup, device_type, timeout)
+        for name, setup in teachers.items()})
     set_current_setup(setups.local[1])
     return setups
 
 
-def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> None:
+def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str, *,
+                 timeout: datetime.timedelta | None = None) -> None:
     """Create the flattened view `mesh[name]` of `axes` of a root mesh; every world rank must call this.
 
     Members flatten through the public path. Non-members cannot (slicing needs the local rank), yet the
     process groups behind the flatten are created collectively over the whole world, so they make the
-    same group-creation calls from the root layout, which does not depend on membership.
+    same group-creation calls from the root layout, which does not depend on membership. `timeout`: the
+    view's group's (None: torch's default).
     """
+    override = mesh_backend_override(timeout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if mesh.get_coordinate() is not None:
-            mesh[axes]._flatten(name)
+            mesh[axes]._flatten(name, backend_override=override)
         else:
             layout = mesh._get_slice_mesh_layout(axes).collapse()
-            DeviceMesh._init_one_process_group(layout, mesh._rank_map, name, (None, None))
+            DeviceMesh._init_one_process_group(layout, mesh._rank_map, name, override or (None, None))
 
 
-def _build_mesh(setup: DistributedSetup, device_type: str) -> DistributedSetup:
-    mesh = DeviceMesh(device_type, setup.rank_grid, mesh_dim_names=MESH_AXES)
-    flatten_axes(mesh, ("dp_replicate", "dp_shard"), "dp")
-    return dataclasses.replace(setup, device_mesh=mesh)
+def _build_mesh(setup: DistributedSetup, device_type: str, timeout: datetime.timedelta | None) -> DistributedSetup:
+    override = mesh_backend_override(timeout)
+    mesh = DeviceMesh(device_type, setup.rank_grid, mesh_dim_names=MESH_AXES,
+                      backend_override=None if override is None else (override,) * len(MESH_AXES))
+    flatten_axes(mesh, ("dp_replicate", "dp_shard"), "dp", timeout=timeout)
+    return dataclasses.replace(setup, device_mesh=mesh, collective_timeout=timeout)
 
 
 def _default_device_type() -> str:
@@ -416,7 +431,7 @@ def _default_device_type() -> str:
 
 
 def create_kd_distributed_setups(
-    cfg: _ConfigLike, world_size: int, *, device_type: str | None = None
+    cfg: _ConfigLike, world_size: int, *, device_type: str | None = None, timeout: datetime.timedelta | None = None
 ) -> KDDistributedSetups:
     """Build shared or explicitly disjoint student and teacher setups.
 
@@ -425,6 +440,7 @@ def create_kd_distributed_setups(
             meshes only) `teacher_distributed`.
         world_size: total number of global ranks available to both models.
         device_type: DeviceMesh device type; default "cuda" under NCCL, else "cpu".
+        timeout: how long a collective of a mesh group may wait for a peer (None: torch's default).
 
     Returns:
         The resolved setups. Shared meshes: one setup over all ranks serves both roles. Separate meshes:
@@ -440,8 +456,8 @@ def create_kd_distributed_setups(
     if dist.get_world_size() != world_size:
         raise ValueError(f"world_size {world_size} does not match the process group's size {dist.get_world_size()}")
     device_type = device_type or _default_device_type()
-    student = _build_mesh(student, device_type)
-    teacher = _build_mesh(teacher, device_type) if separate else student
+    student = _build_mesh(student, device_type, timeout)
+    teacher = _build_mesh(teacher, device_type, timeout) if separate else student
     setups = KDDistributedSetups(
         student=student,
         teacher=teacher,

@@ -278,7 +278,7 @@ def flatten_student_cp_axes(setup: DistributedSetup) -> None:
         raise ValueError("flatten_student_cp_axes needs a built setup (create_kd_distributed_setups)")
     if setup.cp_size == 1 or getattr(mesh, _FLATTENED_ATTR, False):
         return
-    flatten_axes(mesh, ("dp_shard", "cp"), STUDENT_CP_AXIS)
+    flatten_axes(mesh, ("dp_shard", "cp"), STUDENT_CP_AXIS, timeout=setup.collective_timeout)
     setattr(mesh, _FLATTENED_ATTR, True)
 
 

@@ -15,6 +15,7 @@ Once every shard is written, rank 0 writes the manifest: the cache is complete.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
@@ -121,7 +122,8 @@ class CacheWriter:
         config = self.config
         checked = preflight(config, writing_cache=True)
         setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
-                                              dist.get_world_size())
+                                              dist.get_world_size(),
+                                              timeout=datetime.timedelta(seconds=config.collective_timeout_s))
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
         vocab_size = models.kd_vocab_size(checked.student_vocab_rows, checked.teacher_vocab_rows,
                                           cross_tokenizer=config.kd.cross_tokenizer is not None)

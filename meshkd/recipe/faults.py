@@ -7,8 +7,10 @@
   (`FaultWatch.watch`), naming the role and ranks lost. Every rank writes RUN_DIR/pids/rank{r}.pid
   ("PID HOST") at setup, so a survivor on the same host can tell which peer process exited; a rank that
   fails because it lost a peer first marks itself (rank{r}.lost), so later survivors name the role
-  that failed first rather than a casualty. On NCCL the failed collective raises where a rank waits on it
-  (blocking wait, set by `meshkd.recipe.world`), after the group's timeout, as DistBackendError. NCCL does
+  that failed first rather than a casualty. On NCCL a failed collective of a group meshkd waits on itself
+  (the world, the patient group, the bridges) raises where a rank waits on it (blocking wait on those groups
+  only: `meshkd.core.groups`), after the group's timeout, as DistBackendError; one of the model's own
+  groups (FSDP2, tp, cp, pp) that times out is ended by torch's watchdog instead. NCCL does
   not notice a peer process that exits, so `FaultWatch.watch_exits` polls the pid files: when a peer of
   this host exits without having finished (RUN_DIR/pids/rank{r}.done), it aborts this rank's communicators,
   and the collective that waits on the peer fails at once instead of after the timeout.
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import first_failure
+from meshkd.core.groups import waiting_group
 from meshkd.core.topology import KDDistributedSetups, TeacherSetups
 from meshkd.core.wire import SenderError
 
@@ -185,7 +188,7 @@ class FaultWatch:
         self.device = device
         # Agreement after loading waits as long as loading may take, not the peer timeout (collective over
         # the world, like the FaultWatch every rank builds at the same point of setup).
-        self._patient = None if setup_timeout_s is None else dist.new_group(
+        self._patient = None if setup_timeout_s is None else waiting_group(
             timeout=datetime.timedelta(seconds=setup_timeout_s))
         self._ranks = sorted({rank for ranks in self.roles.values() for rank in ranks})
         self._exits_stop = threading.Event()

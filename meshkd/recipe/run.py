@@ -48,10 +48,12 @@ from meshkd.recipe.world import abort_communicators, close_world, init_world
 
 
 def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
-    """The student's and each teacher's layouts (every rank builds them all: collective over the world)."""
+    """The student's and each teacher's layouts (every rank builds them all: collective over the world); their
+    mesh groups time out after `collective_timeout_s`."""
+    timeout = datetime.timedelta(seconds=config.collective_timeout_s)
     if config.teachers:
-        return create_teacher_setups(config.distributed, config.teacher_layouts(), world_size)
-    pair = create_kd_distributed_setups(config, world_size)
+        return create_teacher_setups(config.distributed, config.teacher_layouts(), world_size, timeout=timeout)
+    pair = create_kd_distributed_setups(config, world_size, timeout=timeout)
     return TeacherSetups(student=pair.student, teachers={"teacher": pair.teacher})
 
 

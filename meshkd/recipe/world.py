@@ -7,11 +7,14 @@ every rank before it creates the group (`init_world`). The collective timeout is
 `collective_timeout_s`.
 
 NCCL failures. gloo raises in the collective that lost its peer; NCCL queues the collective on the GPU and,
-by default, its watchdog thread ends the process when one times out, so the rank never says why. Before
-creating an NCCL group, `nccl_error_handling` sets TORCH_NCCL_BLOCKING_WAIT=1 (unless the user set it):
-every wait on a collective then blocks the calling thread until it completes or its group's timeout
-passes, and a timeout aborts that communicator and raises DistBackendError in the waiting thread, which
-`FaultWatch` turns into `PeerLostError`. NCCL does not notice a peer process exiting: the recipe has
+by default, its watchdog thread ends the process when one times out, so the rank never says why. The world
+group is one meshkd waits on itself (agreements, the stop flag, the vocabulary), so it is created with
+blocking wait (`meshkd.core.groups.blocking_wait`, unless the user set TORCH_NCCL_BLOCKING_WAIT): a wait on
+it blocks the calling thread until the collective completes or the timeout passes, and a timeout aborts
+that communicator and raises DistBackendError in the waiting thread, which `FaultWatch` turns into
+`PeerLostError`. The variable is set only while the group is created: the DeviceMesh groups FSDP2, tp, cp
+and pp use are created without it and keep their overlap. NCCL does not notice a peer process exiting: the
+recipe has
 `FaultWatch.watch_exits` call `abort_communicators` when a peer process of this host exits unfinished, so
 the waits on it end at once. After a failure `close_world` aborts every communicator (ncclCommAbort,
 which drops queued work) instead of `destroy_process_group`, which waits for that work and can hang; a
@@ -23,15 +26,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import MutableMapping
 
 import torch
 import torch.distributed as dist
 
+from meshkd.core.groups import blocking_wait
 from meshkd.recipe.config import KDRecipeConfig
-
-# ProcessGroupNCCL reads these when a group is created; the legacy names still count as the user's choice.
-_BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
 def uses_cuda(config: KDRecipeConfig) -> bool:
@@ -69,26 +69,12 @@ def init_world(config: KDRecipeConfig) -> tuple[torch.device, bool]:
         device = torch.device("cuda", local_rank)
     if dist.is_initialized():
         return device, False
-    if device.type == "cuda":
-        nccl_error_handling(os.environ)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # Blocking wait for the world group alone (see the module docstring): without it a wait only orders the
+    # CUDA streams, and a timed-out collective ends the process through the watchdog without a Python error.
+    with blocking_wait(backend):
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     return device, True
-
-
-def nccl_error_handling(environ: MutableMapping[str, str]) -> None:
-    """Make a failed or timed-out NCCL collective raise in the thread that waits on it (see the module docstring).
-
-    Sets TORCH_NCCL_BLOCKING_WAIT=1 unless the user set it (or its legacy name NCCL_BLOCKING_WAIT). Without
-    it, a wait only orders the CUDA streams: the thread runs on until it reads a result and then waits on the
-    GPU with no timeout, while the watchdog, under TORCH_NCCL_ASYNC_ERROR_HANDLING's default (3), ends the
-    process on the timeout without a Python exception. With it, ProcessGroupNCCL starts no watchdog, so
-    TORCH_NCCL_ASYNC_ERROR_HANDLING has nothing to act on and is left as the user has it; a user who turns
-    blocking wait off gets torch's watchdog behaviour back (the run still ends, without meshkd's one line).
-    The price: the CPU waits for each collective it waits on instead of queueing work behind it.
-    """
-    if not any(name in environ for name in _BLOCKING_WAIT):
-        environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
 
 
 def abort_communicators() -> None:

@@ -1,5 +1,7 @@
 """Topology: config validation (no process group) and meshes built on a real 8-rank gloo world."""
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,6 +141,20 @@ def check_separate_meshes_span_only_their_ranks():
     assert model_replicas(setups.teacher) == [Replica(ranks=(4, 5, 6, 7), input_rank=4, output_rank=6)]
 
 
+def check_mesh_groups_take_the_timeout_and_never_the_world_group():
+    timeout = datetime.timedelta(seconds=41)
+    setup = create_kd_distributed_setups({"distributed": {"dp_size": 4, "tp_size": 2}}, 8, timeout=timeout).student
+    assert setup.collective_timeout == timeout
+    mesh = setup.device_mesh
+    # The flattened dp view spans dp_shard alone here, the whole world with tp 1 (a view made later, as cp's is).
+    whole = create_kd_distributed_setups({"distributed": {"dp_size": 8}}, 8, timeout=timeout).student.device_mesh
+    for group in [*(mesh.get_group(axis) for axis in (*MESH_AXES, "dp")), whole.get_group("dp_shard"),
+                  whole.get_group("dp")]:
+        # A mesh axis spanning the world would otherwise reuse the world group, where meshkd waits blocking.
+        assert group is not dist.group.WORLD
+        assert group._get_backend(torch.device("cpu")).options._timeout == timeout
+
+
 def check_world_size_must_match_the_process_group():
     with pytest.raises(ValueError, match="world_size 4 does not match the process group's size 8"):
         create_kd_distributed_setups({"distributed": {"dp_size": 4}}, 4)
@@ -159,6 +175,7 @@ test_eight_rank_world = world_test(
         check_shared_mesh_has_fixed_axes_and_dp_view,
         check_hsdp_dp_view_spans_replicate_and_shard,
         check_separate_meshes_span_only_their_ranks,
+        check_mesh_groups_take_the_timeout_and_never_the_world_group,
         check_world_size_must_match_the_process_group,
         check_replicas_need_a_data_parallel_axis,
     ],

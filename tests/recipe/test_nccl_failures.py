@@ -1,7 +1,10 @@
 """NCCL failure handling, as far as it can be shown without NCCL (`meshkd.recipe.world`, `meshkd.recipe.faults`).
 
-- A CUDA rank sets TORCH_NCCL_BLOCKING_WAIT=1 before it creates its NCCL group, unless the user chose; a CPU
-  rank leaves the environment alone.
+- Blocking wait only on the groups meshkd waits on itself: TORCH_NCCL_BLOCKING_WAIT=1 is set while a CUDA
+  rank creates its world group, the patient group and the bridges' groups (unless the user chose), never
+  while the DeviceMesh groups are created, and is gone afterwards; a CPU rank leaves the environment alone.
+  Shown on gloo with `meshkd.core.groups` told the backend is NCCL, recording the environment each group
+  is created in.
 - A run that fails on an NCCL world aborts every process group instead of destroying it; a clean finish,
   and a gloo world whatever happens, destroy it. Shown on a one-rank gloo world whose backend name alone
   reads "nccl": the abort and destroy are torch's own, spied on.
@@ -13,6 +16,7 @@ The same behaviour on GPUs, with a teacher process killed mid-run, is in `tests/
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -20,31 +24,26 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from meshkd.core import groups as meshkd_groups
+from meshkd.core.local_world import spawn_world
 from meshkd.core.topology import KDDistributedSetups
 from meshkd.core.wire import SenderError
 from meshkd.recipe import world
 from meshkd.recipe.config import config_from_dict
 from meshkd.recipe.faults import FaultWatch, PeerLostError
 from meshkd.recipe.run import KDRecipe
-from tests.tiny import base_config
+from tests.tiny import base_config, with_layout
 
-BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+BLOCKING_WAIT = meshkd_groups.BLOCKING_WAIT_ENV
 
 
 # ---- the environment an NCCL group is created in ----------------------------------------------------
-
-
-@pytest.mark.parametrize("user", [{}, {"TORCH_NCCL_BLOCKING_WAIT": "0"}, {"NCCL_BLOCKING_WAIT": "0"}])
-def test_blocking_wait_is_set_unless_the_user_chose(user):
-    environ = {"PATH": "/bin", **user}
-    world.nccl_error_handling(environ)
-    expected = {"PATH": "/bin", **user} if user else {"PATH": "/bin", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-    assert environ == expected
 
 
 @pytest.fixture
@@ -53,6 +52,21 @@ def clean_nccl_env(monkeypatch):
     for name in BLOCKING_WAIT:
         monkeypatch.setenv(name, "unset by the test")  # recorded first, so that the undo restores the original
         monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("user", [{}, {"TORCH_NCCL_BLOCKING_WAIT": "0"}, {"NCCL_BLOCKING_WAIT": "0"}])
+def test_blocking_wait_is_set_only_while_groups_are_created_unless_the_user_chose(user, monkeypatch,
+                                                                                 clean_nccl_env):
+    for name, value in user.items():
+        monkeypatch.setenv(name, value)
+    with meshkd_groups.blocking_wait("nccl"):
+        inside = {name: os.environ.get(name) for name in BLOCKING_WAIT}
+    after = {name: os.environ.get(name) for name in BLOCKING_WAIT}
+    chosen = {name: user.get(name) for name in BLOCKING_WAIT}
+    assert inside == (chosen if user else {"TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_BLOCKING_WAIT": None})
+    assert after == chosen
+    with meshkd_groups.blocking_wait("gloo"):
+        assert {name: os.environ.get(name) for name in BLOCKING_WAIT} == chosen
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -73,6 +87,62 @@ def test_init_world_sets_blocking_wait_before_creating_an_nccl_group_only(cuda, 
     assert owned and device.type == ("cuda" if cuda else "cpu")
     timeout = config.collective_timeout_s
     assert created == ([("nccl", timeout, "1")] if cuda else [("gloo", timeout, None)])
+    assert all(name not in os.environ for name in BLOCKING_WAIT)  # the model's groups are made without it
+
+
+def record_group_creation(rank: int, config: dict, out: str) -> None:
+    """Set a recipe up on this gloo world with `meshkd.core.groups` told the backend is NCCL; write, for every
+    group created, its ranks, description, timeout and the blocking-wait variable at that moment."""
+    c10d = dist.distributed_c10d
+    created, helper = [], c10d._new_process_group_helper
+
+    def recording(group_size, group_rank, global_ranks_in_group, *args, timeout=None, group_desc=None, **kwargs):
+        created.append({"ranks": list(global_ranks_in_group), "desc": group_desc,
+                        "timeout_s": None if timeout is None else timeout.total_seconds(),
+                        "blocking": os.environ.get("TORCH_NCCL_BLOCKING_WAIT")})
+        return helper(group_size, group_rank, global_ranks_in_group, *args, timeout=timeout, group_desc=group_desc,
+                      **kwargs)
+
+    meshkd_groups._uses_nccl = lambda backend: True  # the environment NCCL would read; gloo ignores it
+    c10d._new_process_group_helper = recording
+    recipe = KDRecipe(config_from_dict(config))
+    try:
+        recipe.setup()
+        from meshkd.parallel.data_parallel import student_fsdp_mesh
+
+        student = recipe.setups.student
+        fsdp_group = student_fsdp_mesh(student, student.device_mesh).get_group() if rank in student.ranks else None
+        Path(out, f"rank{rank}.json").write_text(json.dumps({
+            "created": created, "left_set": os.environ.get("TORCH_NCCL_BLOCKING_WAIT"),
+            "fsdp_group_is_world": fsdp_group is dist.group.WORLD,
+            "fsdp_timeout_s": None if fsdp_group is None
+            else fsdp_group._get_backend(torch.device("cpu")).options._timeout.total_seconds()}))
+    finally:
+        c10d._new_process_group_helper = helper
+        recipe.cleanup()
+
+
+@pytest.mark.world
+def test_blocking_wait_only_on_the_groups_meshkd_waits_on_and_the_mesh_groups_take_the_timeout(tmp_path):
+    # A student of 2 ranks (FSDP2 over both, cp 2 flattened with them) and a teacher on a rank of its own.
+    config = with_layout(base_config(tmp_path), {"dp_size": 1, "cp_size": 2}, {"dp_size": 1})
+    config.update(collective_timeout_s=41, setup_timeout_s=333)
+    assert spawn_world(3, record_group_creation, (config, str(tmp_path)), timeout_s=60, deadline_s=300) is None
+    for rank in range(3):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["left_set"] is None
+        mesh = [group for group in report["created"] if (group["desc"] or "").startswith("mesh_")]
+        own = [group for group in report["created"] if group not in mesh]
+        # Every axis of both meshes (5 each), their dp views and the student's dp_shard x cp view.
+        assert {group["desc"] for group in mesh} >= {"mesh_pp", "mesh_dp_replicate", "mesh_dp_shard", "mesh_cp",
+                                                     "mesh_tp", "mesh_dp", "mesh_dp_shard_cp"}
+        assert all(group["blocking"] is None and group["timeout_s"] == 41 for group in mesh), mesh
+        # The patient group, then the bridge's control, student, teacher and route groups.
+        assert own[0]["timeout_s"] == 333 and own[0]["ranks"] == [0, 1, 2]
+        assert {tuple(group["ranks"]) for group in own[1:]} >= {(0, 1, 2), (0, 1), (2,), (0, 2)}
+        assert all(group["blocking"] == "1" for group in own), own
+        if rank < 2:
+            assert not report["fsdp_group_is_world"] and report["fsdp_timeout_s"] == 41
 
 
 # ---- the way out: abort after a failure on NCCL, destroy otherwise -----------------------------------
