@@ -29,8 +29,8 @@ def curves(run_dirs: list[str | Path], labels: list[str] | None = None) -> dict[
         train = [r for r in records if r["kind"] == "train" and not r.get("skipped")]  # a skipped step has NaN
         evals = [r for r in records if r["kind"] == "eval"]
         if len(run_dirs) == 1:  # several teachers: each one's own divergence (kd_loss/NAME) beside the mix
-            teachers = [(key, f"train KD to {key.partition('/')[2]}") for key in (train[0] if train else {})
-                        if key.startswith("kd_loss/")]
+            keys = dict.fromkeys(key for record in train for key in record)  # routed: a teacher may skip a step
+            teachers = [(key, f"train KD to {key.partition('/')[2]}") for key in keys if key.startswith("kd_loss/")]
             terms = [("loss", "train loss"), ("ce_loss", "train CE"), ("kd_loss", "train KD"), *teachers]
             prefix = ""
         else:

@@ -241,6 +241,10 @@ class TrainStep:
                 answered = {f"teacher_rows/{name}": torch.tensor(answered_rows(member) / self.setup.cp_size,
                                                                  device=logits.device)
                             for name, member in answer["answers"].items()}
+                if routes is not None:  # each teacher's tokens: `_finish` turns its share into its own mean
+                    counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
+                    answered.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).sum()
+                                     for index, name in enumerate(answer["answers"])})
             else:
                 kd_loss = divergence(answer)
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
@@ -278,8 +282,20 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return {**dict(zip(keys, summed)), "lr": lr, "grad_norm": grad_norm, "num_tokens": num_valid,
-                "teacher_wait_s": wait_s, "skipped": not finite}
+        return {**_routed_means(dict(zip(keys, summed)), norm=max(num_valid, 1.0)), "lr": lr, "grad_norm": grad_norm,
+                "num_tokens": num_valid, "teacher_wait_s": wait_s, "skipped": not finite}
+
+
+def _routed_means(metrics: dict[str, float], *, norm: float) -> dict[str, float]:
+    """With routed rows, `kd_loss/NAME` summed over the step is the teacher's share of `kd_loss` (its rows'
+    divergence over the step's `norm` tokens): it becomes the teacher's own divergence per token of its rows
+    (`kd_tokens/NAME` of them), and is left out for a teacher that answered no rows this step."""
+    for key in [key for key in metrics if key.startswith("kd_tokens/")]:
+        name, tokens = key.partition("/")[2], metrics[key]
+        share = metrics.pop(f"kd_loss/{name}")
+        if tokens > 0:
+            metrics[f"kd_loss/{name}"] = share * norm / tokens
+    return metrics
 
 
 class _StepPairs:

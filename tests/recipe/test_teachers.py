@@ -307,7 +307,9 @@ def test_rows_routed_to_one_teacher_train_its_curve_and_the_other_answers_none(r
     assert curve(records) == pytest.approx(curve(runs.records("routed_single_teacher")), rel=1e-6, abs=1e-9)
     for record in train(records):
         assert record["teacher_rows/code"] == 4 and record["teacher_rows/prose"] == 0
-        assert record["kd_loss/prose"] == 0 and record["kd_loss/code"] == pytest.approx(record["kd_loss"])
+        # A teacher's own divergence per token of its rows; none logged for a teacher with no rows.
+        assert "kd_loss/prose" not in record and record["kd_tokens/prose"] == 0
+        assert record["kd_loss/code"] == pytest.approx(record["kd_loss"], rel=1e-6)
 
 
 def expected_routes(config: dict) -> list[dict[str, int]]:
@@ -339,6 +341,11 @@ def test_each_row_reaches_only_its_teacher_in_any_layout(runs):
     for records in (reference, laid_out):
         answered = [{name: record[f"teacher_rows/{name}"] for name in ("code", "prose")} for record in train(records)]
         assert answered == expected
+        for record, counts in zip(train(records), expected):  # each teacher's mean over its own tokens
+            own = {name: record[f"kd_loss/{name}"] for name in counts if counts[name]}
+            assert set(own) == {name for name in counts if f"kd_loss/{name}" in record}
+            mixed = sum(own[name] * record[f"kd_tokens/{name}"] for name in own) / record["num_tokens"]
+            assert mixed == pytest.approx(record["kd_loss"], rel=1e-6)
 
 
 def test_the_routing_field_needs_several_teachers_and_names_known_ones(tmp_path):
