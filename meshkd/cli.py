@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local processes to start (default: the ranks the config lays out); "
                             "ignored inside torchrun")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of the run")
+    train.add_argument("--quiet", action="store_true",
+                       help="no end-of-run report (logging.summary=false); summary.json holds the figures")
 
     cache = commands.add_parser("cache-teacher", help="run only the teacher and write its answers to kd.teacher_cache")
     cache.add_argument("config", help="YAML config file: the same as for train")
@@ -196,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rows per shard file (default: about 256 MiB of answers per shard)")
     cache.add_argument("--teacher", default=None, metavar="NAME",
                        help="with several teachers: the one whose answers to write to its teachers[i].cache")
+    cache.add_argument("--quiet", action="store_true", help="no closing line (logging.summary=false)")
 
     demo = commands.add_parser("demo", help="heal a pruned SmolLM2 student by distilling the full model (CPU)")
     demo.add_argument("--compare", action="store_true", help="also heal with CE only and print both results")
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):
+        args.set.append("logging.summary=false")
     try:
         if args.command == "train":
             return train_command(args.config, args.set, args.nproc, args.resume)

@@ -36,7 +36,7 @@ def trained(tmp_path_factory) -> dict:
     config_path.write_text(yaml.safe_dump(config))
     run_dir = Path(config["logging"]["run_dir"])
     result = meshkd_train(config_path, "--set", "step_scheduler.max_steps=2")
-    return {"config_path": config_path, "run_dir": run_dir, "stdout": result.stdout,
+    return {"config_path": config_path, "run_dir": run_dir, "stdout": result.stdout, "config": config,
             "steps": [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"],
             "saved": yaml.safe_load((run_dir / "config.yaml").read_text()),
             "selection": json.loads((run_dir / "layer_selection.json").read_text())}
@@ -52,6 +52,23 @@ def test_cli_trains_end_to_end_and_plots(trained):
     assert Path(run_dir, "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_ends_with_a_report_of_the_run(trained):
+    """How the run ended, its figures before and after beside the teacher's (as summary.json has them), and
+    where its outputs are."""
+    report = trained["stdout"][trained["stdout"].index("meshkd train: finished"):].splitlines()
+    summary = json.loads((trained["run_dir"] / "summary.json").read_text())
+    assert report[0].startswith("meshkd train: finished 2 of 2 steps in ")
+    assert ": 2 trained in this run, " in report[0]
+    assert "tokens/s in the steps" in report[0]
+    rows = {line[:36].strip(): line[36:].split() for line in report[1:] if line.startswith("  ") and ":" not in line}
+    assert rows[""] == ["before", "after", "teacher"]
+    assert rows["held-out loss (nats/token)"] == [f"{summary[key]:.4f}" for key in
+                                                  ("val_loss_before", "val_loss_after", "teacher_val_loss")]
+    assert rows["KL(teacher || student)"] == [f"{summary[key]:.4f}" for key in ("val_kl_before", "val_kl_after")]
+    assert f"  run directory: {trained['run_dir']} (metrics.jsonl, summary.json)" in report
+    assert f"  last checkpoint: {trained['run_dir'] / 'checkpoints' / 'step_00000002'}" in report
+
+
 def test_cli_measures_the_students_layers_once_and_a_resumed_run_keeps_them(trained):
     run_dir = trained["run_dir"]
     chosen = trained["selection"]["keep_layers"]
@@ -59,8 +76,9 @@ def test_cli_measures_the_students_layers_once_and_a_resumed_run_keeps_them(trai
     assert trained["saved"]["model"]["keep_layers"] == chosen
     # Another request would be measured again; a resumed run keeps the layers its checkpoint was trained with.
     resumed = meshkd_train(trained["config_path"], "--resume", "--set", "step_scheduler.max_steps=3",
-                           "--set", "model.keep_layers.calibration_rows=2")
+                           "--set", "model.keep_layers.calibration_rows=2", "--quiet")
     assert f"model.keep_layers: {chosen}, as {run_dir / 'layer_selection.json'} records" in resumed.stdout
+    assert "meshkd train: finished" not in resumed.stdout  # --quiet
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["keep_layers"] == chosen
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3]
 

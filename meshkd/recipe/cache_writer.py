@@ -275,10 +275,11 @@ class CacheWriter:
             checked.teacher_tokenizer.save_pretrained(self.directory / cache.TEACHER_TOKENIZER)
         write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if computed_tokens else ""
-        print0(f"meshkd cache-teacher: {self.directory} complete: {summary['rows']['train']} training and "
-               f"{summary['rows']['validation']} validation rows, {num_bytes / MIB:.1f} MiB "
-               f"({summary['train_bytes_per_position']:.0f} bytes per training position); computed "
-               f"{computed_tokens} tokens in {seconds:.1f} s{rate}")
+        if self.config.logging.summary:
+            print0(f"meshkd cache-teacher: {self.directory} complete: {summary['rows']['train']} training and "
+                   f"{summary['rows']['validation']} validation rows, {num_bytes / MIB:.1f} MiB "
+                   f"({summary['train_bytes_per_position']:.0f} bytes per training position); computed "
+                   f"{computed_tokens} tokens in {seconds:.1f} s{rate}")
         return summary
 
 

@@ -260,6 +260,7 @@ class LoggingConfig:
     run_dir: str = "runs/meshkd"
     progress_bar: bool = True
     tensorboard: bool = False
+    summary: bool = True  # rank 0 prints how the run ended and its figures (`meshkd.recipe.run_report`)
 
 
 @dataclass

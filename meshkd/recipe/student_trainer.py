@@ -45,6 +45,7 @@ from meshkd.recipe.models import resolve_dtype
 from meshkd.recipe.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.preflight import Preflight, about
 from meshkd.recipe.router_loss import RouterLoss
+from meshkd.recipe.run_report import RunFigures, run_report
 from meshkd.recipe.step_data import NextStep, StepData, run_datasets
 from meshkd.recipe.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
@@ -71,6 +72,10 @@ class StudentTrainer:
         self.start_step = 0
         self.skipped_steps = 0  # non-finite steps skipped since this process started (kd.on_nonfinite)
         self.metrics: MetricsSink | None = None
+        # For the end-of-run report: counted from here, in this process.
+        self._started = time.perf_counter()
+        self._trained = {"tokens": 0.0, "step_time_s": 0.0}
+        self._last_step, self._stopped_on = 0, None  # the last step trained; why the run stopped early
 
     # ---- setup, phase by phase ----
 
@@ -243,7 +248,16 @@ class StudentTrainer:
             raise
         with self.faults.watch("broadcast_command", "teacher"):
             self.teacher.close()
+        if self.config.logging.summary:
+            print0(run_report(self.summary, self._figures()))
         return self.summary
+
+    def _figures(self) -> RunFigures:
+        checkpoint = ckpt.latest_checkpoint(self.checkpoint_root) if self.config.checkpoint.enabled else None
+        return RunFigures(start_step=self.start_step, last_step=self._last_step,
+                          max_steps=self.config.step_scheduler.max_steps, tokens=self._trained["tokens"],
+                          step_time_s=self._trained["step_time_s"], wall_s=time.perf_counter() - self._started,
+                          run_dir=self.run_dir, checkpoint=checkpoint, stopped=self._stopped_on)
 
     def _release_teacher_after_failure(self) -> None:
         """Tell the teacher to stop, briefly and only if it can help; this rank's error is the one to report.
@@ -265,6 +279,7 @@ class StudentTrainer:
 
     def _train(self) -> None:
         config, steps = self.config, self.config.step_scheduler
+        self._last_step = self.start_step
         with self.faults.watch("the first evaluation", "student"):
             if self._stop_agreed():  # asked to stop during setup: not even the evaluation
                 self._stopped(self.start_step, self.start_step)
@@ -316,6 +331,9 @@ class StudentTrainer:
             step += 1
             self.skipped_steps += metrics["skipped"]
             elapsed = time.perf_counter() - started
+            self._last_step = step
+            self._trained["tokens"] += metrics["num_tokens"]
+            self._trained["step_time_s"] += elapsed
             metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
             metrics["step_time_s"] = elapsed
             self.metrics.log("train", step, metrics)
@@ -334,6 +352,7 @@ class StudentTrainer:
     def _stopped(self, step: int, saved: int) -> None:
         """After an agreed stop at `step`: checkpoint it (unless it is on disk or nothing was trained)."""
         self.summary["stopped_at_step"] = step
+        self._last_step, self._stopped_on = step, self._stop.reason()
         note = "checkpointing is off: nothing saved"
         if self.config.checkpoint.enabled:
             if step != saved:

@@ -298,6 +298,9 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_of_that_step(chain):
     assert stopped > int(outcome["resumed_from"].name.split("_")[1])  # so the checkpoint below is the stop's
     assert f"meshkd: stopped at step {stopped} on a stop request" in run.stdout
     assert outcome["latest"] == ckpt.checkpoint_dir(chain["root"], stopped)
+    # The end-of-run report says so too, and where to continue from.
+    assert f"meshkd train: stopped at step {stopped} of {MAX_STEPS} on a stop request" in run.stdout
+    assert f"last checkpoint: {outcome['latest']} (continue with --resume)" in run.stdout
     assert json.loads((outcome["latest"] / "meta.json").read_text())["step"] == stopped
     assert run.worker_endings() == {} and run.errors() == {}, run.stderr[-3000:]
     assert outcome["elapsed"] < 2 * TIMEOUT_S
@@ -313,6 +316,8 @@ def test_resume_after_the_stop_finishes_with_every_step_logged_once(chain):
     assert f"resumed from {ckpt.checkpoint_dir(chain['root'], stopped)} at step {stopped}" in run.stdout
     assert [r["step"] for r in outcome["records"] if r["kind"] == "train"] == list(range(1, MAX_STEPS + 1))
     assert Path(run.run_dir, "summary.json").is_file()
+    assert f"meshkd train: finished {MAX_STEPS} of {MAX_STEPS} steps (resumed at step {stopped}) in " in run.stdout
+    assert f": {MAX_STEPS - stopped} trained in this run" in run.stdout
     assert_world_gone(outcome)
 
 
