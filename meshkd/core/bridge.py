@@ -8,7 +8,12 @@ collectives in the same order, but it has no output route. Logits go to the last
 student replica only (all its ranks without pipeline parallelism). All route groups are created at
 construction by every rank (new_group is collective), in one deterministic order, as groups meshkd waits on
 itself: under NCCL with blocking wait, so a silent peer raises in the waiting thread after `timeout`
-(`meshkd.core.groups`).
+(`meshkd.core.groups`). Construction then warms every group up with one small all-reduce, in that same
+order on every rank (each rank takes part in its own groups: the first collective not yet done always has
+all its members ready, so the sequence cannot deadlock). NCCL creates a group's communicator at its first
+collective; the warm-up makes that happen here, during set-up on the thread that builds the bridge, never
+first on a `TeacherPrefetcher`'s thread while the training thread creates FSDP2's communicators
+(concurrent communicator creation is not something NCCL guarantees to be safe).
 
 A value travels along a route as a one-word header, the structure spec (`meshkd.core.wire`) only when it
 differs from the last one on that route, and one broadcast of all its tensor bytes; once a spec keeps
@@ -168,12 +173,20 @@ class KDMeshBridge:
                     outputs.append(self._route(teacher.output_rank, student_receivers[partner]))
             self.input_routes.append(inputs)
             self.output_routes.append(outputs)
+        self._warm_up()
 
     def _group(self, ranks: tuple[int, ...] | list[int]) -> dist.ProcessGroup | None:
         key = tuple(sorted(ranks))
         if key not in self._groups:
             self._groups[key] = waiting_group(key, timeout=self._timeout)
         return self._groups[key]
+
+    def _warm_up(self) -> None:
+        """One all-reduce on every group of this rank, in creation order (see the module docstring)."""
+        probe = torch.zeros(1, device=self.device)
+        for ranks, group in self._groups.items():
+            if self.rank in ranks:
+                dist.all_reduce(probe, group=group)
 
     def _route(self, src: int, receivers: tuple[int, ...]) -> Route:
         ranks = tuple(sorted({src, *receivers}))

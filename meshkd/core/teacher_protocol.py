@@ -233,6 +233,9 @@ class TeacherPrefetcher(TeacherFeed):
     reductions, FSDP, the student group's agreements) are on other groups. So each group sees its
     collectives in one thread's program order, the same on every rank: the bridge's in request order
     exactly as in the synchronous loop. Groups of the two threads progress independently of each other.
+    The thread creates no communicator: the bridge made every one of its own while it was built (one
+    warm-up collective per group, `KDMeshBridge`), so NCCL never creates one on this thread while the
+    caller's creates FSDP2's.
 
     On CUDA the requests run on a stream of their own (NCCL launches a blocking collective on the caller's
     current stream): the bridge's collectives then never queue behind the training kernels the caller

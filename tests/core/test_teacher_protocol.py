@@ -304,9 +304,34 @@ def check_while_prefetching_no_group_is_used_from_two_threads():
     assert own and not {id(c.group) for c in ahead} & {id(c.group) for c in own}
 
 
+def check_every_bridge_group_is_first_used_while_the_bridge_is_built_on_its_thread():
+    # NCCL creates a communicator at a group's first collective: none of the bridge's may be created first on
+    # the prefetcher's thread (while the training thread creates FSDP2's), even where the run asks the
+    # teacher nothing before it prefetches (a resumed run reads its first evaluation back from the log).
+    with audited_collectives(torch.device("cpu")) as calls:
+        bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
+        built = len(calls)
+        if bridge.is_teacher:
+            assert serve(bridge) == 2
+        else:
+            with TeacherPrefetcher(bridge, range(2), batch_fn=request_batch) as prefetcher:
+                assert [item for item, _ in prefetcher] == [0, 1]
+            bridge.broadcast_command(STOP_TEACHER)
+    first = {}
+    for index, call in enumerate(calls):
+        first.setdefault(id(call.group), (index, call.thread))
+    rank, here = dist.get_rank(), threading.get_ident()
+    mine = [group for ranks, group in bridge._groups.items() if rank in ranks]
+    assert len(mine) >= 3  # the control group, this role's group and at least one route
+    for group in mine:
+        index, thread = first[id(group)]
+        assert index < built and thread == here, (dist.get_process_group_ranks(group), index, built)
+
+
 test_five_rank_world = world_test(
     WORLD,
     [
+        check_every_bridge_group_is_first_used_while_the_bridge_is_built_on_its_thread,
         check_client_requests_get_the_teachers_answer_for_their_own_batch,
         check_a_failing_teacher_forward_reaches_the_student_and_the_next_request_works,
         check_prefetcher_yields_the_synchronous_sequence_one_ahead,
