@@ -19,7 +19,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from meshkd import cli
+from meshkd import commands
 from meshkd.recipe.config import ConfigError, load_config
 
 _DEMO_CONFIG = "demo.yaml"
@@ -56,7 +56,7 @@ def _demo_cache(config_path: str, overrides: list[str]) -> int:
         if not str(error).startswith("kd.teacher_cache:"):
             raise
     print("meshkd demo: computing the teacher's answers once (meshkd cache-teacher)")
-    return cli.cache_teacher_command(config_path, overrides, None, None)
+    return commands.cache_teacher_command(config_path, overrides, None, None)
 
 
 # `meshkd demo --on-policy`: short rows so the student's completions fit a few minutes on 2 CPU cores. The
@@ -90,7 +90,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
-    layers = cli.selected_layers(config_path, demo_overrides(args.run_dir, cache + args.set))
+    layers = commands.selected_layers(config_path, demo_overrides(args.run_dir, cache + args.set))
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
@@ -101,7 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
     summaries = {}
     for name, run_dir, extra in runs:
         print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
-        code = cli.train_command(config_path, demo_overrides(run_dir, extra + cache + args.set + layers), None, False)
+        overrides = demo_overrides(run_dir, extra + cache + args.set + layers)
+        code = commands.train_command(config_path, overrides, None, False)
         if code != 0:
             return code
         summaries[name] = json.loads(Path(run_dir, "summary.json").read_text())
@@ -118,7 +119,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     from meshkd.recipe import metrics
 
     run_dir = args.run_dir + "_on_policy"
-    layers = cli.selected_layers(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
+    layers = commands.selected_layers(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
     runs = [("on-policy", run_dir, _ON_POLICY)]
     if args.compare:
         runs.append(("off-policy", run_dir + "_beside", _OFF_POLICY_BESIDE))
@@ -127,7 +128,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
              directory, extra) for name, directory, extra in runs]  # as --set may have changed it
     for name, directory, extra in runs:
         print(f"meshkd demo: healing the pruned student {name} -> {directory}")
-        code = cli.train_command(config_path, demo_overrides(directory, extra + args.set + layers), None, False)
+        code = commands.train_command(config_path, demo_overrides(directory, extra + args.set + layers), None, False)
         if code != 0:
             return code
     print("\n(losses in nats/token)                  trained    held-out  teacher's loss on the student's")

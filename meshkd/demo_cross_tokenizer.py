@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from meshkd import cli
+from meshkd import commands
 from meshkd.demo import demo_overrides, figures_report, print_curves
 from meshkd.recipe.config import ConfigError, load_config
 
@@ -45,7 +45,7 @@ def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
     if args.cache:
         raise ConfigError("meshkd demo --cross-tokenizer: leave out --cache (the live teacher answers)")
     run_dir = args.run_dir + "_cross_tokenizer"
-    layers = cli.selected_layers(config_path, demo_overrides(run_dir, args.set))
+    layers = commands.selected_layers(config_path, demo_overrides(run_dir, args.set))
     config = load_config(config_path, demo_overrides(run_dir, args.set + layers))
     print(f"meshkd demo: the pruned student ({len(config.model.keep_layers)} layers) with a byte-level BPE of "
           f"{STUDENT_VOCAB} entries trained on the training split, embeddings transplanted from the teacher's")
@@ -56,7 +56,7 @@ def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
     summaries = {}
     for name, directory, extra in runs:
         print(f"meshkd demo: training the student with {'KD' if name == 'kd' else 'CE only'} -> {directory}")
-        code = cli.train_command(config_path, demo_overrides(directory, student + extra + args.set), None, False)
+        code = commands.train_command(config_path, demo_overrides(directory, student + extra + args.set), None, False)
         if code != 0:
             return code
         summaries[name] = json.loads(Path(directory, "summary.json").read_text())

@@ -139,7 +139,7 @@ class WriteTeacherCache:
         return layout.dp_size * layout.tp_size * layout.cp_size * layout.pp_size
 
     def __call__(self) -> None:
-        from meshkd.cli import cached_teacher
+        from meshkd.commands import cached_teacher
         from meshkd.recipe.cache_writer import cache_teacher
 
         cache_teacher(cached_teacher(config_from_dict(self.config), self.name), shard_rows=3)
@@ -397,7 +397,7 @@ def test_a_teacher_read_from_its_cache_beside_a_live_one_trains_the_live_curve(r
 
 
 def test_cache_teacher_names_the_teacher_of_several(tmp_path):
-    from meshkd.cli import cached_teacher
+    from meshkd.commands import cached_teacher
 
     config = config_from_dict(cached_prose(tmp_path))
     with pytest.raises(ConfigError, match=r"name the one whose cache to write with --teacher NAME"):
