@@ -249,6 +249,16 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
+class GroupTooLongError(ValueError):
+    """A group with more tokens on a side than that side's row holds: a group is never split, so no cut of
+    the document fits. `where` names the document, the group and its bytes; `student_tokens` /
+    `teacher_tokens` are the group's tokens on each side."""
+
+    def __init__(self, message: str, *, where: str, student_tokens: int, teacher_tokens: int) -> None:
+        super().__init__(message)
+        self.where, self.student_tokens, self.teacher_tokens = where, student_tokens, teacher_tokens
+
+
 @dataclass
 class _Piece:
     document: int
@@ -277,8 +287,9 @@ def pack_aligned_documents(
     pair (an empty text, say, with a tokenizer that adds neither BOS nor EOS).
 
     Raises:
-        ValueError: mismatched document counts, a sequence length below 2, invalid spans (named by
-            document and side), or a single group longer than a row.
+        ValueError: mismatched document counts, a sequence length below 2, or invalid spans (named by
+            document and side).
+        GroupTooLongError (a ValueError): a single group longer than a row on either side.
     """
     if len(student_documents) != len(teacher_documents):
         raise ValueError(
@@ -373,12 +384,14 @@ def _cut(document: int, alignment: Alignment, student_length: int, teacher_lengt
     pieces = []
     first = 0
     for g in range(alignment.num_groups):
-        too_long = sb[g + 1] - sb[g] > student_length or tb[g + 1] - tb[g] > teacher_length
-        if too_long:
-            raise ValueError(
-                f"document {document}: group {g} (bytes {alignment.byte_bounds[g]}..{alignment.byte_bounds[g + 1]}) "
-                f"has {sb[g + 1] - sb[g]} student and {tb[g + 1] - tb[g]} teacher tokens, more than a row holds "
-                f"({student_length} and {teacher_length}); use longer rows"
+        student_tokens, teacher_tokens = sb[g + 1] - sb[g], tb[g + 1] - tb[g]
+        if student_tokens > student_length or teacher_tokens > teacher_length:
+            span = f"bytes {alignment.byte_bounds[g]}..{alignment.byte_bounds[g + 1]}"
+            where = f"document {document}: group {g} ({span})"
+            raise GroupTooLongError(
+                f"{where} has {student_tokens} student and {teacher_tokens} teacher tokens, more than a row holds "
+                f"({student_length} and {teacher_length}); use longer rows",
+                where=where, student_tokens=student_tokens, teacher_tokens=teacher_tokens,
             )
         if sb[g + 1] - sb[first] > student_length or tb[g + 1] - tb[first] > teacher_length:
             pieces.append(_Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))

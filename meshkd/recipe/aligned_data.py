@@ -2,7 +2,8 @@
 
 With `kd.cross_tokenizer` the documents are read and split as `meshkd.recipe.data` does, then both
 tokenizations are packed into the same rows (`meshkd.core.token_alignment.pack_aligned`: NEAT rows,
-documents never mixed, each side its own sequence length). A row holds the student's keys
+documents never mixed, each side its own sequence length: both checked against the corpus's first
+documents at preflight, `check_row_lengths`, and their fill logged, `row_fill`). A row holds the student's keys
 (`data.BATCH_KEYS`), the teacher's under `teacher_` names (`TEACHER_KEYS`), and `teacher_positions`
 [rows, student sequence length]: at each student position that predicts an aligned group's first token, the
 teacher position that predicts that group's first token on its side (both models have read the same bytes
@@ -19,14 +20,17 @@ teacher side when they are made (`CompletionAligner`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
-from meshkd.core.token_alignment import AlignedBatch, align_token_spans, pack_aligned
+from meshkd.core.token_alignment import AlignedBatch, GroupTooLongError, align_token_spans, pack_aligned
 from meshkd.core.token_bytes import decode_with_byte_spans, encode_with_byte_spans, token_bytes
+from meshkd.recipe.config import ConfigError
 from meshkd.recipe.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id, padding_rows
+from meshkd.recipe.metrics import warn0
 
 TEACHER_POSITIONS = "teacher_positions"
 GROUPS = "groups"
@@ -36,6 +40,13 @@ GROUP_ENDS, TEACHER_GROUP_ENDS = "group_ends", "teacher_group_ends"
 group's last token, the student's and the teacher's (what `uld` and `gold` merge a group over)."""
 TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
 """The teacher's side of a row: its `input_ids`, `labels`, `position_ids`, `attention_mask`."""
+TEACHER_LENGTH_KEY = "kd.cross_tokenizer.teacher_sequence_length"
+ROW_FILL_SAMPLE_CHARS = 64 << 10
+"""`check_row_lengths` packs the corpus's first documents up to this many characters (packing is pure Python
+and runs in every process's preflight: about half a second for this much)."""
+MIN_ROW_FILL = 0.9
+"""Below this share of a side's row positions holding a token, a teacher row length more than 10% off the one
+the measured token ratio gives is warned about (`check_row_lengths`)."""
 
 
 def run_packing(config, student_tokenizer, teacher_tokenizer) -> Callable[[list[str]], PackedDataset] | None:
@@ -53,8 +64,12 @@ def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: in
     (no special tokens, each side's EOS appended, as `meshkd.recipe.data` tokenizes)."""
 
     def pack_texts(texts: list[str]) -> PackedDataset:
-        aligned = pack_aligned(texts, student_tokenizer, teacher_tokenizer, student_sequence_length=sequence_length,
-                               teacher_sequence_length=teacher_sequence_length, pack=pack)
+        try:
+            aligned = pack_aligned(texts, student_tokenizer, teacher_tokenizer,
+                                   student_sequence_length=sequence_length,
+                                   teacher_sequence_length=teacher_sequence_length, pack=pack)
+        except GroupTooLongError as error:
+            raise _row_too_short(error, sequence_length, teacher_sequence_length) from None
         padding = {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
         extra = {f"teacher_{key}": (aligned.teacher[key], padding.get(key, 0)) for key in BATCH_KEYS}
         extra.update({key: (columns, -1) for key, columns in group_columns(aligned).items()})
@@ -62,6 +77,65 @@ def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: in
                              num_documents=len(texts), extra=extra)
 
     return pack_texts
+
+
+def _row_too_short(error: GroupTooLongError, sequence_length: int, teacher_sequence_length: int) -> ConfigError:
+    """The error naming the key whose rows cannot hold one aligned group (a group is never split)."""
+    if error.teacher_tokens > teacher_sequence_length:
+        key, length, needed = TEACHER_LENGTH_KEY, teacher_sequence_length, error.teacher_tokens
+    else:
+        key, length, needed = "step_scheduler.sequence_length", sequence_length, error.student_tokens
+    return ConfigError(f"{key} ({length}) is too short: {error.where} has {error.student_tokens} student and "
+                       f"{error.teacher_tokens} teacher tokens covering the same bytes, and a group is never split "
+                       f"across rows; use at least {needed}")
+
+
+def row_fill(rows: PackedDataset) -> dict[str, float]:
+    """`row_fill` and `teacher_row_fill`: the share of the student's and the teacher's row positions that hold a
+    token in the rows of a cross-tokenizer run; {} for rows of one tokenization. A row is closed when either
+    side is full, so the side whose tokenizer takes more tokens for the same bytes fills its rows and the
+    other fills what the length ratio leaves."""
+    if TEACHER_POSITIONS not in getattr(rows, "extra", {}) or len(rows) == 0:
+        return {}
+    teacher_mask, _ = rows.extra["teacher_attention_mask"]
+    return {"row_fill": (rows.attention_mask != 0).double().mean().item(),
+            "teacher_row_fill": (teacher_mask != 0).double().mean().item()}
+
+
+def check_row_lengths(config, texts: list[str], student_tokenizer, teacher_tokenizer) -> dict[str, float]:
+    """Pack the first `ROW_FILL_SAMPLE_CHARS` characters of `texts` (a run's documents, read at preflight) as the
+    run will and return their `row_fill` with `teacher_row_length`, the teacher row length at which both sides
+    fill alike: `step_scheduler.sequence_length` times the teacher tokens per student token of those rows.
+
+    Warns (once, on rank 0) when a side fills less than `MIN_ROW_FILL` of its rows and
+    `kd.cross_tokenizer.teacher_sequence_length` is more than 10% off `teacher_row_length`: too short, the
+    teacher's side closes rows with the student's part empty (tokens the step could have trained on); too
+    long, the teacher computes padding. The token ratio does not depend on the lengths, so the length it
+    names is warned about no more.
+
+    Raises:
+        ConfigError: naming the key whose rows cannot hold one aligned group of the sample.
+    """
+    sample, left = [], ROW_FILL_SAMPLE_CHARS
+    for text in texts:
+        if left <= 0:
+            break
+        sample.append(text[:left])
+        left -= len(sample[-1])
+    length, teacher_length = config.step_scheduler.sequence_length, config.teacher_sequence_length
+    rows = aligned_packing(student_tokenizer, teacher_tokenizer, sequence_length=length,
+                           teacher_sequence_length=teacher_length, pack=config.dataset.packing)(sample)
+    fill = row_fill(rows)
+    if not fill:
+        return fill
+    ratio = fill["teacher_row_fill"] * teacher_length / (fill["row_fill"] * length)
+    fill["teacher_row_length"] = best = max(2, math.ceil(length * ratio))
+    if min(fill["row_fill"], fill["teacher_row_fill"]) < MIN_ROW_FILL and abs(teacher_length - best) > 0.1 * best:
+        warn0(f"{TEACHER_LENGTH_KEY}: rows fill {fill['row_fill']:.0%} of the student's {length} tokens and "
+              f"{fill['teacher_row_fill']:.0%} of the teacher's {teacher_length} (measured on the first "
+              f"{len(sample)} document(s)); the teacher's tokenizer takes {ratio:.2f} tokens per student token "
+              f"of this text, so {TEACHER_LENGTH_KEY}: {best} fills both sides alike")
+    return fill
 
 
 def group_columns(aligned: AlignedBatch) -> dict[str, torch.Tensor]:

@@ -94,7 +94,10 @@ class CrossTokenizerConfig:
     # projection: the teacher's answer on the student's vocabulary (NeMo RL's X-Token), then kd.divergence and
     # kd.logits_transport; uld: sorted probabilities of aligned groups (Boizard et al.); gold: TRL GOLD's hybrid
     loss: str = "projection"
-    teacher_sequence_length: int | None = None  # teacher tokens per row; None: step_scheduler.sequence_length
+    # Teacher tokens per row; None: step_scheduler.sequence_length. A row closes when either side is full: about
+    # sequence_length x the teacher's tokens per student token fills both (preflight measures it on the corpus and
+    # warns when either side's rows are under 90% full: `meshkd.recipe.aligned_data.check_row_lengths`)
+    teacher_sequence_length: int | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from meshkd.core.masks import attention_windows
 from meshkd.parallel.data_parallel import check_experts_over_dp
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
+from meshkd.recipe.aligned_data import check_row_lengths
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.metrics import warn0
@@ -86,7 +87,9 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
     attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel plan
     (styles, attention and key/value head counts); both roles' pp_size against their decoder layers; a TP
-    student's vocabulary against the common one. Training from
+    student's vocabulary against the common one; with `kd.cross_tokenizer`, both row lengths against the
+    corpus's first documents (`meshkd.recipe.aligned_data.check_row_lengths`: refused when a row cannot hold
+    an aligned group, a warning when the teacher's length leaves a side's rows under-filled). Training from
     `kd.teacher_cache` checks the cache against the run instead of the teacher
     (`meshkd.recipe.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
     `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
@@ -138,6 +141,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     # Every file is read (and checked for being text, by `dataset.on_bad_file`, and each row for its columns);
     # a large corpus or a Hugging Face dataset is left to the students' setup, whose errors reach every rank
     # too. `check_data` False: read already.
+    found = None
     if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
         with about("dataset.paths"):
             arguments = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
@@ -229,6 +233,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
             f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
             f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
         )
+    if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
+        check_row_lengths(config, found, tokenizer, teacher_tokenizer)
     return checked
 
 

@@ -16,7 +16,7 @@ import torch
 
 from meshkd.core.teacher_protocol import TeacherFeed, TeacherRequest, TeacherSource
 from meshkd.recipe import data
-from meshkd.recipe.aligned_data import run_packing
+from meshkd.recipe.aligned_data import row_fill, run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.on_policy import OnPolicyStep, build_prompt_set
 from meshkd.recipe.routing import routed_packing
@@ -81,16 +81,19 @@ class StepData:
 
     def steps(self, train_set, train_prompts, *, teacher: TeacherSource, train_step: TrainStep,
               on_policy_step: OnPolicyStep | None) -> tuple[TeacherFeed, NextStep]:
-        """The feed the run closes at its end, and the function that trains the next step."""
+        """The feed the run closes at its end, and the function that trains the next step. With
+        `kd.cross_tokenizer` each step's metrics also hold the training rows' `row_fill` and `teacher_row_fill`
+        (`meshkd.recipe.aligned_data.row_fill`: the same every step)."""
         text = self.batches(train_set)
+        fill = row_fill(train_set)
         if on_policy_step is None:
             feed = self.teacher_feed(teacher, self.items(text), pipeline_depth=train_step.num_micro_batches
                                      if train_step.pipeline is not None else 0)
-            return feed, lambda skipped_steps: train_step(feed, skipped_steps=skipped_steps)
+            return feed, lambda skipped_steps: train_step(feed, skipped_steps=skipped_steps) | fill
         prompts = None if train_prompts is None else self.batches(train_prompts)
 
         def next_step(skipped_steps: int) -> dict[str, float]:
             step_text = self.micro_batches(next(text))
             return on_policy_step(step_text, step_text if prompts is None else self.micro_batches(next(prompts)),
-                                  step=train_step.scheduler.last_epoch, skipped_steps=skipped_steps)
+                                  step=train_step.scheduler.last_epoch, skipped_steps=skipped_steps) | fill
         return TeacherFeed(()), next_step  # every on-policy step makes its own feed

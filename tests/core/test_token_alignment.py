@@ -7,7 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshkd.core.token_alignment import IGNORE_INDEX, align_token_spans, pack_aligned, pack_aligned_documents
+from meshkd.core.token_alignment import (
+    IGNORE_INDEX,
+    GroupTooLongError,
+    align_token_spans,
+    pack_aligned,
+    pack_aligned_documents,
+)
 from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans, token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS, smollm2_tokenizer
 
@@ -242,9 +248,11 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         pack_aligned_documents([good], [good, good], student_sequence_length=4, teacher_sequence_length=4)
     with pytest.raises(ValueError, match="teacher_sequence_length must be at least 2"):
         pack_aligned_documents([good], [good], student_sequence_length=4, teacher_sequence_length=1)
-    with pytest.raises(ValueError, match=r"document 0: group 0 .* more than a row holds"):
+    with pytest.raises(GroupTooLongError, match=r"document 0: group 0 .* more than a row holds") as caught:
         pack_aligned_documents([TokenSpans((1,), (0,), (4,), 4)], [TokenSpans((1, 2, 3), (0, 1, 2), (1, 2, 4), 4)],
                                student_sequence_length=4, teacher_sequence_length=2)
+    assert (caught.value.where, caught.value.student_tokens, caught.value.teacher_tokens) == (
+        "document 0: group 0 (bytes 0..4)", 1, 3)
     with pytest.raises(ValueError, match="document 1: teacher tokens"):
         pack_aligned_documents([good, good], [good, TokenSpans((1,), (3,), (1,), 4)], student_sequence_length=4,
                                teacher_sequence_length=4)

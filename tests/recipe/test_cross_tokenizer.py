@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,16 @@ def cross_config(tmp: Path, student: dict, teacher: dict | None, *, same_tokeniz
         config["teacher_model"]["tokenizer"] = path
         config["teacher_model"]["random_init"]["vocab_size"] = size
     return with_layout(config, student, teacher)
+
+
+def swapped(config: dict) -> dict:
+    """`config` with the tokenizers (and vocabularies) of its two sides exchanged: the teacher's is the finer."""
+    config = copy.deepcopy(config)
+    student, teacher = config["model"], config["teacher_model"]
+    student["tokenizer"], teacher["tokenizer"] = teacher["tokenizer"], student["tokenizer"]
+    student["random_init"]["vocab_size"], teacher["random_init"]["vocab_size"] = (
+        teacher["random_init"]["vocab_size"], student["random_init"]["vocab_size"])
+    return config
 
 
 LAYOUTS = {
@@ -174,6 +185,19 @@ def test_another_tokenizer_trains_and_evaluates_the_teacher_in_its_own_tokens(ru
     # Per byte the two sides compare: each divides its own loss by the bytes of its own tokens, the same text.
     assert first["teacher_val_bits_per_byte"] < first["val_bits_per_byte"]  # near-uniform; longer tokens
     assert "val_kl" not in first  # a distribution over another vocabulary: no same-vocabulary KL
+    # Each step's record holds the share of the training rows' positions filled on each side, from the rows.
+    from meshkd.recipe.aligned_data import row_fill
+    from meshkd.recipe.preflight import preflight
+    from meshkd.recipe.step_data import run_datasets
+
+    config = config_from_dict(runs.configs["reference"])
+    checked = preflight(config)
+    fill = row_fill(run_datasets(config, checked.tokenizer, checked.teacher_tokenizer)[0])
+    assert set(fill) == {"row_fill", "teacher_row_fill"}
+    for step in steps:
+        assert {key: step[key] for key in fill} == pytest.approx(fill, rel=1e-12)
+    # The teacher's BPE takes about half the tokens for the same bytes: its rows of 32 are half empty.
+    assert fill["row_fill"] > 0.9 and 0.4 < fill["teacher_row_fill"] < 0.6
     summary = json.loads(Path(runs.configs["reference"]["logging"]["run_dir"], "summary.json").read_text())
     assert {"val_bits_per_byte_before", "val_bits_per_byte_after", "teacher_val_bits_per_byte"} <= set(summary)
 
@@ -253,3 +277,74 @@ def test_on_policy_with_a_group_loss_trains_on_the_students_samples(runs):
     assert len(steps) == STEPS and sum(r["generated_tokens"] for r in steps) > 0
     assert all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
     assert curve(runs.records("on_policy_gold")) != pytest.approx(curve(runs.records("on_policy")), rel=1e-3)
+
+
+def test_a_row_too_short_for_an_aligned_group_is_refused_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    """A group (the tokens of both sides covering the same bytes) is never split: a side whose row cannot
+    hold one is refused by `meshkd train` at preflight, naming that side's key and the length it needs."""
+    import yaml
+
+    from meshkd import cli, launcher
+
+    monkeypatch.setattr(launcher, "launch", lambda *args: pytest.fail("processes were started"))
+    config = cross_config(tmp_path, {"dp_size": 1}, None)
+    # A byte-level teacher (the finer tokenizer): one BPE token of the student's is several teacher tokens.
+    finer_teacher = swapped(config)
+    finer_teacher["kd"]["cross_tokenizer"]["teacher_sequence_length"] = 4
+    short_student = copy.deepcopy(config)
+    short_student["step_scheduler"]["sequence_length"] = 4
+    path = tmp_path / "run.yaml"
+    for bad, key in ((finer_teacher, "kd.cross_tokenizer.teacher_sequence_length"),
+                     (short_student, "step_scheduler.sequence_length")):
+        path.write_text(yaml.safe_dump(bad))
+        assert cli.main(["train", str(path)]) == 2
+        error = capsys.readouterr().err
+        assert re.fullmatch(rf"meshkd: error: {re.escape(key)} \(4\) is too short: document \d+: group \d+ "
+                            r"\(bytes \d+\.\.\d+\) has \d+ student and \d+ teacher tokens covering the same bytes, "
+                            r"and a group is never split across rows; use at least \d+\n", error), error
+        assert not Path(bad["logging"]["run_dir"]).exists()  # no worker ever ran
+        # The workers' own packing (a corpus too large for preflight to read) names the key too.
+        from meshkd.recipe.preflight import preflight
+        from meshkd.recipe.step_data import run_datasets
+
+        parsed = config_from_dict(bad)
+        checked = preflight(config_from_dict(config if key.startswith("step") else swapped(config)))
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            run_datasets(parsed, checked.tokenizer, checked.teacher_tokenizer)
+        capsys.readouterr()  # that preflight's warning
+
+
+def test_rows_a_side_leaves_under_filled_are_warned_of_with_the_length_that_fills_both(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The teacher's BPE takes about half the student's byte tokens: rows of 32 teacher tokens are half empty,
+    rows of 8 leave the student's mostly empty; the length preflight names fills both alike, unwarned."""
+    from meshkd.recipe import metrics
+    from meshkd.recipe.aligned_data import check_row_lengths
+    from meshkd.recipe.preflight import preflight
+
+    monkeypatch.delenv(metrics.WARNED_ENV, raising=False)
+    monkeypatch.setattr(metrics, "warned", [])
+    config = cross_config(tmp_path, {"dp_size": 1}, None)
+    checked = preflight(config_from_dict(config))
+    texts = [path.read_text() for path in sorted(Path(tmp_path, "corpus").glob("*.txt"))]
+
+    def measured(teacher_length: int) -> tuple[dict, str]:
+        changed = copy.deepcopy(config)
+        changed["kd"]["cross_tokenizer"]["teacher_sequence_length"] = teacher_length
+        fill = check_row_lengths(config_from_dict(changed), texts, checked.tokenizer, checked.teacher_tokenizer)
+        return fill, capsys.readouterr().err
+
+    long_rows, warned = measured(32)
+    best = long_rows["teacher_row_length"]
+    assert 14 <= best <= 18 and long_rows["teacher_row_fill"] < 0.6 < 0.9 < long_rows["row_fill"]
+    assert re.fullmatch(rf"meshkd: warning: kd.cross_tokenizer.teacher_sequence_length: rows fill \d+% of the "
+                        rf"student's 32 tokens and \d+% of the teacher's 32 \(measured on the first 24 "
+                        rf"document\(s\)\); the teacher's tokenizer takes 0\.\d+ tokens per student token of "
+                        rf"this text, so kd.cross_tokenizer.teacher_sequence_length: {best} fills both sides "
+                        r"alike\n", warned), warned
+    short_rows, warned = measured(8)
+    assert short_rows["row_fill"] < 0.6 < 0.9 < short_rows["teacher_row_fill"]
+    assert f"rows fill {short_rows['row_fill']:.0%} of the student's 32" in warned
+    assert short_rows["teacher_row_length"] == best  # the ratio of the two tokenizations, whatever the rows
+    filled, warned = measured(best)
+    assert warned == "" and min(filled["row_fill"], filled["teacher_row_fill"]) > 0.8
