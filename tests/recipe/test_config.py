@@ -100,7 +100,7 @@ def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):
 
 
 @pytest.mark.parametrize("name", ["tiny_separate", "tiny_pipeline", "tiny_gemma", "tiny_on_policy", "tiny_teachers",
-                                  "hf_gpu", "chat_kd"])
+                                  "tiny_cross_tokenizer", "hf_gpu", "chat_kd"])
 def test_example_configs_load(name):
     from pathlib import Path
 

@@ -18,6 +18,7 @@ import pytest
 
 from meshkd.recipe.config import ConfigError, config_from_dict
 from meshkd.recipe.metrics import read_metrics
+from meshkd.recipe.typed_yaml import parse_yaml
 from tests.recipe.test_recipe import TrainRun, config_world_size, curve
 from tests.recipe.test_teacher_cache import WriteCache
 from tests.tiny import STEPS, base_config, with_layout
@@ -55,6 +56,19 @@ def cross_config(tmp: Path, student: dict, teacher: dict | None, *, same_tokeniz
         config["teacher_model"]["tokenizer"] = path
         config["teacher_model"]["random_init"]["vocab_size"] = size
     return with_layout(config, student, teacher)
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_cross_tokenizer.yaml"
+
+
+def example_config(tmp: Path) -> dict:
+    """examples/tiny_cross_tokenizer.yaml as it is (its tokenizer path from the repository root), for `STEPS`
+    steps into `tmp` without checkpoints."""
+    config = parse_yaml(EXAMPLE.read_text())
+    config["teacher_model"]["tokenizer"] = str(EXAMPLE.parents[1] / config["teacher_model"]["tokenizer"])
+    config["step_scheduler"]["max_steps"] = STEPS
+    config.update(checkpoint={"enabled": False}, logging={"run_dir": str(tmp / "run"), "progress_bar": False})
+    return config
 
 
 def swapped(config: dict) -> dict:
@@ -127,6 +141,7 @@ def cross_checks(tmp: Path) -> tuple[dict[str, dict], list]:
                                        kd)
         runs[f"cached_{name}"] = cached(reference, f"cached_{name}", tmp / f"cache_{name}" / "cache", student,
                                         None, kd)
+    runs["example"] = example_config(tmp / "example")
     checks = []
     for name, config in runs.items():
         check = WriteCache(config, name) if name.startswith("write") else TrainRun(config, name=name)
@@ -277,6 +292,17 @@ def test_on_policy_with_a_group_loss_trains_on_the_students_samples(runs):
     assert len(steps) == STEPS and sum(r["generated_tokens"] for r in steps) > 0
     assert all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
     assert curve(runs.records("on_policy_gold")) != pytest.approx(curve(runs.records("on_policy")), rel=1e-3)
+
+
+def test_the_example_config_trains_with_rows_full_on_both_sides(runs):
+    """examples/tiny_cross_tokenizer.yaml: the byte tokenizer beside a BPE of 1024 entries, a tp 2 teacher."""
+    records = runs.records("example")
+    steps = [r for r in records if r["kind"] == "train"]
+    assert len(steps) == STEPS and all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
+    assert steps[0]["row_fill"] > 0.9 and steps[0]["teacher_row_fill"] > 0.8
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals[-1]["val_bits_per_byte"] < evals[0]["val_bits_per_byte"]
+    assert evals[0]["teacher_val_bits_per_byte"] < evals[0]["val_bits_per_byte"]  # its tokens are longer
 
 
 def test_a_row_too_short_for_an_aligned_group_is_refused_before_any_process_starts(tmp_path, monkeypatch, capsys):
