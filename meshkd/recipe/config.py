@@ -267,6 +267,17 @@ class LoggingConfig:
 
 
 @dataclass
+class PeftConfig:
+    """LoRA adapters on the student (`meshkd.recipe.adapters`): the base weights frozen, the adapters trained."""
+
+    rank: int = 8  # r: the inner dimension of each adapter's two matrices
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on each adapter's input while training
+    target_modules: str | list[str] = "all-linear"  # peft's: module names (or name suffixes), or every linear layer
+    # but the output head
+
+
+@dataclass
 class KDRecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     teacher_model: ModelConfig = field(default_factory=ModelConfig)
@@ -282,6 +293,7 @@ class KDRecipeConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    peft: PeftConfig | None = None  # null: the whole student trains
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     collective_timeout_s: float = 600.0
@@ -387,6 +399,8 @@ def expand_path(pattern: str) -> str:
 
 def validate(config: KDRecipeConfig) -> None:
     """Cross-field checks that need no process group; raises ConfigError naming the key."""
+    if config.peft is not None:
+        _check_peft(config)
     if config.teachers is not None:
         _check_teachers(config)
         for name, view in config.teacher_views().items():
@@ -401,6 +415,25 @@ def validate(config: KDRecipeConfig) -> None:
         raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
                           "(with kd.combine route), or leave the key out")
     _validate_one(config, check_world=True)
+
+
+def _check_peft(config: KDRecipeConfig) -> None:
+    peft = config.peft
+    if peft.rank < 1:
+        raise ConfigError(f"peft.rank must be >= 1, got {peft.rank}")
+    if not (peft.alpha > 0 and math.isfinite(peft.alpha)):
+        raise ConfigError(f"peft.alpha must be a positive finite number, got {peft.alpha}")
+    if not 0 <= peft.dropout < 1:
+        raise ConfigError(f"peft.dropout must be in [0, 1), got {peft.dropout}")
+    if not peft.target_modules:
+        raise ConfigError("peft.target_modules is empty: name the modules to adapt, or all-linear")
+    if config.distributed.tp_size > 1:
+        raise ConfigError(f"peft with distributed.tp_size({config.distributed.tp_size}) > 1 is not supported: the "
+                          f"model's tensor-parallel plan shards linear layers, which LoRA layers wrap; use dp, cp "
+                          f"or pp for a LoRA student")
+    if config.model.pure_half_precision:
+        raise ConfigError("peft with model.pure_half_precision: the adapters train in float32 on the frozen base; "
+                          "set model.pure_half_precision to false")
 
 
 def _check_world(config: KDRecipeConfig, check_layout: Callable[[int], Any], sections: str) -> None:
