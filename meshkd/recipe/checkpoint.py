@@ -266,7 +266,8 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
 
     `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
-    model is gathered from the stages and written from an empty shell of its config), else None.
+    model is gathered from the stages, tensor by tensor, to global rank 0 and written from an empty shell
+    of its config), else None.
     `dtype`: the floating-point tensors' dtype in the files (None: the parameters').
     """
     from transformers import AutoModelForCausalLM
@@ -279,7 +280,7 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
         # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
         state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
-        state_dict = pipeline.full_state_dict(first_stage_only=True)  # global rank 0 holds the first stage
+        state_dict = pipeline.full_state_dict(first_rank_only=True)  # global rank 0: the setup's first rank
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(model.config)
     if dtype is not None:
