@@ -3,11 +3,12 @@
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
 Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
-`step`; `cross_tokenizer`; `teachers`; `data`), in that order. The JSON file is rewritten after each section, so an
-interrupted run keeps what it measured. A section whose prerequisites are missing (the demo teacher for
-`modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`, `loading` and `precision` on
-the CPU, transformers for `modes`, `cache`, `precision`, `step`, `cross_tokenizer`, `teachers` and `data`) is skipped
-with a note saying what to install; a section that fails is recorded with its error and the others still run
+`step`; `cross_tokenizer`; `teachers`; `data`; `lora`), in that order. The JSON file is rewritten after
+each section, so an interrupted run keeps what it measured. A section whose prerequisites are missing (the
+demo teacher for `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`,
+`loading`, `precision` and `lora` on the CPU, transformers for `modes`, `cache`, `precision`, `step`,
+`cross_tokenizer`, `teachers`, `data` and `lora`) is skipped with a note saying what to install; a section
+that fails is recorded with its error and the others still run
 (the exit status is then 1).
 """
 
@@ -24,15 +25,15 @@ from pathlib import Path
 import torch
 
 SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step",
-            "cross_tokenizer", "teachers", "data")
+            "cross_tokenizer", "teachers", "data", "lora")
 # Sections measured together: the three world sections share one world.
 _GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
-           ("step",), ("cross_tokenizer",), ("teachers",), ("data",))
+           ("step",), ("cross_tokenizer",), ("teachers",), ("data",), ("lora",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "data")
+    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "data", "lora")
     if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step", "cross_tokenizer"):
@@ -42,7 +43,7 @@ def missing_prerequisite(section: str) -> str | None:
             models.demo_teacher_source()
         except ImportError as error:
             return f"needs the demo teacher ({error})"
-    on_cpu = section == "precision" and not torch.cuda.is_available()
+    on_cpu = section in ("precision", "lora") and not torch.cuda.is_available()
     if (section in ("memory", "loading") or on_cpu) and not Path("/proc/self/clear_refs").exists():
         return "needs Linux's per-process peak-memory counter (/proc/self/clear_refs)"
     return None
@@ -61,6 +62,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import precision
 
         return precision.run_section(quick)
+    if names == ["lora"]:
+        from meshkd.bench import adapters
+
+        return adapters.run_section(quick)
     if names == ["cross_tokenizer"]:
         from meshkd.bench import cross_tokenizer
 

@@ -37,7 +37,9 @@ def _student(quick: bool) -> dict:
             "max_position_embeddings": 1024, "tie_word_embeddings": False}
 
 
-def _rank_main(rank: int, variant: str, quick: bool, out: str) -> None:
+def _rank_main(rank: int, variant: str, quick: bool, out: str, lora: dict | None = None) -> None:
+    """Train the student as `variant` says (with `lora`: a `PeftConfig`'s keys, its adapters alone) and write
+    OUT/result.json."""
     import torch
 
     from meshkd.core.loss import cross_entropy_loss
@@ -55,9 +57,15 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident memory
     floor = 0 if cuda else status_kib("VmRSS")
     random_init = _student(quick)
-    model = load_causal_lm(random_init=random_init, dtype=parameter_dtype).to(device).train()
-    model = parallelize_student(model, setup, compute_dtype=getattr(torch, compute_dtype))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    model = load_causal_lm(random_init=random_init, dtype=parameter_dtype)
+    if lora is not None:
+        from meshkd.recipe.adapters import add_adapters
+        from meshkd.recipe.config import PeftConfig
+
+        add_adapters(model, PeftConfig(**lora), seed=0)
+    model = parallelize_student(model.to(device).train(), setup, compute_dtype=getattr(torch, compute_dtype))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
     rows, length = 1, (64 if quick else 128)
     generator = torch.Generator().manual_seed(0)
     times, state_bytes = [], 0
@@ -67,19 +75,22 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str) -> None:
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = cross_entropy_loss(logits, tokens[:, 1:], num_valid_tokens=rows * length)
         loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)
-        state_bytes = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights + gradients
+        clip_grad_norm(trained, 1.0)
+        state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # weights
+        state_bytes += sum(p.numel() * p.element_size() for p in trained)  # gradients
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    state_bytes += sum(value.numel() * value.element_size() for state in optimizer.state.values()
-                       for value in state.values() if torch.is_tensor(value) and value.dim() > 0)
+    optimizer_bytes = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+                          for value in state.values() if torch.is_tensor(value) and value.dim() > 0)
+    state_bytes += optimizer_bytes
     peak_mib = torch.cuda.max_memory_allocated() / 2**20 if cuda else (status_kib("VmHWM") - floor) / 1024
     parameters = sum(p.numel() for p in model.parameters())
     Path(out, "result.json").write_text(json.dumps({
         "step_time_s": statistics.median(times[2:]), "peak_mib": peak_mib, "parameters": parameters,
+        "trainable_parameters": sum(p.numel() for p in trained), "optimizer_state_bytes": optimizer_bytes,
         "state_bytes_per_parameter": state_bytes / parameters, "final_loss": loss.item()}))
 
 

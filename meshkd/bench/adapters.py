@@ -1,0 +1,48 @@
+"""Trainable parameters, optimizer state and peak memory of a LoRA student against the same student trained
+whole.
+
+    meshkd bench --only lora [--quick] [--json OUT]
+
+The student, the data and the step are the precision section's (`meshkd.bench.precision`: a random Llama of
+56 M parameters, 7 M with --quick, 4 steps of one row, AdamW, one rank, each variant in a fresh process so
+that its peak is its own), in mixed bfloat16 (float32 master weights, the forward under autocast), as
+`model.dtype: bfloat16` trains: whole, and with LoRA adapters of rank 16 on every linear layer but the
+output head (`peft: {rank: 16, alpha: 32}`), the base frozen. Ratios are to the whole student's.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from meshkd.bench.precision import _rank_main, _student
+from meshkd.core.local_world import spawn_world
+
+LORA = {"rank": 16, "alpha": 32.0, "target_modules": "all-linear"}
+
+
+def run_section(quick: bool) -> dict:
+    """{"lora": results}, printed as they are measured."""
+    rows = []
+    for name, lora in (("whole student", None), ("LoRA r=16 all-linear", LORA)):
+        with tempfile.TemporaryDirectory() as out:
+            failure = spawn_world(1, _rank_main, ("mixed bfloat16", quick, out, lora), timeout_s=600,
+                                  backend="nccl" if torch.cuda.is_available() else "gloo")
+            if failure is not None:
+                raise RuntimeError(f"lora benchmark ({name}) failed: {failure}")
+            row = {"variant": name, **json.loads(Path(out, "result.json").read_text())}
+        whole = rows[0] if rows else row
+        row.update(trainable_ratio=row["trainable_parameters"] / whole["trainable_parameters"],
+                   optimizer_state_ratio=row["optimizer_state_bytes"] / whole["optimizer_state_bytes"],
+                   peak_ratio=row["peak_mib"] / whole["peak_mib"],
+                   step_time_ratio=row["step_time_s"] / whole["step_time_s"])
+        rows.append(row)
+        print(f"lora {name:>20}: {row['trainable_parameters'] / 1e6:.2f} M trainable of "
+              f"{row['parameters'] / 1e6:.1f} M "
+              f"({row['trainable_ratio']:.4f}), optimizer state {row['optimizer_state_bytes'] / 2**20:.1f} MiB "
+              f"({row['optimizer_state_ratio']:.4f}), peak {row['peak_mib']:.0f} MiB ({row['peak_ratio']:.2f}), "
+              f"step {row['step_time_s']:.3f} s ({row['step_time_ratio']:.2f})")
+    return {"lora": {"rows": rows, "student": _student(quick), "adapters": LORA}}

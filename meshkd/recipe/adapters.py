@@ -1,0 +1,87 @@
+"""LoRA students (the `peft` section): the peft library's adapters on a frozen student.
+
+Design. The student loads whole, then `add_adapters` has peft replace each target linear layer with its
+LoRA layer in place (`inject_adapter_in_model`): the model keeps its transformers class, forward and module
+paths, so the layouts lay it out as any student (dp with FSDP2 or DDP, cp, pp; tp is refused at config
+load: the model's tensor-parallel plan shards linear layers, which LoRA layers wrap). peft freezes the base
+weights; the adapters start from an init seeded by `model.seed` (the same on every rank and layout; B = 0,
+so the student starts as its base) in float32, as the base's master weights are (half-precision
+parameters, `model.pure_half_precision`, are refused with peft). Only what trains is kept
+beyond the model: the optimizer holds the adapters alone (`trainable_parameters`), and checkpoints hold the
+adapters and their optimizer state (`meshkd.recipe.checkpoint`: frozen parameters are left out; a resumed
+run reads its base from `model.path` again).
+
+The export (`export_adapters`, on the rank holding the gathered state dict) writes two directories: the
+student with the adapters merged into its weights (`hf_student/`, which plain transformers loads, as for
+any student) and the adapters alone (`hf_adapter/`, which `PeftModel.from_pretrained(base, ...)` loads on
+the base of `model.path`, pruned as `model.keep_layers` says).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_NAME = "default"  # peft's name of a model's one adapter
+_SAVED_PREFIX = "base_model.model."  # how `PeftModel` names the wrapped model's weights in adapter files
+
+
+def lora_config(section, *, base_path: str | None = None):
+    """peft's `LoraConfig` of a `peft` config section (`PeftConfig`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                      target_modules=section.target_modules, base_model_name_or_path=base_path)
+
+
+def add_adapters(model: nn.Module, section, *, seed: int) -> None:
+    """Put LoRA adapters on `model` in place and freeze everything else; the adapters' init is seeded.
+
+    Raises:
+        ValueError: naming `peft.target_modules` when it matches no module of the model.
+    """
+    from peft import inject_adapter_in_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            inject_adapter_in_model(lora_config(section), model, adapter_name=ADAPTER_NAME)
+        except ValueError as error:
+            message = " ".join(str(error).split())
+            raise ValueError(f"peft.target_modules {section.target_modules!r}: {message}") from None
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer updates: all of a full student's, a LoRA student's adapters."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+
+def export_adapters(state_dict: dict[str, torch.Tensor], *, config, section, base_path: str | None,
+                    adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """Write the adapters of a gathered LoRA student's `state_dict` to `adapter_dir`; returns the merged
+    student's state dict (the names and shapes of the base model, each adapted weight W + alpha / r B A).
+
+    `config`: the student's transformers config (an empty model of it is built on the meta device, with the
+    same adapters, to merge them by peft's own code)."""
+    from peft import get_peft_model_state_dict, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    inject_adapter_in_model(lora_config(section), shell, adapter_name=ADAPTER_NAME)
+    shell.load_state_dict(state_dict, assign=True)
+    adapters = get_peft_model_state_dict(shell, adapter_name=ADAPTER_NAME)
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    save_file({_SAVED_PREFIX + name: tensor.contiguous() for name, tensor in adapters.items()},
+              adapter_dir / "adapter_model.safetensors")
+    lora_config(section, base_path=base_path).save_pretrained(adapter_dir)
+    for name, module in list(shell.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, attribute = name.rpartition(".")
+            setattr(shell.get_submodule(parent), attribute, module.get_base_layer())
+    return shell.state_dict()
