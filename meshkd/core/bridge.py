@@ -8,8 +8,13 @@ collectives in the same order, but it has no output route. Logits go to the last
 student replica only (all its ranks without pipeline parallelism). All route groups are created at
 construction by every rank (new_group is collective), in one deterministic order, as groups meshkd waits on
 itself: under NCCL with blocking wait, so a silent peer raises in the waiting thread after `timeout`
-(`meshkd.core.groups`). Construction then warms every group up with one small all-reduce, in that same
-order on every rank (each rank takes part in its own groups: the first collective not yet done always has
+(`meshkd.core.groups`). The control group, which carries the student's commands, is a group of its own
+(never shared with a route of the same ranks) so that teacher ranks can wait for the next command longer
+than for data (`command_timeout`): between two requests the student may be evaluating, saving a checkpoint
+or exporting, for longer than any one transfer takes, and a student that is gone still ends that wait at
+once (gloo raises on the lost connection; under NCCL `meshkd.recipe.faults` aborts the communicators when a
+peer process of the host exits). Construction then warms every group up with one small all-reduce, in
+that same order on every rank (each rank takes part in its own groups: the first collective not yet done always has
 all its members ready, so the sequence cannot deadlock). NCCL creates a group's communicator at its first
 collective; the warm-up makes that happen here, during set-up on the thread that builds the bridge, never
 first on a `TeacherPrefetcher`'s thread while the training thread creates FSDP2's communicators
@@ -127,13 +132,16 @@ class KDMeshBridge:
         device: device of the transport buffers (CUDA under NCCL, CPU under gloo).
         timeout: how long a collective of the bridge may wait for a peer before it fails; None takes
             torch's default for the backend.
+        command_timeout: how long a teacher rank waits for the student's next command (`broadcast_command`);
+            None: `timeout`. Student ranks send commands under `timeout`.
 
     Every rank of the world constructs the bridge (it creates process groups) and then calls
     `broadcast_command`, `send_batch` and `send_logits` in the same order on every rank.
     """
 
     def __init__(
-        self, setups: KDDistributedSetups, device: torch.device | str, *, timeout: datetime.timedelta | None = None
+        self, setups: KDDistributedSetups, device: torch.device | str, *, timeout: datetime.timedelta | None = None,
+        command_timeout: datetime.timedelta | None = None,
     ) -> None:
         if not setups.separate:
             raise ValueError("KDMeshBridge needs separate student and teacher meshes (separate_meshes: true)")
@@ -151,7 +159,9 @@ class KDMeshBridge:
         self._pools: dict[tuple, _BufferPool] = {}
         self._route_states: dict[tuple[int, tuple[int, ...]], _RouteState] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        self.control_group = self._group(sorted(self.student_ranks + self.teacher_ranks))
+        # Its own group, whatever the routes' ranks: its timeout is a teacher rank's patience (a per-rank setting).
+        patience = command_timeout if self.is_teacher and command_timeout is not None else timeout
+        self.control_group = waiting_group(sorted(self.student_ranks + self.teacher_ranks), timeout=patience)
         self.student_group = self._group(self.student_ranks)
         self.teacher_group = self._group(self.teacher_ranks)
         self.student_replicas = model_replicas(setups.student)
@@ -182,8 +192,10 @@ class KDMeshBridge:
         return self._groups[key]
 
     def _warm_up(self) -> None:
-        """One all-reduce on every group of this rank, in creation order (see the module docstring)."""
+        """One all-reduce on every group of this rank, the control group first, then in creation order (see the
+        module docstring)."""
         probe = torch.zeros(1, device=self.device)
+        dist.all_reduce(probe, group=self.control_group)
         for ranks, group in self._groups.items():
             if self.rank in ranks:
                 dist.all_reduce(probe, group=group)
@@ -280,7 +292,8 @@ class KDMeshBridge:
     def broadcast_command(self, command: int | None = None, *, timeout: datetime.timedelta | None = None) -> int:
         """Broadcast one worker command (RUN_TEACHER or STOP_TEACHER) from the first student rank.
 
-        Teacher ranks pass None and wait. An invalid command on the first student rank raises
+        Teacher ranks pass None and wait (up to the bridge's `command_timeout`). An invalid command on the
+        first student rank raises
         ValueError there and RuntimeError on every other rank. `timeout` bounds this call's wait (default:
         the bridge's); past it RuntimeError is raised and the broadcast is abandoned (for a last STOP_TEACHER
         after a failure, when peers may never take part).

@@ -8,7 +8,8 @@ asks them all at once); a teacher's worker runs the one-teacher config of that t
 (`KDRecipeConfig.teacher_views`). Setup is the same sequence of phases on every rank,
 so that the collectives between them line up across roles:
 
-1. load (rank-local: this role's model, data), agreed over the world;
+1. load (rank-local: this role's model, data), agreed over the world (phases 1, 3 and 4 read files: the
+   ranks done first wait for the others up to `setup_timeout_s`, not the collective timeout);
 2. the common vocabulary (an all-reduce of every model's size) and, on separate meshes, the bridges (the
    student's packing hook and the teacher's `TeacherRunner` build their masks from the same NEAT document
    indices, so the roles need no packing handshake);
@@ -20,11 +21,13 @@ files, tokenizers, model configs against the layout) the same way on every rank,
 everywhere without a collective; `meshkd train` runs it before starting any process. What one role finds
 out in a phase is agreed over the world before the next collective, so every rank raises it (`SetupError`
 on the others). In training, a collective that fails because a peer died or stopped answering becomes
-`PeerLostError`, naming the role and ranks lost. A stop request (SIGINT, SIGTERM, or the stop file `meshkd
-train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a step boundary: they save a
-checkpoint of that step, send STOP_TEACHER and return. On the way out after any failure, an NCCL world
-aborts its communicators rather than destroying them (`meshkd.recipe.world.close_world`): a collective the
-failure left queued would hold the destroy forever.
+`PeerLostError`, naming the role and ranks lost: after `collective_timeout_s`, except that a teacher waits
+for the student's next command up to `setup_timeout_s`, since between requests the student may be saving a
+checkpoint or exporting (a student that exits still ends that wait at once). A stop request (SIGINT,
+SIGTERM, or the stop file `meshkd train` names in MESHKD_STOP_FILE) is agreed among the student ranks at a
+step boundary: they save a checkpoint of that step, send STOP_TEACHER and return. On the way out after any
+failure, an NCCL world aborts its communicators rather than destroying them
+(`meshkd.recipe.world.close_world`): a collective the failure left queued would hold the destroy forever.
 """
 
 from __future__ import annotations
@@ -96,13 +99,17 @@ class KDRecipe:
             if dist.get_backend() == dist.Backend.NCCL:
                 faults.watch_exits(abort_communicators)
             vocab_size = self._common_vocab_size(checked, role.vocab_rows())
-            # Every rank builds every bridge (their groups are made collectively), in the teachers' order.
+            # Every rank builds every bridge (their groups are made collectively), in the teachers' order. A
+            # teacher waits for the next command as long as set-up may take: the student may be saving or
+            # exporting meanwhile (a student that is gone still ends the wait: `KDMeshBridge`).
             timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-            bridges = {name: KDMeshBridge(setups.pair(name), self.device, timeout=timeout)
+            patience = datetime.timedelta(seconds=config.setup_timeout_s)
+            bridges = {name: KDMeshBridge(setups.pair(name), self.device, timeout=timeout, command_timeout=patience)
                        for name in setups.teachers if setups.separate(name)}
-            with faults.on_every_rank("while laying out the models"):
+            # Both read weights (the models' shares, the checkpoint): the ranks done first wait patiently.
+            with faults.on_every_rank("while laying out the models", patient=True):
                 role.lay_out(vocab_size, bridges)
-            with faults.on_every_rank("while resuming and opening the run directory"):
+            with faults.on_every_rank("while resuming and opening the run directory", patient=True):
                 role.resume(self.resume)
 
     def _common_vocab_size(self, checked: dict[str, Preflight], rows: dict[str, int]) -> int:

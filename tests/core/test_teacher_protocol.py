@@ -9,6 +9,7 @@ one request ahead, and raises a teacher's refusal on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import time
 
@@ -24,6 +25,7 @@ from meshkd.core.teacher_protocol import (
     TeacherRequest,
     TeacherServer,
 )
+from meshkd.core.topology import create_kd_distributed_setups
 from tests.collectives import audited_collectives
 from tests.core.test_bridge import logits_for, make_bridge
 from tests.trees import assert_same_tree
@@ -321,11 +323,28 @@ def check_every_bridge_group_is_first_used_while_the_bridge_is_built_on_its_thre
     for index, call in enumerate(calls):
         first.setdefault(id(call.group), (index, call.thread))
     rank, here = dist.get_rank(), threading.get_ident()
-    mine = [group for ranks, group in bridge._groups.items() if rank in ranks]
+    mine = [bridge.control_group, *(group for ranks, group in bridge._groups.items() if rank in ranks)]
     assert len(mine) >= 3  # the control group, this role's group and at least one route
     for group in mine:
         index, thread = first[id(group)]
         assert index < built and thread == here, (dist.get_process_group_ranks(group), index, built)
+
+
+def check_a_teacher_waits_for_the_next_command_longer_than_for_data():
+    # Between requests the student may save or export for longer than a transfer may take: a teacher rank
+    # waits for the command up to `command_timeout` (student ranks send under `timeout`).
+    setups = create_kd_distributed_setups({"separate_meshes": True, "distributed": {"dp_size": 3},
+                                           "teacher_distributed": {"dp_size": 2}}, WORLD)
+    bridge = KDMeshBridge(setups, torch.device("cpu"), timeout=datetime.timedelta(seconds=3),
+                          command_timeout=datetime.timedelta(seconds=60))
+    if bridge.is_teacher:
+        assert serve(bridge) == 1
+    else:
+        time.sleep(6)  # twice the timeout, as a slow checkpoint save would
+        client = TeacherClient(bridge)
+        client.exchange(request_batch(0))
+        client.close()
+    bridge.synchronize()
 
 
 test_five_rank_world = world_test(
@@ -337,5 +356,6 @@ test_five_rank_world = world_test(
         check_prefetcher_yields_the_synchronous_sequence_one_ahead,
         check_prefetcher_raises_teacher_errors_and_closes_cleanly,
         check_while_prefetching_no_group_is_used_from_two_threads,
+        check_a_teacher_waits_for_the_next_command_longer_than_for_data,
     ],
 )

@@ -88,3 +88,40 @@ def test_the_gpu_suites_step_counter_trains_every_step_on_the_cpu(tmp_path):
     out = tmp_path / "syncs.json"
     assert spawn_world(1, count_host_syncs, (config, str(out)), timeout_s=60, deadline_s=300) is None
     assert json.loads(out.read_text()) == [{}] * config["step_scheduler"]["max_steps"]
+
+
+def train_with_a_busy_student(rank: int, config: dict, pause_s: float) -> None:
+    """Run `config` with the student pausing `pause_s` in its lay-out, before each checkpoint save and before
+    its HF export, as a slow file system would."""
+    import time
+
+    from meshkd.recipe import checkpoint
+    from meshkd.recipe.student_trainer import StudentTrainer
+
+    def slowed(function):
+        def call(*args, **kwargs):
+            time.sleep(pause_s)
+            return function(*args, **kwargs)
+        return call
+
+    StudentTrainer.lay_out = slowed(StudentTrainer.lay_out)
+    checkpoint.save_checkpoint = slowed(checkpoint.save_checkpoint)
+    checkpoint.export_hf = slowed(checkpoint.export_hf)
+    KDRecipe(config_from_dict(config)).run()
+
+
+@pytest.mark.world
+def test_a_teacher_keeps_waiting_while_its_student_lays_out_saves_and_exports_past_the_timeout(tmp_path):
+    from meshkd.core.local_world import spawn_world
+    from meshkd.recipe.metrics import read_metrics
+    from tests.tiny import with_layout
+
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})
+    config["checkpoint"] = {"enabled": True, "save_hf": True}
+    config["step_scheduler"].update(max_steps=4, ckpt_every_steps=2)
+    config["collective_timeout_s"] = 3  # the world's too, as `meshkd train` makes it
+    assert spawn_world(2, train_with_a_busy_student, (config, 6.0), timeout_s=3, deadline_s=300) is None
+    run_dir = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert (run_dir / "hf_student" / "config.json").is_file()
