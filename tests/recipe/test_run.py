@@ -3,7 +3,9 @@
 No GPU is needed: the GPU count is simulated (torch.cuda's device_count and is_available patched) and a
 device the CPU cannot show is stood in for by the meta device, with the collectives recorded instead of
 run (`tests.collectives`). The GPU suite (tests/gpu) runs the same paths on a real device; its own code that
-can run without one (the step counter of its host-sync count) runs here in a one-rank gloo world.
+can run without one (the step counter of its host-sync count) runs here in a one-rank gloo world. Last, the
+patience of a run's waits in a two-rank gloo world: a student that lays out, saves and exports for longer
+than `collective_timeout_s` keeps its teacher.
 """
 
 from __future__ import annotations
