@@ -197,7 +197,6 @@ class LRSchedulerConfig:
             progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
             shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1 - progress
             return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
-
         return factor
 
 
@@ -258,10 +257,9 @@ class KDRecipeConfig:
         return self.separate_meshes if self.kd.teacher_cache is None else False
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The topology's view (`meshkd.core.topology._ConfigLike`) of training's ranks: the keys as given, but
-        `separate_meshes` is the derived `teacher_has_own_ranks` (and `teacher_distributed` None from a cache)."""
+        """The topology's view (`_ConfigLike`): the keys as given, but `separate_meshes` is `teacher_has_own_ranks`."""
         if key == "teacher_distributed" and self.kd.teacher_cache is not None:
-            return None  # no teacher ranks run
+            return None  # a run from a teacher cache runs no teacher ranks
         return self.teacher_has_own_ranks if key == "separate_meshes" else getattr(self, key, default)
 
     @property
