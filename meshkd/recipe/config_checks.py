@@ -19,7 +19,7 @@ from meshkd.core.topology import validate_kd_config, validate_teacher_layouts
 from meshkd.recipe.records import RECORD_FORMATS, TRAIN_ON
 from meshkd.recipe.typed_yaml import ConfigError
 
-if TYPE_CHECKING:  # meshkd.recipe.config imports this module to validate what it loads
+if TYPE_CHECKING:  # meshkd.recipe.config imports this module (required_world_size): its types annotate only
     from meshkd.recipe.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
 
 MAX_WORLD_SIZE = 1 << 20
