@@ -99,11 +99,11 @@ class StudentTrainer:
                 self._model, self._checkpoint = load_section_model_for_layout(section)
             else:
                 self._model, self._checkpoint = load_section_model(section), None
+            if config.model.activation_checkpointing:
+                enable_activation_checkpointing(self._model)
         if config.peft is not None:  # on the whole model, before any layout (meshkd.recipe.adapters)
             with about("peft"):
                 add_adapters(self._model, config.peft, seed=config.model.seed)
-            if config.model.activation_checkpointing:
-                enable_activation_checkpointing(self._model)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
                           if not self.setups.separate(name) and name not in self._manifests}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
