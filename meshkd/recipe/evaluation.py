@@ -58,8 +58,9 @@ from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions
+from meshkd.recipe.teacher_answers import Distribution, shard_encoding
 from meshkd.recipe.teacher_cache import CachedTeacher
-from meshkd.recipe.train_step import shard, student_logits, sum_over_ranks
+from meshkd.recipe.train_step import shard_micro_batch, student_logits, sum_over_ranks
 
 
 def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
@@ -147,7 +148,8 @@ class Evaluation:
         for batch in self._batches(self.val_set):
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
             answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
-            micro_batch, answer = shard(micro_batch, answer, self.setup, ignore_index=kd.ignore_index)
+            micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
+            answer = shard_encoding(answer, self.setup)
             logits = student_logits(self.model, self.pipeline, micro_batch)
             if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
                 continue
@@ -189,8 +191,7 @@ class Evaluation:
         kl = kd_loss_encoded(kd_logits, encoded, labels, temperature=kd.temperature, ignore_index=ignore,
                              num_valid_tokens=1, chunk_size=kd.chunk_size or max(labels.numel(), 1))
         sums[_KL] += kl.double() / kd.temperature**2
-        top = encoded["indices"][..., 0] if encoded["mode"] == "topk" else encoded["logits"].argmax(-1)
-        sums[_TOP1] += top1_agreements(kd_logits, top, labels, ignore_index=ignore)
+        sums[_TOP1] += top1_agreements(kd_logits, Distribution(encoded).top_tokens(), labels, ignore_index=ignore)
 
     @staticmethod
     def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool) -> dict[str, float]:

@@ -35,20 +35,19 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
-from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, kd_objective
+from meshkd.core.loss import cross_entropy_loss, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
-from meshkd.core.teacher_ensemble import ROUTE, TEACHERS, answered_rows, combined_kd_loss
 from meshkd.core.topology import DistributedSetup
-from meshkd.parallel.context_parallel import shard_student_batch, shard_teacher_logits
+from meshkd.parallel.context_parallel import shard_student_batch
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.adapters import trainable_parameters
-from meshkd.recipe.aligned_data import GROUPS, group_kd_loss, kd_labels
 from meshkd.recipe.config import ConfigError, KDConfig
 from meshkd.recipe.metrics import warn0
 from meshkd.recipe.router_loss import RouterLoss
+from meshkd.recipe.teacher_answers import LossContext, TeacherAnswer, answer_of
 
-Pair = tuple[dict, "dict | None"]
+Pair = tuple[dict, "dict | None"]  # (item, the teacher's answer as the feed gives it: on the wire)
 
 
 def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, *, device: torch.device,
@@ -102,23 +101,12 @@ def valid_tokens(micro_batches: list[dict], *, ignore_index: int) -> int:
     return int(sum((micro_batch["labels"] != ignore_index).sum() for micro_batch in micro_batches))
 
 
-def shard(micro_batch: dict, answer: dict | None, setup: DistributedSetup, *,
-          ignore_index: int) -> tuple[dict, dict | None]:
-    """This cp rank's head-tail share of a micro-batch and of its encoded teacher answer (identity without cp)."""
+def shard_micro_batch(micro_batch: dict, setup: DistributedSetup, *, ignore_index: int) -> dict:
+    """This cp rank's head-tail share of a micro-batch (itself without cp); its teacher answer's share:
+    `TeacherAnswer.shard` (`shard_encoding` on the wire)."""
     if setup.cp_size == 1:
-        return micro_batch, answer
-    local, _ = shard_student_batch(micro_batch, setup, ignore_index=ignore_index)
-    return local, _shard_answer(answer, setup)
-
-
-def _shard_answer(answer: dict | None, setup: DistributedSetup) -> dict | None:
-    if answer is None:
-        return None
-    if answer.get("mode") == TEACHERS:
-        return {**answer, "answers": {name: _shard_answer(member, setup) for name, member in answer["answers"].items()}}
-    # Every tensor of an encoding is [batch, sequence, ...]: cut the sequence like the student's.
-    return {key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor) and value.ndim >= 2
-            else value for key, value in answer.items()}
+        return micro_batch
+    return shard_student_batch(micro_batch, setup, ignore_index=ignore_index)[0]
 
 
 def student_logits(model: torch.nn.Module, pipeline: StudentPipeline | None, micro_batch: dict) -> torch.Tensor | None:
@@ -158,8 +146,9 @@ class TrainStep:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
-        self.router_loss, self.watch, self.vocabulary_map = router_loss, watch, vocabulary_map
-        self.teacher_weights = teacher_weights
+        self.router_loss, self.watch = router_loss, watch
+        self.answer_context = LossContext(kd, vocabulary_map=vocabulary_map, teacher_weights=teacher_weights,
+                                          cp_size=setup.cp_size)
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
 
     def __call__(self, feed: Iterator[Pair], *, skipped_steps: int) -> dict[str, float]:
@@ -203,7 +192,7 @@ class TrainStep:
         return broadcast_loss_metrics_from_last_stage(
             [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
 
-    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: dict | None, norm: float,
+    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None, norm: float,
                          router: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
@@ -215,44 +204,12 @@ class TrainStep:
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
         ce = cross_entropy_loss(logits, labels, ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                 chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
-        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
-        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
-        each_teacher, answered = {}, {}
-        if kd.kd_ratio == 0:
-            kd_loss = None
-        elif answer.get("mode") == GROUPS:  # kd.cross_tokenizer's uld / gold
-            kd_loss = group_kd_loss(kd_logits, micro_batch, answer["log_probs"], kd, num_valid_tokens=norm,
-                                    vocabulary_map=self.vocabulary_map)
-        else:
-            def divergence(encoded: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
-                counted = kd_labels(micro_batch, kd.ignore_index)
-                if rows is not None:  # the other rows' labels do not count (no indexing of a sharded vocabulary)
-                    counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
-                return kd_loss_encoded(kd_logits, encoded, counted, temperature=kd.temperature,
-                                       ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                                       chunk_size=kd.chunk_size or max(labels.numel(), 1), divergence=kd.divergence,
-                                       jsd_beta=kd.jsd_beta)
-
-            if answer.get("mode") == TEACHERS:
-                routes = micro_batch[ROUTE][:, 0] if kd.combine == "route" else None
-                kd_loss, each_teacher = combined_kd_loss(answer, divergence, weights=self.teacher_weights,
-                                                         combine=kd.combine, temperature=kd.temperature,
-                                                         routes=routes)
-                # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
-                answered = {f"teacher_rows/{name}": torch.tensor(answered_rows(member) / self.setup.cp_size,
-                                                                 device=logits.device)
-                            for name, member in answer["answers"].items()}
-                if routes is not None:  # each teacher's tokens: `_finish` turns its share into its own mean
-                    counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
-                    answered.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).sum()
-                                     for index, name in enumerate(answer["answers"])})
-            else:
-                kd_loss = divergence(answer)
+        kd_loss, figures = (None, {}) if kd.kd_ratio == 0 else answer.kd_loss(kd_logits, micro_batch,
+                                                                            self.answer_context, norm=norm)
         loss = kd_objective(ce, kd_loss, kd.kd_ratio)
         zero = torch.zeros((), device=logits.device)
         values = {"ce_loss": ce.detach() if ce is not None else zero,
-                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero,
-                  **{f"kd_loss/{name}": value for name, value in each_teacher.items()}, **answered}
+                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero, **figures}
         if router is not None:
             share = router / (self.num_micro_batches * self.setup.dp_size)  # of the mean over the step's
             loss = loss + self.router_loss.coefficient * share
@@ -321,7 +278,9 @@ class _StepPairs:
                 self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait
             if index == 0:
                 (self.num_valid,) = sum_over_ranks([item["step_valid"]], step.setup, device=step.device)
-            yield shard(item["micro_batch"], answer, step.setup, ignore_index=step.kd.ignore_index)
+            answer = answer_of(answer)
+            yield (shard_micro_batch(item["micro_batch"], step.setup, ignore_index=step.kd.ignore_index),
+                   answer.shard(step.setup) if answer is not None else None)
 
 
 def check_nonfinite(kd: KDConfig, *, step: int, summed: list[float], grad_norm: float, skipped_steps: int) -> None:
