@@ -14,6 +14,16 @@ attention (Gemma 2/3, Qwen2 with sliding layers, gpt-oss) also take a {kind: mas
 the mask of its kind. `attention_windows` reads the kinds from the model's config, `layer_masks` builds
 what the model takes. Callers: the packing hook (`meshkd.core.packing`, also under context parallel),
 `TeacherRunner`, `StudentPipeline` and layer selection.
+
+Two forms of one rule, chosen by the model's attention (`takes_block_masks`). sdpa and eager take the rule
+as an additive tensor: O(S^2) per row, and a mask that keeps sdpa off its flash kernel. A model loaded with
+attn_implementation "flex_attention" takes it as a FlexAttention `BlockMask` (`block_mask`): the rule as a
+`mask_mod` over the same global indices plus, per 128 x 128 tile, whether the tile is empty, full or partial,
+so the kernel skips empty tiles and the stored mask is O(S^2 / 128^2). transformers hands a prepared
+BlockMask to its flex attention untouched, as it does a 4D tensor, so the model's own forward runs either
+way. On CUDA the block mask is built by a compiled `create_block_mask` (tile by tile, never the dense
+mask); elsewhere eagerly, which evaluates the rule densely once per call (FlexAttention has no backward
+on the CPU, so there it serves forward-only models: a teacher, evaluation).
 """
 
 from __future__ import annotations
@@ -27,19 +37,30 @@ from torch import nn
 from meshkd.core.logits import cp_shard, cp_unshard
 
 __all__ = [
+    "FLEX_ATTENTION",
     "SUPPORTED_ATTENTION",
     "additive_mask",
     "attention_windows",
+    "block_mask",
     "gather_documents",
     "indexed_to_additive_mask",
     "layer_masks",
     "mask_dtype",
     "positions_and_documents",
+    "takes_block_masks",
 ]
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-"""Attention implementations of transformers that take a prepared 4D additive mask as-is. Flash and flex
-attention build their own masks (or need a BlockMask) and would silently ignore these."""
+FLEX_ATTENTION = "flex_attention"
+"""transformers' FlexAttention implementation: it takes the rule as a `BlockMask` (`block_mask`)."""
+
+SUPPORTED_ATTENTION = ("sdpa", "eager", FLEX_ATTENTION)
+"""Attention implementations of transformers that take a prepared mask as-is: a 4D additive tensor (sdpa,
+eager) or a BlockMask (flex). Flash attention builds its own masks and would silently ignore these."""
+
+
+def takes_block_masks(config: Any) -> bool:
+    """Whether a model of `config` attends through FlexAttention, and so takes `BlockMask`s, not 4D tensors."""
+    return getattr(config, "_attn_implementation", None) == FLEX_ATTENTION
 
 
 def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
@@ -52,8 +73,9 @@ def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(
-            f"NEAT packing needs attn_implementation in {SUPPORTED_ATTENTION} (they take a prepared 4D mask); "
-            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa' or 'eager'."
+            f"NEAT packing needs attn_implementation in {SUPPORTED_ATTENTION} (they take a prepared mask); "
+            f"{type(owner).__name__} uses {implementation!r}. Load it with attn_implementation 'sdpa', 'eager' "
+            f"or 'flex_attention'."
         )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -91,6 +113,58 @@ def additive_mask(
     return additive.masked_fill_(allowed, 0.0)[:, None]
 
 
+def block_mask(
+    documents: torch.Tensor,
+    *,
+    query_length: int | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sliding_window: int | None = None,
+) -> Any:
+    """The rule as a FlexAttention `BlockMask`, entry by entry the visibility of the additive mask
+    `layer_masks` builds for the same arguments: [batch, 1, query_length, sequence] (the last
+    `query_length` queries, default all), or under context parallel [batch, 1, sequence / cp_size,
+    sequence] with this cp rank's head-tail queries against every key in gathered order.
+
+    documents [batch, sequence]: document index per global position, 0 = padding (the whole padded
+    sequence under cp). The mask function reads `documents` (captured, not copied; under cp also the two
+    global-index tables, [sequence / cp_size] and [sequence] int64), and the mask stores its tile tables:
+    a few [batch, 1, query / 128, key / 128] int32 tensors.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    documents = documents.long()
+    length = documents.shape[1]
+    if cp_size == 1:
+        query_length = length if query_length is None else query_length
+        offset = length - query_length
+
+        def positions(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return query + offset, key
+    else:
+        index = torch.arange(length, device=documents.device)
+        query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
+        key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
+        query_length = len(query_index)
+
+        def positions(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return query_index[query], key_index[key]
+
+    def visible(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        query_position, key_position = positions(query, key)
+        query_document = documents[batch, query_position]
+        distance = query_position - key_position
+        allowed = (query_document == documents[batch, key_position]) & (query_document != 0) & (distance >= 0)
+        if sliding_window is not None:
+            allowed = allowed & (distance < sliding_window)
+        return allowed | (distance == 0)
+
+    # Compiled (CUDA), the tile tables are made tile by tile. Eagerly (the CPU, where compiling would add tens
+    # of seconds to every process's start) the rule is evaluated densely once per call: a transient O(S^2).
+    return create_block_mask(visible, B=documents.shape[0], H=None, Q_LEN=query_length, KV_LEN=length,
+                             device=documents.device, _compile=documents.device.type == "cuda")
+
+
 def indexed_to_additive_mask(
     attention_mask: torch.Tensor,
     *,
@@ -125,27 +199,32 @@ def layer_masks(
     query_length: int | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The masks a model takes for `documents` [batch, sequence]: one tensor when its layers share an
-    attention kind, else {kind: mask} (kinds with the same window share one tensor).
+    block: bool = False,
+) -> Any:
+    """The masks a model takes for `documents` [batch, sequence]: one mask when its layers share an
+    attention kind, else {kind: mask} (kinds with the same window share one mask).
 
-    Without context parallel each mask is [batch, 1, query_length, sequence], the queries being the last
-    `query_length` positions (default all). With `cp_size` > 1, `documents` covers the whole padded
-    sequence in original order and each mask is [batch, 1, sequence / cp_size, sequence]: this cp rank's
-    head-tail queries against every key in gathered order.
+    Each mask is an additive tensor of `dtype`, or with `block` (a model that `takes_block_masks`) a
+    `BlockMask` of the same shape and visibility. Without context parallel the shape is [batch, 1,
+    query_length, sequence], the queries being the last `query_length` positions (default all). With
+    `cp_size` > 1, `documents` covers the whole padded sequence in original order and each mask is
+    [batch, 1, sequence / cp_size, sequence]: this cp rank's head-tail queries against every key in
+    gathered order.
     """
-    if cp_size == 1:
-        def build(window: int | None) -> torch.Tensor:
-            return indexed_to_additive_mask(documents, query_length=query_length, dtype=dtype, sliding_window=window)
-    else:
+    if cp_size > 1:
         index = torch.arange(documents.shape[1], device=documents.device)
         query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
         key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
 
-        def build(window: int | None) -> torch.Tensor:
-            return additive_mask(documents, query_index, key_index, dtype=dtype, sliding_window=window)
+    def build(window: int | None) -> Any:
+        if block:
+            return block_mask(documents, query_length=query_length, cp_size=cp_size, cp_rank=cp_rank,
+                              sliding_window=window)
+        if cp_size == 1:
+            return indexed_to_additive_mask(documents, query_length=query_length, dtype=dtype, sliding_window=window)
+        return additive_mask(documents, query_index, key_index, dtype=dtype, sliding_window=window)
 
-    built: dict[int | None, torch.Tensor] = {}
+    built: dict[int | None, Any] = {}
     for window in windows.values():
         if window not in built:
             built[window] = build(window)
