@@ -7,7 +7,8 @@ The student, the data and the step are the precision section's (`meshkd.bench.pr
 56 M parameters, 7 M with --quick, 4 steps of one row, AdamW, one rank, each variant in a fresh process so
 that its peak is its own), in mixed bfloat16 (float32 master weights, the forward under autocast), as
 `model.dtype: bfloat16` trains: whole, and with LoRA adapters of rank 16 on every linear layer but the
-output head (`peft: {rank: 16, alpha: 32}`), the base frozen. Ratios are to the whole student's.
+output head (`peft: {rank: 16, alpha: 32}`), the base frozen in bfloat16, the adapters float32. Ratios are
+to the whole student's.
 """
 
 from __future__ import annotations

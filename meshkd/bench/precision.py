@@ -57,7 +57,8 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str, lora: dict | None
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident memory
     floor = 0 if cuda else status_kib("VmRSS")
     random_init = _student(quick)
-    model = load_causal_lm(random_init=random_init, dtype=parameter_dtype)
+    # A LoRA student's frozen base is kept in the compute dtype, as `meshkd train` keeps it.
+    model = load_causal_lm(random_init=random_init, dtype=compute_dtype if lora is not None else parameter_dtype)
     if lora is not None:
         from meshkd.recipe.adapters import add_adapters
         from meshkd.recipe.config import PeftConfig

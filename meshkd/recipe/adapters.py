@@ -4,12 +4,14 @@ Design. The student loads whole, then `add_adapters` has peft replace each targe
 LoRA layer in place (`inject_adapter_in_model`): the model keeps its transformers class, forward and module
 paths, so the layouts lay it out as any student (dp with FSDP2 or DDP, cp, pp; tp is refused at config
 load: the model's tensor-parallel plan shards linear layers, which LoRA layers wrap). peft freezes the base
-weights; the adapters start from an init seeded by `model.seed` (the same on every rank and layout; B = 0,
-so the student starts as its base) in float32, as the base's master weights are (half-precision
-parameters, `model.pure_half_precision`, are refused with peft). Only what trains is kept
-beyond the model: the optimizer holds the adapters alone (`trainable_parameters`), and checkpoints hold the
-adapters and their optimizer state (`meshkd.recipe.checkpoint`: frozen parameters are left out; a resumed
-run reads its base from `model.path` again).
+weights, which load in the compute dtype (`model.dtype`: bfloat16 halves the base's memory); the adapters
+start from an init seeded by `model.seed` (the same on every rank and layout; B = 0, so the student starts
+as its base) and are float32 master weights with float32 optimizer states, trained in the compute dtype as
+any student's (`meshkd.parallel.mixed_precision`: its dtype is the trained parameters'; FSDP2 gathers the
+base and the adapters in the compute dtype). `model.pure_half_precision` is refused with peft. Only what
+trains is kept beyond the model: the optimizer holds the adapters alone (`trainable_parameters`), and
+checkpoints hold the adapters and their optimizer state (`meshkd.recipe.checkpoint`: frozen parameters are
+left out; a resumed run reads its base from `model.path` again).
 
 The export (`export_adapters`, on the rank holding the gathered state dict) writes two directories: the
 student with the adapters merged into its weights (`hf_student/`, which plain transformers loads, as for
@@ -51,6 +53,8 @@ def add_adapters(model: nn.Module, section, *, seed: int) -> None:
         except ValueError as error:
             message = " ".join(str(error).split())
             raise ValueError(f"peft.target_modules {section.target_modules!r}: {message}") from None
+    for parameter in trainable_parameters(model):  # float32 masters on a base in the compute dtype
+        parameter.data = parameter.data.float()
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

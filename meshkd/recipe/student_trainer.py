@@ -93,7 +93,9 @@ class StudentTrainer:
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
-        section = dataclasses.replace(config.model, dtype=config.model.parameter_dtype())
+        # A LoRA student's frozen base: in the compute dtype (meshkd.recipe.adapters).
+        dtype = config.model.dtype if config.peft is not None else config.model.parameter_dtype()
+        section = dataclasses.replace(config.model, dtype=dtype)
         with about("model"):
             if self.setup.strategy == "fsdp2" and config.peft is None:
                 self._model, self._checkpoint = load_section_model_for_layout(section)

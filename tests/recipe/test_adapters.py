@@ -106,6 +106,11 @@ def runs(tmp_path_factory) -> tuple[Path, RecipeRuns]:
         config["checkpoint"] = {"enabled": True, "save_hf": True}
         config["step_scheduler"]["ckpt_every_steps"] = 2
         runs[layout] = (with_layout(config, section, None), False)
+    for layout in ("one_process", "fsdp2_dp2"):  # the base in bfloat16, the adapters float32 masters
+        config = copy.deepcopy(runs[layout][0])
+        config["model"]["dtype"] = "bfloat16"
+        config["logging"]["run_dir"] = str(root / f"bfloat16_{layout}" / "run")
+        runs[f"bfloat16_{layout}"] = (config, False)
     first = copy.deepcopy(runs["one_process"][0])
     first["logging"]["run_dir"] = str(root / "resumed" / "run")
     first["step_scheduler"]["max_steps"] = 3
@@ -124,6 +129,29 @@ def test_every_layout_trains_the_one_process_curve(runs, layout):
     reference, laid_out = curve(recipe_runs.records("one_process")), curve(recipe_runs.records(layout))
     assert laid_out[:3] == pytest.approx(reference[:3], rel=1e-5)
     assert laid_out == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.world
+def test_a_bfloat16_student_keeps_its_base_in_bfloat16_and_its_adapters_in_float32(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, recipe_runs = runs
+    # CURVE_RTOL of tests/recipe/test_precision.py: one bfloat16 rounding unit.
+    reference = curve(recipe_runs.records("one_process"))
+    assert curve(recipe_runs.records("bfloat16_one_process")) == pytest.approx(reference, rel=2e-3)
+    assert curve(recipe_runs.records("bfloat16_fsdp2_dp2")) == pytest.approx(
+        curve(recipe_runs.records("bfloat16_one_process")), rel=2e-3)
+    run_dir = Path(recipe_runs.configs["bfloat16_fsdp2_dp2"]["logging"]["run_dir"])
+    saved = FileSystemReader(str(run_dir / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    dtypes = {saved[key].properties.dtype for key in saved if key.startswith(("model.", "optim.state."))}
+    assert dtypes == {torch.float32}
+
+
+def test_adapters_on_a_bfloat16_base_are_float32():
+    model = load_causal_lm(random_init=tiny_llama(2, seed=5)["random_init"], seed=5, dtype="bfloat16")
+    add_adapters(model, PeftConfig(**LORA), seed=3)
+    dtypes = {(parameter.requires_grad, parameter.dtype) for parameter in model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
 
 
 @pytest.mark.world
