@@ -21,6 +21,7 @@ from meshkd.core.masks import attention_windows, layer_masks
 from meshkd.demo import demo_overrides
 from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import data, layer_selection, models
+from meshkd.recipe.batches import iterate_batches, training_rows
 from meshkd.recipe.config import load_config
 
 # name: (steps, rows a step, peak lr, kd_ratio); the demo config's optimizer and schedule otherwise.
@@ -60,7 +61,7 @@ def _heal(config, keep: list[int], train, val, teacher: dict[int, torch.Tensor],
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(config.optimizer.betas),
                                   weight_decay=config.optimizer.weight_decay, eps=config.optimizer.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_scheduler.factor(steps))
-    batches = data.iterate_batches(train, global_batch_size=rows, dp_rank=0, dp_size=1, seed=config.dataset.seed)
+    batches = iterate_batches(train, global_batch_size=rows, dp_rank=0, dp_size=1, seed=config.dataset.seed)
     for _, batch in zip(range(steps), batches):
         logits, labels = _logits(student, batch), batch["labels"]
         tokens = int((labels != -100).sum())
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     with models.loading_quietly():
         teacher_model = models.load_causal_lm(path=config.model.path).eval()
     started = time.perf_counter()
-    rows = data.training_rows(train, global_batch_size=1, seed=config.dataset.seed, num_steps=60)
+    rows = training_rows(train, global_batch_size=1, seed=config.dataset.seed, num_steps=60)
     teacher = {}
     with torch.no_grad():
         for start in range(0, len(rows), 4):

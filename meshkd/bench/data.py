@@ -84,6 +84,7 @@ _RANK = """
 import sys, time, json
 from meshkd.recipe.config import load_config
 from meshkd.recipe import data
+from meshkd.recipe.batches import iterate_batches
 from meshkd.recipe.loaders import load_section_tokenizer
 config = load_config(sys.argv[1])
 if sys.argv[2] == "memory":
@@ -91,7 +92,7 @@ if sys.argv[2] == "memory":
 tokenizer = load_section_tokenizer(config.model)
 started = time.perf_counter()
 train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
-batch = next(data.iterate_batches(train, global_batch_size=8, dp_rank=0, dp_size=1, seed=0))
+batch = next(iterate_batches(train, global_batch_size=8, dp_rank=0, dp_size=1, seed=0))
 seconds = time.perf_counter() - started
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "rows": len(train)}))

@@ -53,8 +53,8 @@ from meshkd.core.stage_broadcast import broadcast_tensors_from_last_stage
 from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.student_pipeline import StudentPipeline
-from meshkd.recipe import data
 from meshkd.recipe.aligned_data import teacher_side
+from meshkd.recipe.batches import eval_batches
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions
@@ -124,7 +124,7 @@ class Evaluation:
 
     def _batches(self, rows) -> Any:
         steps = self.config.step_scheduler
-        batches = data.eval_batches(rows, batch_size=steps.local_batch_size, dp_rank=self.dp_rank,
+        batches = eval_batches(rows, batch_size=steps.local_batch_size, dp_rank=self.dp_rank,
                                     dp_size=self.setup.dp_size)
         for index, batch in enumerate(batches):
             if steps.val_batches is not None and index >= steps.val_batches:

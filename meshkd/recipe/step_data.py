@@ -1,6 +1,6 @@
 """What each training step trains on, on one data-parallel rank, and the function the loop calls per step.
 
-`data.iterate_batches` gives this rank's share of each remaining step's global batch; `StepData` cuts it
+`batches.iterate_batches` gives this rank's share of each remaining step's global batch; `StepData` cuts it
 into micro-batches (each with its step's valid-token count: `train_step.step_items`) and pairs them with the
 teacher's answers in a `TeacherFeed`. With `kd.overlap_teacher` a teacher on its own ranks is asked for the
 next micro-batch while this one trains (the next step's micro-batches under pipeline parallel, whose
@@ -17,6 +17,7 @@ import torch
 from meshkd.core.teacher_protocol import TeacherFeed, TeacherRequest, TeacherSource
 from meshkd.recipe import data
 from meshkd.recipe.aligned_data import row_fill, run_packing
+from meshkd.recipe.batches import iterate_batches
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.on_policy import OnPolicyStep, build_prompt_set
 from meshkd.recipe.routing import routed_packing
@@ -57,7 +58,7 @@ class StepData:
     def batches(self, rows) -> Iterator[dict]:
         """This rank's share of each remaining step's global batch of `rows`."""
         steps = self.config.step_scheduler
-        return data.iterate_batches(rows, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank,
+        return iterate_batches(rows, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank,
                                     dp_size=self.dp_size, seed=self.config.dataset.seed, start_step=self.start_step)
 
     def micro_batches(self, batch: dict) -> list[dict]:

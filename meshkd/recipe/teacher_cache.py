@@ -48,8 +48,9 @@ import torch
 
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
-from meshkd.recipe import data, documents, models
+from meshkd.recipe import documents, models
 from meshkd.recipe.aligned_data import teacher_side
+from meshkd.recipe.batches import training_rows
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.files import file_sha256, write_atomically
 
@@ -154,7 +155,7 @@ def rows_asked(config: KDRecipeConfig, datasets: dict, *, dp_size: int | None = 
     first visit), and the validation rows an evaluation at `dp_size` reads (None: at any data-parallel
     size, at most `val_batches` global batches)."""
     steps = config.step_scheduler
-    train = data.training_rows(datasets["train"], global_batch_size=steps.global_batch_size, seed=config.dataset.seed,
+    train = training_rows(datasets["train"], global_batch_size=steps.global_batch_size, seed=config.dataset.seed,
                                num_steps=steps.max_steps)
     num_val = len(datasets["validation"])
     if steps.val_batches is not None:

@@ -78,13 +78,14 @@ def three_ranks(tmp_path_factory) -> dict:
 
 def test_each_step_counts_exactly_the_answer_tokens_of_its_rows(one_rank):
     from meshkd.recipe import data
+    from meshkd.recipe.batches import iterate_batches
     from meshkd.recipe.models import byte_tokenizer
 
     config = one_rank["reference"]
     parsed = config_from_dict(config)
     tokenizer = byte_tokenizer()
     train, _ = data.build_run_datasets(tokenizer, parsed.dataset, sequence_length=256)
-    batches = data.iterate_batches(train, global_batch_size=4, dp_rank=0, dp_size=1, seed=parsed.dataset.seed)
+    batches = iterate_batches(train, global_batch_size=4, dp_rank=0, dp_size=1, seed=parsed.dataset.seed)
     expected = []
     for batch in itertools.islice(batches, STEPS):
         counted = batch["labels"] != -100

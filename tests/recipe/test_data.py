@@ -16,16 +16,12 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from meshkd.recipe.batches import eval_batches, iterate_batches, split_micro_batches, steps_per_epoch, training_rows
 from meshkd.recipe.data import (
     BATCH_KEYS,
     IGNORE_INDEX,
     PackedDataset,
     build_datasets,
-    eval_batches,
-    iterate_batches,
-    split_micro_batches,
-    steps_per_epoch,
-    training_rows,
 )
 
 ALPHABET = string.ascii_letters + string.digits + ' .,:;!?-_(){}"\n'

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from meshkd.recipe import data
+from meshkd.recipe.batches import eval_batches
 from meshkd.recipe.config import config_from_dict
 from meshkd.recipe.metrics import read_metrics
 from meshkd.recipe.models import byte_tokenizer, load_causal_lm, save_hf_model
@@ -47,7 +48,7 @@ def plain_val_loss(model, config: dict, dp_size: int) -> float:
     total, count = 0.0, 0
     steps = section.step_scheduler
     batches = [batch for dp_rank in range(dp_size) for batch in itertools.islice(
-        data.eval_batches(val_set, batch_size=steps.local_batch_size, dp_rank=dp_rank, dp_size=dp_size),
+        eval_batches(val_set, batch_size=steps.local_batch_size, dp_rank=dp_rank, dp_size=dp_size),
         steps.val_batches)]
     with torch.no_grad():
         for batch in batches:

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from meshkd.recipe import data
+from meshkd.recipe.batches import training_rows
 from meshkd.recipe.config import ConfigError, config_from_dict
 from meshkd.recipe.files import write_atomically
 from meshkd.recipe.metrics import read_metrics
@@ -146,7 +147,7 @@ def test_the_cache_holds_the_rows_the_run_asks_about(one_rank):
     checked = preflight(config)
     train, val = data.build_run_datasets(checked.tokenizer, config.dataset, sequence_length=32)
     steps = config.step_scheduler
-    assert manifest["splits"]["train"]["rows"] == data.training_rows(
+    assert manifest["splits"]["train"]["rows"] == training_rows(
         train, global_batch_size=steps.global_batch_size, seed=config.dataset.seed, num_steps=steps.max_steps)
     assert manifest["splits"]["validation"]["rows"] == list(range(min(len(val), 2 * steps.global_batch_size)))
     # top-8 with 4 tail samples: 8 * 8 + 4 + 8 * 4 = 100 bytes a position, plus each shard's header

@@ -315,7 +315,7 @@ def test_rows_routed_to_one_teacher_train_its_curve_and_the_other_answers_none(r
 def expected_routes(config: dict) -> list[dict[str, int]]:
     """Per step, how many rows of its global batch name each teacher (the data the run reads, in-process)."""
     from meshkd.core.teacher_ensemble import ROUTE
-    from meshkd.recipe.data import iterate_batches
+    from meshkd.recipe.batches import iterate_batches
     from meshkd.recipe.loaders import load_section_tokenizer
     from meshkd.recipe.step_data import run_datasets
 
