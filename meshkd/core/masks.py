@@ -68,7 +68,7 @@ def attention_windows(config: Any, owner: nn.Module) -> dict[str, int | None]:
 
     Keys are the kinds named in `config.layer_types` ("full_attention", "sliding_attention"); a config without
     `layer_types` (Mistral style) has one kind whose window is `config.sliding_window`. Raises ValueError when
-    the attention implementation does not take a prepared 4D mask or a layer kind has no known mask rule.
+    the attention implementation does not take a prepared mask or a layer kind has no known mask rule.
     """
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in SUPPORTED_ATTENTION:
@@ -127,9 +127,9 @@ def block_mask(
     sequence] with this cp rank's head-tail queries against every key in gathered order.
 
     documents [batch, sequence]: document index per global position, 0 = padding (the whole padded
-    sequence under cp). The mask function reads `documents` (captured, not copied; under cp also the two
-    global-index tables, [sequence / cp_size] and [sequence] int64), and the mask stores its tile tables:
-    a few [batch, 1, query / 128, key / 128] int32 tensors.
+    sequence under cp). The mask function reads `documents` (captured, not copied) and computes global
+    positions from tile-local indices, so the mask stores only its tile tables besides: a few
+    [batch, 1, query / 128, key / 128] int32 tensors.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -142,13 +142,16 @@ def block_mask(
         def positions(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return query + offset, key
     else:
-        index = torch.arange(length, device=documents.device)
-        query_index = cp_shard(index, cp_size=cp_size, cp_rank=cp_rank, dim=0)
-        key_index = torch.cat([cp_shard(index, cp_size=cp_size, cp_rank=r, dim=0) for r in range(cp_size)])
-        query_length = len(query_index)
+        # Head-tail shards in arithmetic rather than index tables: cp rank r holds chunks r and 2cp-1-r of
+        # 2cp equal chunks (`cp_shard`), and the keys come in cp-rank order, 2 chunks a rank.
+        chunk = length // (2 * cp_size)
+        query_length = 2 * chunk
+
+        def global_position(rank: torch.Tensor | int, local: torch.Tensor) -> torch.Tensor:
+            return torch.where(local < chunk, rank * chunk + local, (2 * cp_size - 2 - rank) * chunk + local)
 
         def positions(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return query_index[query], key_index[key]
+            return global_position(cp_rank, query), global_position(key // (2 * chunk), key % (2 * chunk))
 
     def visible(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         query_position, key_position = positions(query, key)

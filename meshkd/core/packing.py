@@ -5,16 +5,16 @@ Layout. A NEAT-packed row holds several documents. `attention_mask` [batch, sequ
 to the earlier-or-equal tokens of its own document only. A row holding one document is an ordinary 0/1
 padding mask, so the two layouts agree there by construction.
 
-Design. transformers builds its attention masks from a 2D 0/1 mask, but hands an already prepared 4D mask
-to the sdpa and eager attention functions untouched (`_preprocess_mask_arguments` in masking_utils
-returns it as-is). `configure_packing` therefore registers a forward pre-hook on the model instance, and
-on the transformers models inside it so that a pipeline stage calling its inner model directly works too,
-which turns the indexed mask into the masks `meshkd.core.masks.layer_masks` builds before transformers
-sees it. The outermost hook converts; the inner ones see the prepared masks and let them pass. Under
-context parallel (`enable_cp_masks`) the same hooks gather the other cp ranks' document indices first,
-so no second hook, and no hook order, is involved. Nothing in transformers is patched: other instances in
-the process keep the ordinary behaviour. The consumed layout is recorded on the instance and read back by
-`packing_layout`.
+Design. transformers builds its attention masks from a 2D 0/1 mask, but hands an already prepared 4D mask to
+the sdpa, eager and flex attention functions untouched (`_preprocess_mask_arguments` in masking_utils
+returns it as-is). `configure_packing` therefore registers a forward pre-hook on the model instance, and on
+the transformers models inside it so that a pipeline stage calling its inner model directly works too, which
+turns the indexed mask into the masks `meshkd.core.masks.layer_masks` builds before transformers sees it (4D
+additive tensors, or FlexAttention BlockMasks for a model loaded with flex_attention). The outermost hook
+converts; the inner ones see the prepared masks and let them pass. Under context parallel
+(`enable_cp_masks`) the same hooks gather the other cp ranks' document indices first, so no second hook, and
+no hook order, is involved. Nothing in transformers is patched: other instances in the process keep the
+ordinary behaviour. The consumed layout is recorded on the instance and read back by `packing_layout`.
 
 `configure_kd_teacher_packing` closes a gap of separate-mesh KD for models run by their own forward:
 teacher-only ranks never see the student, so they learn its layout from the control group, configure
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkd.core.agreement import gather_values, group_device
-from meshkd.core.masks import attention_windows, gather_documents, layer_masks, mask_dtype
+from meshkd.core.masks import attention_windows, gather_documents, layer_masks, mask_dtype, takes_block_masks
 
 __all__ = [
     "LAYOUT_ATTR",
@@ -83,9 +83,12 @@ class _MaskHook:
     (a missing mask is one document). Masks already prepared (4D, or one per kind) pass through.
     """
 
-    def __init__(self, *, positions: dict[str, int], windows: dict[str, int | None]):
+    def __init__(self, *, positions: dict[str, int], windows: dict[str, int | None], block: bool = False):
         self.positions = positions  # argument name -> positional index in forward
         self.windows = windows  # attention kind -> sliding window (`attention_windows`)
+        # FlexAttention BlockMasks instead of 4D tensors (`takes_block_masks`); read when configured, since
+        # context parallel later renames the config's attention to its own.
+        self.block = block
         self.cp: tuple[dist.ProcessGroup, int, int] | None = None
 
     def _argument(self, args: tuple, kwargs: dict, name: str) -> Any:
@@ -96,8 +99,8 @@ class _MaskHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         mask = self._argument(args, kwargs, "attention_mask")
-        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() != 2):
-            return None  # prepared by an outer module's hook, or by the caller
+        if isinstance(mask, dict) or (mask is not None and len(getattr(mask, "shape", ())) != 2):
+            return None  # prepared by an outer module's hook, or by the caller (a 4D tensor or a BlockMask)
         # The first of input_ids / inputs_embeds / hidden_states: the queries' length, device and dtype.
         reference = next((value for value in (self._argument(args, kwargs, name) for name in _QUERY_ARGUMENTS)
                           if isinstance(value, torch.Tensor) and value.dim() >= 2), None)
@@ -106,7 +109,7 @@ class _MaskHook:
                 return None
             device = mask.device if reference is None else reference.device
             masks = layer_masks(mask.to(device), self.windows, dtype=self._dtype(module, reference, device),
-                                query_length=None if reference is None else reference.shape[1])
+                                query_length=None if reference is None else reference.shape[1], block=self.block)
         else:
             if reference is None:
                 return None
@@ -121,7 +124,7 @@ class _MaskHook:
                 )
             documents = gather_documents(mask.to(device), group)
             masks = layer_masks(documents, self.windows, dtype=self._dtype(module, reference, device),
-                                cp_size=cp_size, cp_rank=cp_rank)
+                                cp_size=cp_size, cp_rank=cp_rank, block=self.block)
         index = self.positions.get("attention_mask")
         if "attention_mask" in kwargs or index is None or index >= len(args):
             return args, {**kwargs, "attention_mask": masks}
@@ -174,7 +177,7 @@ def configure_packing(model: nn.Module) -> nn.Module:
 
     Raises:
         ValueError: if no forward in `model` takes `attention_mask`, or a transformers config uses an
-            attention implementation other than sdpa/eager, or a layer kind without a mask rule.
+            attention implementation other than sdpa/eager/flex_attention, or a layer kind without a mask rule.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"configure_packing expects an nn.Module, got {type(model).__name__}")
@@ -193,7 +196,8 @@ def configure_packing(model: nn.Module) -> nn.Module:
             # A wrapper around a transformers model attends the way that model does.
             config = hf_models[0].config if hf_models else None
         windows = attention_windows(config, module) if config is not None else {"full_attention": None}
-        plans.append((module, _MaskHook(positions=positions, windows=windows)))
+        block = config is not None and takes_block_masks(config)
+        plans.append((module, _MaskHook(positions=positions, windows=windows, block=block)))
     if not plans:
         raise ValueError(
             f"cannot configure NEAT packing on {type(model).__name__}: neither its forward nor a transformers "

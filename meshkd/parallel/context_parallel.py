@@ -3,11 +3,12 @@
 Every cp rank holds the head-tail share of the sequence (2 * cp chunks, rank r keeping chunks r and
 2cp-1-r, so causal work is balanced). The attention gathers K/V over `cp` (differentiably when autograd
 records: the backward sums the K/V gradient over cp and hands each rank the piece for its own keys/values,
-a reduce-scatter), then calls the attention function the model was loaded with (sdpa, or the family's
-eager function with its soft-capping or attention sinks). It is registered with transformers'
+a reduce-scatter), then calls the attention function the model was loaded with (sdpa, flex attention, or
+the family's eager function with its soft-capping or attention sinks). It is registered with transformers'
 `AttentionInterface` and selected on one instance's config only; it runs on the CPU, where torch's ring
-attention does not. Masks are additive, built from GLOBAL positions of NEAT document indices
-(`meshkd.core.masks.layer_masks`), so document boundaries and sliding windows hold across shards.
+attention does not. Masks are built from GLOBAL positions of NEAT document indices
+(`meshkd.core.masks.layer_masks`: additive tensors, or BlockMasks whose tiles follow the gathered key
+order), so document boundaries and sliding windows hold across shards.
 
 Student: `shard_student_batch` / `shard_teacher_logits` cut a micro-batch and its teacher logits; the
 model's packing hook (`meshkd.core.packing.enable_cp_masks`) all-gathers the local document indices over
@@ -66,20 +67,20 @@ def _cp_attention(
     """The model's own attention over this rank's queries and ALL cp ranks' keys/values (gathered in cp-rank order).
 
     query [batch, heads, local_sequence, head_dim], key/value [batch, kv_heads, local_sequence, head_dim].
-    `attention_mask` [batch, 1, local_sequence, cp * local_sequence] is additive, its keys in the gathered
-    order; it already encodes causality, sliding windows and document boundaries in global positions
-    (`meshkd.core.masks.layer_masks`). The gathered keys/values then go to the attention function the
-    model was loaded with (sdpa, or the family's own eager function with its soft-capping or attention
-    sinks). When autograd records (the student in training) the gather is differentiable
-    (`_GatherSequence`): its backward sums every rank's gradient for this rank's keys/values and hands it
-    back here.
+    `attention_mask` [batch, 1, local_sequence, cp * local_sequence] (additive, or a BlockMask for flex
+    attention) has its keys in the gathered order; it already encodes causality, sliding windows and
+    document boundaries in global positions (`meshkd.core.masks.layer_masks`). The gathered keys/values then
+    go to the attention function the model was loaded with (sdpa, flex, or the family's own eager function
+    with its soft-capping or attention sinks). When autograd records (the student in training) the gather
+    is differentiable (`_GatherSequence`): its backward sums every rank's gradient for this rank's
+    keys/values and hands it back here.
     """
     group = getattr(module, _CP_GROUP_ATTR, None)
     if group is None:
         raise RuntimeError(
             f"attention {CP_ATTENTION!r} used on a module without a cp group; use TeacherRunner or parallelize_student"
         )
-    if attention_mask is None or attention_mask.dim() != 4:
+    if attention_mask is None or len(attention_mask.shape) != 4:  # a 4D tensor or a FlexAttention BlockMask
         raise RuntimeError(
             f"attention {CP_ATTENTION!r} needs the 4D global-position mask built by TeacherRunner, "
             f"StudentPipeline or the packing hook of a model laid out by parallelize_student"
@@ -148,7 +149,7 @@ def enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
     if inner == CP_ATTENTION:
         raise ValueError("context parallel is already enabled on this model")
     if inner not in SUPPORTED_ATTENTION:
-        raise ValueError(f"context parallel needs attn_implementation 'sdpa' or 'eager', got {inner!r}")
+        raise ValueError(f"context parallel needs attn_implementation in {SUPPORTED_ATTENTION}, got {inner!r}")
     AttentionInterface.register(CP_ATTENTION, _cp_attention)
     for layer in decoder_of(model).layers:
         attention = getattr(layer, "self_attn", None)

@@ -37,7 +37,7 @@ def parallelize_student(model: nn.Module, setup: DistributedSetup, *,
     Args:
         model: a transformers causal LM on its device, identical on every rank of the role. With
             cp_size > 1 it must already consume NEAT-packed batches (`meshkd.core.packing.configure_packing`,
-            sdpa or eager attention): its `attention_mask` is read as document indices.
+            sdpa, eager or flex attention): its `attention_mask` is read as document indices.
         setup: the student's `DistributedSetup` (this rank must be a member).
         compute_dtype: the dtype to compute in, when it is not the parameters' (float32 master weights):
             the forward runs under autocast, and FSDP2 gathers in it and reduces gradients in float32.

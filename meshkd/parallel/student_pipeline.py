@@ -20,7 +20,7 @@ travels between stages, and for an MoE student trained with its router loss the 
 (`meshkd.recipe.router_loss`: each stage adds its layers' part, the last stage's loss sees them all, and
 the backward returns each stage its part's gradient the same way). Every rank of a data-parallel replica
 holds the same micro-batches, so position_ids and the NEAT document indices reach every stage as schedule
-kwargs (chunked per micro-batch like the inputs) and each stage builds its own 4D attention masks
+kwargs (chunked per micro-batch like the inputs) and each stage builds its own attention masks
 (`meshkd.core.masks.layer_masks`, as `TeacherRunner`). The micro-batch index reaches the loss as the schedule's target:
 `arange(n)`, chunked into one index each.
 
@@ -53,7 +53,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from meshkd.core.masks import attention_windows, gather_documents, layer_masks, mask_dtype, positions_and_documents
+from meshkd.core.masks import (
+    attention_windows,
+    gather_documents,
+    layer_masks,
+    mask_dtype,
+    positions_and_documents,
+    takes_block_masks,
+)
 from meshkd.core.topology import PP_SCHEDULES, DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import enable_cp_attention, ensure_student_cp_axis, pad_and_shard
 from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
@@ -81,7 +88,7 @@ class _StageModule(nn.Module):
 
     def __init__(
         self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, logits_dtype: torch.dtype,
-        cp_size: int = 1, cp_rank: int = 0, router_loss=None,
+        cp_size: int = 1, cp_rank: int = 0, router_loss=None, block: bool = False,
     ):
         super().__init__()
         for name, child in stage.model.named_children():
@@ -89,6 +96,7 @@ class _StageModule(nn.Module):
         self.stage = stage  # a plain object: the model is reached through it, its children are registered above
         self.config = stage.model.config
         self.windows = windows
+        self.block = block  # FlexAttention BlockMasks (`meshkd.core.masks.takes_block_masks`)
         self.dtype, self.logits_dtype = dtype, logits_dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.router_loss = router_loss
@@ -98,7 +106,7 @@ class _StageModule(nn.Module):
         """The stage's output; with a router loss (hidden state or logits, the routers' statistics so far),
         `statistics` then being the previous stage's (none on the first)."""
         masks = layer_masks(documents, self.windows, dtype=mask_dtype(self, inputs.device), cp_size=self.cp_size,
-                            cp_rank=self.cp_rank)
+                            cp_rank=self.cp_rank, block=self.block)
         with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
             output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         if not self.stage.is_last:
@@ -143,7 +151,7 @@ class StudentPipeline:
 
     Args:
         model: a transformers causal LM split by its `base_model_pp_plan` (`meshkd.parallel.stages.ModelStage`),
-            sdpa or eager attention, identical on every rank (or built with meta parameters for
+            sdpa, eager or flex attention, identical on every rank (or built with meta parameters for
             `meshkd.parallel.sharded_loading.load_shards`). Tied input/output embeddings are kept as two copies
             (first and last stage) with summed gradients.
         setup: the student's `DistributedSetup` with pp_size > 1 (this rank must be a member).
@@ -171,6 +179,7 @@ class StudentPipeline:
         # before any collective.
         _check_settings(model, setup, schedule, num_micro_batches)
         windows = attention_windows(model.config, model)
+        block = takes_block_masks(model.config)  # read before context parallel renames the attention
         mesh = member_mesh(setup)
 
         self.setup = setup
@@ -205,7 +214,7 @@ class StudentPipeline:
         self.router_loss = router_loss
         self.logits_dtype = compute_dtype if mixed else self.dtype
         stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, logits_dtype=self.logits_dtype,
-                             cp_size=self.cp_size, cp_rank=self.cp_rank, router_loss=router_loss)
+                             cp_size=self.cp_size, cp_rank=self.cp_rank, router_loss=router_loss, block=block)
         if mixed:
             autocast_forward(stage, compute_dtype, self.device)
         if self.is_last:

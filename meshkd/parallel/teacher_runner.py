@@ -5,7 +5,7 @@ decoder-only LM and changes the instance in place, in a fixed order: pipeline sp
 (`meshkd.parallel.stages.ModelStage`, by the model's pipeline plan), then tensor parallel (the model's own
 plan; with ep_size = tp_size whole experts spread over the tp ranks, as the model's expert plan says), then
 context parallel (head-tail shards, gathered K/V). Pipeline stages pass activations point to point, shape
-metadata first (sequence lengths may change per batch). Every stage builds the 4D attention masks itself
+metadata first (sequence lengths may change per batch). Every stage builds the attention masks itself
 (`meshkd.core.masks.layer_masks`) from NEAT document indices (or an ordinary 0/1 mask), so the teacher
 needs no `configure_packing`.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshkd.core.logits import materialize_teacher_logits
-from meshkd.core.masks import attention_windows, layer_masks, positions_and_documents
+from meshkd.core.masks import attention_windows, layer_masks, positions_and_documents, takes_block_masks
 from meshkd.core.topology import DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import enable_cp_attention, pad_and_shard, padded_length
 from meshkd.parallel.sharded_loading import is_empty
@@ -44,8 +44,9 @@ class TeacherRunner:
     document for NEAT packing; default 0..sequence-1) and `attention_mask` [batch, sequence] (1-based
     document index, 0 = padding; an ordinary 0/1 mask is the one-document case). Other keys are ignored.
 
-    The model must use sdpa or eager attention (the runner hands the model prepared 4D masks, one per
-    attention kind of its layers; under CP the gathered-K/V attention calls the model's own attention).
+    The model must use sdpa, eager or flex attention (the runner hands the model prepared masks, one per
+    attention kind of its layers: 4D additive tensors, or BlockMasks for flex; under CP the gathered-K/V
+    attention calls the model's own attention).
     Teacher weights are replicated across dp: no FSDP here. `is_first` / `is_last` tell whether this rank
     holds the first / last pipeline stage.
     """
@@ -57,6 +58,7 @@ class TeacherRunner:
         self.device = torch.device(device)
         self.mesh = mesh
         self.windows = attention_windows(model.config, model)
+        self.block = takes_block_masks(model.config)  # read before context parallel renames the attention
 
         self.pp_size = setup.pp_size
         self.pp_rank = mesh.get_local_rank("pp")
@@ -141,7 +143,7 @@ class TeacherRunner:
             else:
                 inputs, position_ids, documents, length = self._receive()
             masks = layer_masks(documents, self.windows, dtype=self.dtype, cp_size=self.cp_size,
-                                cp_rank=self.cp_rank)
+                                cp_rank=self.cp_rank, block=self.block)
             output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
         except BaseException:
             if not self.is_last:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from meshkd.core.masks import attention_windows, layer_masks
+from meshkd.core.masks import attention_windows, layer_masks, takes_block_masks
 from meshkd.parallel.stages import decoder_of
 from meshkd.recipe import data, models
 from meshkd.recipe.config import ConfigError, KDRecipeConfig
@@ -77,7 +77,7 @@ def angular_distances(model: torch.nn.Module, batches, *, span: int) -> tuple[li
         with torch.no_grad():
             for batch in batches:
                 documents = batch["attention_mask"].to(device)
-                masks = layer_masks(documents, windows, dtype=dtype)
+                masks = layer_masks(documents, windows, dtype=dtype, block=takes_block_masks(model.config))
                 model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                       attention_mask=masks, use_cache=False)
                 valid = documents != 0
