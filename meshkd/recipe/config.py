@@ -27,7 +27,9 @@ class ModelConfig:
     pure_half_precision: bool = False  # student: parameters and optimizer states in `dtype`, no float32 copy
     activation_checkpointing: bool = False  # student: each decoder layer recomputes its activations in backward
     seed: int = 0  # seeds `random_init`'s weights (and a LoRA student's adapters)
-    attn_implementation: str | None = None  # sdpa | eager; None: sdpa where the model supports it, else eager
+    # sdpa | eager | flex_attention (packed rows masked by FlexAttention block masks, not a 4D mask; GPU
+    # students, CPU teachers); None: sdpa where the model supports it, else eager
+    attn_implementation: str | None = None
 
     def parameter_dtype(self) -> str:
         """Derived: the student's parameter and optimizer-state dtype: float32, or `dtype` with pure_half_precision."""

@@ -74,10 +74,15 @@ def check_models(config: KDRecipeConfig) -> None:
             check_layer_selection(label, model.keep_layers)
         if model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{label}.dtype must be float32, bfloat16 or float16, got {model.dtype!r}")
-        # The recipe hands attention prepared 4D masks, which flash and flex attention do not take.
-        if model.attn_implementation not in (None, "sdpa", "eager"):
+        # The recipe hands attention prepared masks (meshkd.core.masks): 4D tensors to sdpa and eager,
+        # BlockMasks to flex attention. Flash attention builds its own and would attend across documents.
+        if model.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
             raise ConfigError(f"{label}.attn_implementation: {model.attn_implementation!r} is not supported; "
-                              "use sdpa or eager")
+                              "use sdpa, eager or flex_attention")
+        if label == "model" and model.attn_implementation == "flex_attention" and config.device == "cpu":
+            raise ConfigError("model.attn_implementation: flex_attention has no backward on the CPU (device: cpu), "
+                              "so the student cannot train with it; use sdpa there (flex_attention serves a "
+                              "teacher on the CPU)")
     check_student_precision(config.model, config.teacher_model)
 
 

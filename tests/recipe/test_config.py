@@ -63,8 +63,10 @@ ON_POLICY = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_to
         ({"model": {"path": "x", "random_init": {"model_type": "llama"}}}, r"exactly one of model.path"),
         ({"unknown_section": {}}, r"unknown config key\(s\) \['unknown_section'\]"),
         ({"model": {"attn_implementation": "flash_attention_2"}},
-         r"model.attn_implementation: 'flash_attention_2' is not supported; use sdpa or eager"),
-        ({"teacher_model": {"attn_implementation": "flex_attention"}}, r"teacher_model.attn_implementation"),
+         r"model.attn_implementation: 'flash_attention_2' is not supported; use sdpa, eager or flex_attention"),
+        ({"teacher_model": {"attn_implementation": "flash_attention_2"}}, r"teacher_model.attn_implementation"),
+        ({"model": {"attn_implementation": "flex_attention"}, "device": "cpu"},
+         r"flex_attention has no backward on the CPU"),
         # On-policy distillation (sequence_length 32 in the base config).
         ({"kd": {"mode": "online"}}, r"kd.mode must be off_policy or on_policy"),
         ({"kd": {"mode": "on_policy", "generation": {"prompt_tokens": 30, "max_new_tokens": 8}}},
