@@ -63,7 +63,7 @@ def _demo_cache(config_path: str, overrides: list[str]) -> int:
 # student completes the first 32 tokens of each row with 32 of its own, trained on by reverse KL; the
 # off-policy run it is compared with (--compare) trains on text rows of the same length with half the steps,
 # so both train on about as many tokens (each text row has 63 targets, each completion at most 32). Both take
-# 4 rows a step at lr 1e-3, not the text demo's 2 rows at 5e-4 (as the README's on-policy figures were measured).
+# 4 rows a step at lr 1e-3, not the text demo's 2 rows at 5e-4 (as docs/on-policy.md's figures were measured).
 _ON_POLICY_STEPS = ["step_scheduler.global_batch_size=4", "step_scheduler.local_batch_size=2",
                     "step_scheduler.val_batches=4", "optimizer.lr=1e-3"]
 _ON_POLICY = [*_ON_POLICY_STEPS, "kd.mode=on_policy", "kd.divergence=reverse_kl", "kd.generation.prompt_tokens=32",

@@ -26,7 +26,7 @@ STUDENT_VOCAB = 4096
 # ends when either side is full, and the teacher's 49152-entry tokenizer takes fewer tokens for the same bytes).
 # Half KD, half CE rather than the demo's kd_ratio 1: KD trains only the aligned positions, on the teacher's
 # distribution projected onto the student's vocabulary; measured at this budget, kd_ratio 1 ended above CE
-# only in held-out bits per byte (1.7396 against 1.6356) and 0.5 below it (1.6115; README).
+# only in held-out bits per byte (1.7396 against 1.6356) and 0.5 below it (1.6115; docs/cross-tokenizer.md).
 _CROSS = ["kd.cross_tokenizer.loss=projection", "kd.kd_ratio=0.5"]
 
 

@@ -1,4 +1,4 @@
-"""Each package imports only the ones above it in README's Architecture: `meshkd.core` nothing of
+"""Each package imports only the ones above it in docs/architecture.md: `meshkd.core` nothing of
 `meshkd.parallel` or `meshkd.recipe`, `meshkd.parallel` nothing of `meshkd.recipe`. Pure tier: the sources
 are read with `ast`, imports inside functions included; nothing is imported.
 """

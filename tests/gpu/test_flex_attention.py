@@ -2,7 +2,7 @@
 
 `meshkd train` with `model.attn_implementation: flex_attention` (student and teacher) follows the curve of
 the same run with sdpa and the additive mask, in fp32. One process, no process group, then measures what a
-row's mask takes at S = 8192 on the device in both forms (the README's figures), and checks a packed row
+row's mask takes at S = 8192 on the device in both forms (docs/performance.md's figures), and checks a packed row
 of that length through one forward and backward in both forms: the same loss, close gradients.
 """
 

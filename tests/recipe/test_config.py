@@ -125,7 +125,7 @@ def test_the_embedded_demo_config_loads_once_its_teacher_is_filled_in(tmp_path):
     beside = load_config(path, paths + _OFF_POLICY_BESIDE)
     assert beside.kd.mode == "off_policy" and beside.kd.generation.evaluate
     assert beside.step_scheduler.sequence_length == on.step_scheduler.sequence_length
-    # as their README figures were measured, whatever rows a step the text demo takes
+    # as their figures in docs/ were measured, whatever rows a step the text demo takes
     assert on.step_scheduler.global_batch_size == beside.step_scheduler.global_batch_size == 4
     assert on.optimizer.lr == beside.optimizer.lr == 1e-3
 

@@ -18,8 +18,8 @@ import yaml
 
 from meshkd.recipe.config import KDRecipeConfig
 
-REFERENCE = Path(__file__).parents[2] / "README.md"  # the page holding the table
-HEADING = "## Configuration reference"
+REFERENCE = Path(__file__).parents[2] / "docs" / "configuration.md"  # the page holding the table
+HEADING = "# Configuration reference"
 MODEL_SECTIONS = ("model", "teacher_model")  # what `*.` stands for
 
 
