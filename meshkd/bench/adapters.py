@@ -13,14 +13,7 @@ to the whole student's.
 
 from __future__ import annotations
 
-import json
-import tempfile
-from pathlib import Path
-
-import torch
-
-from meshkd.bench.precision import _rank_main, _student
-from meshkd.core.local_world import spawn_world
+from meshkd.bench.precision import _student, measure
 
 LORA = {"rank": 16, "alpha": 32.0, "target_modules": "all-linear"}
 
@@ -29,12 +22,7 @@ def run_section(quick: bool) -> dict:
     """{"lora": results}, printed as they are measured."""
     rows = []
     for name, lora in (("whole student", None), ("LoRA r=16 all-linear", LORA)):
-        with tempfile.TemporaryDirectory() as out:
-            failure = spawn_world(1, _rank_main, ("mixed bfloat16", quick, out, lora), timeout_s=600,
-                                  backend="nccl" if torch.cuda.is_available() else "gloo")
-            if failure is not None:
-                raise RuntimeError(f"lora benchmark ({name}) failed: {failure}")
-            row = {"variant": name, **json.loads(Path(out, "result.json").read_text())}
+        row = {"variant": name, **measure("mixed bfloat16", quick, lora)}
         whole = rows[0] if rows else row
         row.update(trainable_ratio=row["trainable_parameters"] / whole["trainable_parameters"],
                    optimizer_state_ratio=row["optimizer_state_bytes"] / whole["optimizer_state_bytes"],

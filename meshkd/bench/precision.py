@@ -95,16 +95,21 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str, lora: dict | None
         "state_bytes_per_parameter": state_bytes / parameters, "final_loss": loss.item()}))
 
 
+def measure(variant: str, quick: bool, lora: dict | None = None) -> dict:
+    """One variant's figures (`_rank_main`'s result.json), measured in a fresh one-rank world."""
+    with tempfile.TemporaryDirectory() as out:
+        failure = spawn_world(1, _rank_main, (variant, quick, out, lora), timeout_s=600,
+                              backend="nccl" if torch.cuda.is_available() else "gloo")
+        if failure is not None:
+            raise RuntimeError(f"{variant} benchmark{' with LoRA' if lora else ''} failed: {failure}")
+        return json.loads(Path(out, "result.json").read_text())
+
+
 def run_section(quick: bool) -> dict:
     """{"precision": results}, printed as they are measured; ratios are to float32's."""
     rows = []
     for variant in VARIANTS:
-        with tempfile.TemporaryDirectory() as out:
-            failure = spawn_world(1, _rank_main, (variant, quick, out), timeout_s=600,
-                                  backend="nccl" if torch.cuda.is_available() else "gloo")
-            if failure is not None:
-                raise RuntimeError(f"precision benchmark ({variant}) failed: {failure}")
-            row = {"variant": variant, **json.loads(Path(out, "result.json").read_text())}
+        row = {"variant": variant, **measure(variant, quick)}
         baseline = rows[0] if rows else row
         row.update(step_time_ratio=row["step_time_s"] / baseline["step_time_s"],
                    peak_ratio=row["peak_mib"] / baseline["peak_mib"])
