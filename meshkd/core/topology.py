@@ -412,8 +412,21 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str, *,
         if mesh.get_coordinate() is not None:
             mesh[axes]._flatten(name, backend_override=override)
         else:
-            layout = mesh._get_slice_mesh_layout(axes).collapse()
+            layout = _flat_layout(mesh._get_slice_mesh_layout(axes))
             DeviceMesh._init_one_process_group(layout, mesh._rank_map, name, override or (None, None))
+
+
+def _flat_layout(layout: Any) -> Any:
+    """The one-axis layout `DeviceMesh._flatten` gives the group of a flattened view, on either torch layout API.
+
+    torch 2.13 collapses a slice's layout into one flat axis (`collapse`); torch 2.11 has no `collapse`: its
+    `_flatten` coalesces the layout, nests it when more than one mode remains, and creates the group from
+    axis 0 of that, which is what this returns there.
+    """
+    if hasattr(layout, "collapse"):
+        return layout.collapse()
+    coalesced = layout.coalesce()
+    return (coalesced.nest() if len(coalesced) > 1 else coalesced)[0]
 
 
 def _build_mesh(setup: DistributedSetup, device_type: str, timeout: datetime.timedelta | None) -> DistributedSetup:
