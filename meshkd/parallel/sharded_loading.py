@@ -36,7 +36,8 @@ from torch import nn
 
 from meshkd.parallel.pruning import prune_layers
 
-__all__ = ["Checkpoint", "causal_lm_class", "default_attn_implementation", "empty_causal_lm", "is_empty", "load_shards"]
+__all__ = ["Checkpoint", "causal_lm_class", "default_attn_implementation", "empty_causal_lm", "fill_from_whole",
+           "is_empty", "load_shards"]
 
 
 class Checkpoint:
@@ -312,8 +313,9 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
     """Give `model`'s meta parameters storage on `device` and fill each with this rank's share.
 
     `model` is the laid-out model or a module holding its parameters under other names (a pipeline stage
-    wrapper): `names` then maps this module's parameter names to the model's (default: the same). Buffers
-    keep their values.
+    wrapper, a LoRA student's base layers): `names` then maps this module's parameter names to the model's
+    (default: the same); a parameter it maps to None is given storage only, for the caller to fill (a
+    LoRA adapter). Buffers keep their values.
     """
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     tied = _tied_names(model)
@@ -327,6 +329,8 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint, *, device: torch.devic
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
     for name, parameter in model.named_parameters():
+        if names is not None and names[name] is None:
+            continue
         source = checkpoint.sources[names[name] if names else name]
         # Opened per parameter: the file's pages read for one parameter are unmapped before the next is
         # read, so they never add up to the whole checkpoint in this process's resident memory.
@@ -344,7 +348,7 @@ def _tied_names(model: nn.Module) -> dict[str, list[str]]:
 
 def _fill(parameter: torch.Tensor, source: StoredTensor, files: _OpenFiles) -> None:
     """Copy this rank's piece of the stored tensor `source` into `parameter`."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     shape = source.shape(files)
     if tuple(parameter.shape) != shape:
@@ -364,7 +368,20 @@ def _fill(parameter: torch.Tensor, source: StoredTensor, files: _OpenFiles) -> N
     # Padded or other placements: cut this rank's piece from the whole tensor.
     tensor = torch.empty(shape, dtype=local.dtype, device=local.device)
     source.read_into(files, whole, tensor)
-    local.copy_(distribute_tensor(tensor, parameter.device_mesh, parameter.placements, src_data_rank=None).to_local())
+    fill_from_whole(parameter, tensor)
+
+
+def fill_from_whole(parameter: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy into `parameter` (a DTensor's local piece, or a plain tensor) its share of `whole`, the same
+    tensor on every rank (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(parameter, DTensor):
+        parameter.copy_(whole)
+        return
+    whole = whole.to(device=parameter.to_local().device, dtype=parameter.dtype)
+    parameter.to_local().copy_(
+        distribute_tensor(whole, parameter.device_mesh, parameter.placements, src_data_rank=None).to_local())
 
 
 def _local_indices(shape: tuple[int, ...], parameter) -> list[torch.Tensor] | None:

@@ -36,7 +36,7 @@ from meshkd.parallel.mixed_precision import rounded_update_warning
 from meshkd.parallel.sharded_loading import is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe import checkpoint as ckpt
-from meshkd.recipe.adapters import add_adapters, export_adapters
+from meshkd.recipe.adapters import add_adapters, checkpoint_names, export_adapters, init_adapters
 from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, TeachersEvaluation, before_and_after
@@ -97,13 +97,13 @@ class StudentTrainer:
         dtype = config.model.dtype if config.peft is not None else config.model.parameter_dtype()
         section = dataclasses.replace(config.model, dtype=dtype)
         with about("model"):
-            if self.setup.strategy == "fsdp2" and config.peft is None:
+            if self.setup.strategy == "fsdp2":
                 self._model, self._checkpoint = load_section_model_for_layout(section)
             else:
                 self._model, self._checkpoint = load_section_model(section), None
             if config.model.activation_checkpointing:
                 enable_activation_checkpointing(self._model)
-        if config.peft is not None:  # on the whole model, before any layout (meshkd.recipe.adapters)
+        if config.peft is not None:  # before any layout (meshkd.recipe.adapters)
             with about("peft"):
                 add_adapters(self._model, config.peft, seed=config.model.seed)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
@@ -179,8 +179,11 @@ class StudentTrainer:
                 model.to(self.device)
             laid_out = parallelize_student(model, setup, compute_dtype=compute_dtype)
         if self._checkpoint is not None:
+            names = checkpoint_names(laid_out) if config.peft is not None else None
             with about("model"):
-                load_shards(laid_out, self._checkpoint, device=self.device)
+                load_shards(laid_out, self._checkpoint, device=self.device, names=names)
+            if config.peft is not None:
+                init_adapters(laid_out, seed=config.model.seed)
         del self._model, self._checkpoint
         return laid_out, pipeline
 
