@@ -156,10 +156,11 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
         raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
     from meshkd.recipe import data
     from meshkd.recipe.loaders import load_section_tokenizer
+    from meshkd.recipe.routing import route_names
 
     train, val = data.build_run_datasets(load_section_tokenizer(config.model), config.dataset,
                                          sequence_length=config.step_scheduler.sequence_length,
-                                         store_wait_s=config.setup_timeout_s)
+                                         routes=route_names(config), store_wait_s=config.setup_timeout_s)
     print(f"meshkd prepare-data: {train.store.directory}: {train.store.manifest['documents']} documents, "
           f"{train.store.manifest['tokens']} tokens ({train.store.manifest['token_dtype']}); training {len(train)} "
           f"rows, validation {len(val)} rows of {config.step_scheduler.sequence_length} tokens")

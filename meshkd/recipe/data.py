@@ -264,21 +264,29 @@ def validation_documents(num_documents: int, val_fraction: float, seed: int) -> 
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
-                       prompts: bool = False, store_wait_s: float = 3600.0) -> tuple[PackedDataset, PackedDataset]:
+                       routes: list[str] | None = None, prompts: bool = False,
+                       store_wait_s: float = 3600.0) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says; `text_key`
     and `pack` in place of the section's (on-policy prompts of text rows read another column, one per row);
-    `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`).
+    `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`);
+    `routes`: the teachers' names rows routed by `dataset.teacher_key` give, packed teacher by teacher
+    (`meshkd.recipe.routing`).
 
     With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.token_store`,
     written first if there is none; `store_wait_s`: how long to wait for another process writing it), unless
-    `pack_texts` makes them (a cross-tokenizer or routed run) or `text_key` / `prompts` ask for prompts."""
+    `pack_texts` makes them (a cross-tokenizer run) or `text_key` / `prompts` ask for prompts."""
     pack = dataset.packing if pack is None else pack
     if dataset.token_store is not None and pack_texts is None and text_key is None and not prompts:
         from meshkd.recipe.token_store import stored_datasets
 
         check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                         dataset.max_document_chars, "replace")
-        return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s)
+        return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
+                               routes=routes)
+    if routes is not None:
+        from meshkd.recipe.routing import routed_packing
+
+        pack_texts = routed_packing(pack_texts or packer(tokenizer, sequence_length, pack=pack), routes)
     if text_key is not None:
         dataset = dataclasses.replace(dataset, text_key=text_key)
     arguments = reading_arguments(dataset, tokenizer)

@@ -18,6 +18,12 @@ from meshkd.recipe.data import BATCH_KEYS, PackedDataset
 PackTexts = Callable[[list[str]], PackedDataset]
 
 
+def route_names(config) -> list[str] | None:
+    """The names routed rows may give, in the teachers' order (a row's index in it is its `ROUTE`), or None
+    when rows are not routed."""
+    return [teacher.name for teacher in config.teachers] if config.dataset.teacher_key is not None else None
+
+
 def routed_packing(pack_texts: PackTexts, names: list[str]) -> PackTexts:
     """`pack_texts` applied to each teacher's documents of a split apart, the rows put together in teacher order."""
     def pack(texts: list[str]) -> PackedDataset:

@@ -20,7 +20,7 @@ from meshkd.recipe.aligned_data import row_fill, run_packing
 from meshkd.recipe.batches import iterate_batches
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.on_policy import OnPolicyStep, build_prompt_set
-from meshkd.recipe.routing import routed_packing
+from meshkd.recipe.routing import route_names
 from meshkd.recipe.train_step import TrainStep, micro_batches, step_items
 
 
@@ -30,13 +30,9 @@ def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     rows carry the teacher's tokenization too (`meshkd.recipe.aligned_data`); with `dataset.teacher_key` their teacher
     (`meshkd.recipe.routing`)."""
     steps = config.step_scheduler
-    pack_texts = run_packing(config, tokenizer, teacher_tokenizer)
-    if config.dataset.teacher_key is not None:
-        pack_texts = routed_packing(pack_texts or data.packer(tokenizer, steps.sequence_length,
-                                                              pack=config.dataset.packing),
-                                    [teacher.name for teacher in config.teachers])
     train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
-                                         pack_texts=pack_texts, store_wait_s=config.setup_timeout_s)
+                                         pack_texts=run_packing(config, tokenizer, teacher_tokenizer),
+                                         routes=route_names(config), store_wait_s=config.setup_timeout_s)
     if not (config.dataset.whole_prompts and config.kd.generates):
         return train, val, None, None
     max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens

@@ -8,13 +8,15 @@ Design:
   removed.
 - Files: `tokens.bin` (every document's ids back to back, in the smallest unsigned type that holds the
   vocabulary), `trains.bin` (a byte per token, 1 where it trains, for chat / prompt_completion rows),
-  `documents.bin` (int64 [documents + 1] offsets) and `manifest.json` (the key, the counts, and a CRC-32 per
+  `documents.bin` (int64 [documents + 1] offsets), `routes.bin` (int32, each document's teacher index in
+  `teachers`, for rows routed by `dataset.teacher_key`) and `manifest.json` (the key, the counts, and a CRC-32 per
   MiB block of each file). Written in a temporary directory and renamed into place, so nothing half-written is
   ever read; the first process of a host to take the store's file lock writes it, the others wait for the
   lock under `setup_timeout_s`. With `dataset.tokenize_workers` > 1 it reads the rows and hands them in chunks
   to worker processes that render and tokenize them, in order.
 - A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the same
-  split and first-fit packing as `meshkd.recipe.data`, so rows equal the in-memory ones token for token) and
+  split and first-fit packing as `meshkd.recipe.data`, so rows equal the in-memory ones token for token; routed
+  rows packed teacher by teacher as `meshkd.recipe.routing` packs them, each row's teacher in the plan) and
   kept beside the tokens in `plan-<digest>/`, written the same way.
 - `StoredRows` is a split's rows: a batch is built on demand from the memory-mapped tokens, so a rank's resident
   memory does not grow with the corpus. Each MiB block is checked against its CRC-32 the first time this
@@ -148,14 +150,16 @@ class TokenStore:
         offsets = _Checked(directory / "documents.bin", np.dtype(np.int64), files["documents.bin"]["crc32"],
                            files["documents.bin"]["bytes"])
         self.offsets = offsets.whole()
+        self.routes = (_Checked(directory / "routes.bin", np.dtype(np.int32), files["routes.bin"]["crc32"],
+                                files["routes.bin"]["bytes"]).whole() if "routes.bin" in files else None)
         if len(self.offsets) != self.manifest["documents"] + 1 or self.offsets[-1] != self.manifest["tokens"]:
             raise ValueError(f"token store {directory}: its document index does not match its manifest")
 
     @staticmethod
-    def write(directory: Path, key: dict, documents: Iterable[list[tuple[torch.Tensor, torch.Tensor | None]]],
-              vocabulary: int, *, masked: bool, progress: bool) -> None:
-        """Write the store of `documents` (chunks of `records.tokenize_documents`' output) at `directory`,
-        atomically."""
+    def write(directory: Path, key: dict, documents: Iterable[list[tuple]], vocabulary: int, *, masked: bool,
+              routed: bool, progress: bool) -> None:
+        """Write the store of `documents` (chunks of (ids, trains, route index): `records.tokenize_documents`'
+        output with each document's teacher index, None unless `routed`) at `directory`, atomically."""
         dtype = token_dtype(vocabulary)
 
         def fill(tmp: Path) -> None:
@@ -163,14 +167,17 @@ class TokenStore:
             offsets = [np.zeros(1, dtype=np.int64)]
             bar = _progress(progress)
             with open(tmp / "tokens.bin", "wb") as ids_file, \
-                    open(tmp / "trains.bin", "wb") if masked else contextlib.nullcontext() as trains_file:
+                    open(tmp / "trains.bin", "wb") if masked else contextlib.nullcontext() as trains_file, \
+                    open(tmp / "routes.bin", "wb") if routed else contextlib.nullcontext() as routes_file:
                 for chunk in documents:
-                    for ids, trains in chunk:  # torch tensors, or numpy arrays from tokenizing workers
+                    if routes_file is not None:
+                        routes_file.write(np.array([route for _, _, route in chunk], dtype=np.int32).tobytes())
+                    for ids, trains, _ in chunk:  # torch tensors, or numpy arrays from tokenizing workers
                         ids_file.write(np.asarray(ids).astype(dtype).tobytes())
                         if trains_file is not None:
                             mask = np.ones(len(ids), dtype=bool) if trains is None else np.asarray(trains)
                             trains_file.write(mask.astype(np.uint8).tobytes())
-                    lengths = np.array([len(ids) for ids, _ in chunk], dtype=np.int64)
+                    lengths = np.array([len(ids) for ids, _, _ in chunk], dtype=np.int64)
                     offsets.append(tokens + np.cumsum(lengths))
                     tokens += int(lengths.sum())
                     count += len(chunk)
@@ -182,7 +189,7 @@ class TokenStore:
             if count == 0:
                 raise ValueError("no non-empty document in dataset.paths / dataset.hf")
             np.concatenate(offsets).tofile(tmp / "documents.bin")
-            names = ["tokens.bin", "documents.bin"] + (["trains.bin"] if masked else [])
+            names = ["tokens.bin", "documents.bin"] + ["trains.bin"] * masked + ["routes.bin"] * routed
             manifest = {"format": FORMAT, "version": VERSION, "key": key, "documents": count, "tokens": tokens,
                         "token_dtype": dtype.name,
                         "files": {name: {"bytes": (tmp / name).stat().st_size, "crc32": _block_crcs(tmp / name)}
@@ -213,7 +220,8 @@ class StoredRows:
 
     A plan lists the split's pieces by row: `starts` (in the store's tokens), `lengths` and `offsets` (in the
     row), and `row_starts` [rows + 1] (the row's first piece); the k-th piece of a row is its document k + 1.
-    `documents` [1] counts the split's documents that have a token.
+    `documents` [1] counts the split's documents that have a token; routed rows' plans also hold `routes`
+    [rows], each row's teacher index, returned under `ROUTE` as `meshkd.recipe.routing` returns it.
     """
 
     def __init__(self, store: TokenStore, plan: dict[str, np.ndarray], *, sequence_length: int,
@@ -222,6 +230,10 @@ class StoredRows:
         self.sequence_length, self.pad_token_id = sequence_length, pad_token_id
         self.num_documents = int(plan["documents"][0])  # source documents with a token, as PackedDataset counts
         self.extra: dict = {}
+        if "routes" in plan:
+            from meshkd.core.teacher_ensemble import ROUTE
+
+            self.extra[ROUTE] = (torch.from_numpy(np.array(plan["routes"], dtype=np.int64)).view(-1, 1), -1)
 
     def __len__(self) -> int:
         return len(self.plan["row_starts"]) - 1
@@ -258,12 +270,14 @@ class StoredRows:
                 batch["labels"][out, offset : offset + length - 1] = targets
                 batch["position_ids"][out, at] = torch.arange(length)
                 batch["attention_mask"][out, at] = document
-        return batch
+        return batch | {key: tensor[rows] for key, (tensor, _) in self.extra.items()}
 
     def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
         from meshkd.recipe.data import padding_rows
 
-        return padding_rows(num_rows, self.sequence_length, self.pad_token_id)
+        return padding_rows(num_rows, self.sequence_length, self.pad_token_id) | {
+            key: torch.full((num_rows, tensor.shape[1]), value, dtype=tensor.dtype)
+            for key, (tensor, value) in self.extra.items()}
 
     def __repr__(self) -> str:
         return (f"StoredRows(rows={len(self)}, sequence_length={self.sequence_length}, "
@@ -296,15 +310,35 @@ def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *,
             "row_starts": row_starts, "documents": np.array([np.count_nonzero(lengths)], dtype=np.int64)}
 
 
+def plan_routed(lengths: np.ndarray, starts: np.ndarray, routes: np.ndarray, num_teachers: int,
+                sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
+    """The plan of routed documents: each teacher's documents (`routes`: their indices) packed apart by
+    `plan_split`, the rows put together in teacher order, each row's teacher under `routes`."""
+    parts = [(teacher, plan_split(lengths[routes == teacher], starts[routes == teacher], sequence_length, pack=pack))
+             for teacher in range(num_teachers) if np.any(routes == teacher)]
+    row_starts, pieces = [np.zeros(1, dtype=np.int64)], 0
+    for _, plan in parts:
+        row_starts.append(plan["row_starts"][1:] + pieces)
+        pieces += len(plan["starts"])
+    empty = np.zeros(0, dtype=np.int64)
+    return {**{name: np.concatenate([plan[name] for _, plan in parts] or [empty])
+               for name in ("starts", "lengths", "offsets")},
+            "row_starts": np.concatenate(row_starts),
+            "routes": np.concatenate([np.full(len(plan["row_starts"]) - 1, teacher, dtype=np.int64)
+                                      for teacher, plan in parts] or [empty]),
+            "documents": np.array([sum(int(plan["documents"][0]) for _, plan in parts)], dtype=np.int64)}
+
+
 def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wait_s: float,
-                    progress: bool = True) -> tuple[StoredRows, StoredRows]:
+                    routes: list[str] | None = None, progress: bool = True) -> tuple[StoredRows, StoredRows]:
     """(train, validation) rows of a recipe's `dataset` section read from its token store (`dataset.token_store`),
-    which this process writes first when no store of these sources, tokenizer and settings exists yet."""
+    which this process writes first when no store of these sources, tokenizer and settings exists yet; `routes`:
+    the teachers' names rows routed by `dataset.teacher_key` give (their order: the teacher indices)."""
     from meshkd.recipe import data
     from meshkd.recipe.config import expand_path
 
-    arguments = data.reading_arguments(dataset, tokenizer)
-    key = store_key(tokenizer, dataset, arguments)
+    arguments = data.reading_arguments(dataset, tokenizer, routes)
+    key = store_key(tokenizer, dataset, arguments) | {"routes": routes}
     root = Path(expand_path(dataset.token_store))
     directory = root / digest(key)
     split_key = {"sequence_length": sequence_length, "packing": pack, "val_fraction": dataset.val_fraction,
@@ -316,15 +350,22 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
             print(f"meshkd: tokenizing the corpus once into {directory}" + (
                 f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
                 file=sys.stderr, flush=True)
-            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments), len(tokenizer),
-                             masked=dataset.records != "text", progress=progress)
+            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes), len(tokenizer),
+                             masked=dataset.records != "text", routed=routes is not None, progress=progress)
         store = TokenStore(directory)
         if not plans.exists():
             lengths = store.document_lengths()
             held_out = np.zeros(len(lengths), dtype=bool)
             held_out[data.validation_documents(len(lengths), dataset.val_fraction, dataset.seed).numpy()] = True
             starts = store.offsets[:-1]
-            save_plans(plans, {split: plan_split(lengths[chosen], starts[chosen], sequence_length, pack=pack)
+
+            def plan(chosen: np.ndarray) -> dict[str, np.ndarray]:
+                if store.routes is None:
+                    return plan_split(lengths[chosen], starts[chosen], sequence_length, pack=pack)
+                return plan_routed(lengths[chosen], starts[chosen], store.routes[chosen], len(routes),
+                                   sequence_length, pack=pack)
+
+            save_plans(plans, {split: plan(chosen)
                                for split, chosen in (("train", ~held_out), ("validation", held_out))})
     pad = data.pad_token_id(tokenizer)
     train, val = (StoredRows(store, load_plan(plans / split), sequence_length=sequence_length, pad_token_id=pad)
@@ -332,18 +373,18 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     return train, val
 
 
-def _tokenized(tokenizer, dataset, arguments: dict) -> Iterator[list]:
-    """Chunks of the corpus's tokenized documents (`records.tokenize_documents`, empty ones kept), in corpus
-    order. With `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in
-    order), the rows are read here and turned into documents and tokens in worker processes, `imap` keeping
-    the order."""
+def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None) -> Iterator[list]:
+    """Chunks of the corpus's tokenized documents, in corpus order: (ids, trains, route index) per document
+    (`records.tokenize_documents`, empty ones kept; the index in `routes` of the teacher it names, None
+    unless routed). With `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the
+    documents in order), the rows are read here and turned into documents and tokens in worker processes,
+    `imap` keeping the order."""
     from meshkd.recipe import data, documents
-    from meshkd.recipe.records import tokenize_documents
 
     reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
     if dataset.tokenize_workers <= 1 or dataset.max_documents is not None:
         corpus = data.corpus_documents(**reading, encoding_errors="replace")
-        yield from (tokenize_documents(tokenizer, chunk, keep_empty=True) for chunk in _chunks(corpus))
+        yield from (_tokenize_chunk(tokenizer, chunk, routes) for chunk in _chunks(corpus))
         return
     files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
     rows = documents.iter_rows(files, format=dataset.format, encoding_errors="replace",
@@ -352,29 +393,39 @@ def _tokenized(tokenizer, dataset, arguments: dict) -> Iterator[list]:
     # Spawned, not forked (the tokenizer and torch run threads); so a script of the user's own that builds the
     # data guards its entry point, as multiprocessing requires (the meshkd commands do).
     context = multiprocessing.get_context("spawn")
-    with context.Pool(dataset.tokenize_workers, initializer=_start_worker, initargs=(tokenizer, dataset)) as pool:
+    with context.Pool(dataset.tokenize_workers, initializer=_start_worker,
+                      initargs=(tokenizer, dataset, routes)) as pool:
         yield from pool.imap(_tokenize_rows, _chunks(rows))
+
+
+def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None) -> list[tuple]:
+    """(ids, trains, route index) of each document of `chunk` (see `_tokenized`)."""
+    from meshkd.recipe.records import tokenize_documents
+
+    indices = [None if routes is None else routes.index(document.route) for document in chunk]
+    return [(ids, trains, index) for (ids, trains), index
+            in zip(tokenize_documents(tokenizer, chunk, keep_empty=True), indices)]
 
 
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer, dataset) -> None:
+def _start_worker(tokenizer, dataset, routes: list[str] | None) -> None:
     from meshkd.recipe.records import record_reader
 
-    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer), cut=dataset.max_document_chars)
+    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer, routes), routes=routes,
+                   cut=dataset.max_document_chars)
 
 
-def _tokenize_rows(rows: list) -> list[tuple[np.ndarray, np.ndarray | None]]:
+def _tokenize_rows(rows: list) -> list[tuple]:
     """A worker's chunk: rows -> documents -> tokens, as numpy arrays (torch tensors would travel as shared
     memory handles, one per array)."""
     from meshkd.recipe.documents import to_document
-    from meshkd.recipe.records import tokenize_documents
 
     chunk = [document for document in (to_document(_WORKER["read"], record, where, _WORKER["cut"])
                                         for record, where in rows) if document is not None]
-    return [(ids.numpy(), None if trains is None else trains.numpy())
-            for ids, trains in tokenize_documents(_WORKER["tokenizer"], chunk, keep_empty=True)]
+    return [(ids.numpy(), None if trains is None else trains.numpy(), route)
+            for ids, trains, route in _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["routes"])]
 
 
 def store_key(tokenizer, dataset, arguments: dict) -> dict:
@@ -407,8 +458,7 @@ def _chunks(documents: Iterable) -> Iterator[list]:
 
 
 def load_plan(directory: Path) -> dict[str, np.ndarray]:
-    return {name: np.load(directory / f"{name}.npy", mmap_mode="r")
-            for name in ("starts", "lengths", "offsets", "row_starts", "documents")}
+    return {path.stem: np.load(path, mmap_mode="r") for path in directory.glob("*.npy")}
 
 
 def save_plans(directory: Path, plans: dict[str, dict[str, np.ndarray]]) -> None:

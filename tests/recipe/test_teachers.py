@@ -119,6 +119,11 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
                                topk_tail_samples=4)
         config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
         runs[name] = (config, False)
+    # The same routed rows read from a token store.
+    stored = copy.deepcopy(runs["routed_reference"][0])
+    stored["dataset"]["token_store"] = str(tmp / "routed_store" / "tokens")
+    stored["logging"]["run_dir"] = str(tmp / "routed_store" / "run")
+    runs["routed_stored"] = (stored, False)
     return runs
 
 
@@ -346,6 +351,14 @@ def test_each_row_reaches_only_its_teacher_in_any_layout(runs):
             assert set(own) == {name for name in counts if f"kd_loss/{name}" in record}
             mixed = sum(own[name] * record[f"kd_tokens/{name}"] for name in own) / record["num_tokens"]
             assert mixed == pytest.approx(record["kd_loss"], rel=1e-6)
+
+
+@pytest.mark.world
+def test_routed_rows_from_a_token_store_train_the_same_curve(runs):
+    records = runs.records("routed_stored")
+    assert curve(records) == curve(runs.records("routed_reference"))
+    assert [record["teacher_rows/code"] for record in train(records)] == [
+        record["teacher_rows/code"] for record in train(runs.records("routed_reference"))]
 
 
 def test_the_routing_field_needs_several_teachers_and_names_known_ones(tmp_path):

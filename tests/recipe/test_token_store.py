@@ -28,9 +28,12 @@ def assert_same_rows(stored, in_memory) -> None:
                                                                       in_memory.num_tokens)
     for index in (slice(0, len(in_memory)), torch.tensor([len(in_memory) - 1, 0, 1 % len(in_memory)]), 0):
         expected, got = in_memory[index], stored[index]
-        for key in data.BATCH_KEYS:
+        assert set(got) == set(expected)
+        for key in expected:  # the batch keys and the extra ones (a routed row's teacher)
             assert torch.equal(got[key], expected[key]), key
     assert stored.tokens_per_row() == in_memory.tokens_per_row()
+    padding, expected = stored.padding(2), in_memory.padding(2)
+    assert set(padding) == set(expected) and all(torch.equal(padding[key], expected[key]) for key in expected)
 
 
 @pytest.mark.parametrize("kind", ["text", "text_unpacked", "chat", "prompt_completion"])
@@ -68,6 +71,29 @@ def test_worker_processes_tokenize_the_same_store(records, tmp_path):
     parallel = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=2)
     for got, expected in zip(data.build_run_datasets(TOKENIZER, parallel, sequence_length=128), in_memory):
         assert_same_rows(got, expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_routed_rows_are_stored_with_their_teacher(workers, tmp_path):
+    """Rows routed by `dataset.teacher_key`: each teacher's documents packed apart, each row marked with its
+    teacher (ROUTE), as in memory; with tokenizing workers too; a name of no teacher refused naming the key."""
+    from meshkd.core.teacher_ensemble import ROUTE
+    from tests.recipe.test_teachers import routed_corpus
+
+    corpus = routed_corpus(tmp_path / "routed")
+    dataset = DatasetConfig(paths=[corpus["both"]], teacher_key="teacher", val_fraction=0.2, seed=3)
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=workers)
+    for length in (16, 64):
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, routes=["code", "prose"])
+        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, routes=["code", "prose"])
+        for got, expected in zip(stored, in_memory):
+            assert_same_rows(got, expected)
+        routes = stored[0][:][ROUTE][:, 0].tolist()
+        assert routes == sorted(routes) and set(routes) == {0, 1}  # the code rows, then the prose rows
+    with pytest.raises(ValueError, match=r"both\.jsonl:2: dataset\.teacher_key 'teacher' names the teacher 'prose', "
+                                         r"which is none of the teachers \['code'\]"):
+        data.build_run_datasets(TOKENIZER, dataclasses.replace(stored_dataset, token_store=str(tmp_path / "other")),
+                                sequence_length=16, routes=["code"])
 
 
 def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
