@@ -283,6 +283,11 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
                         dataset.max_document_chars, "replace")
         return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
                                routes=routes)
+    if dataset.token_store is not None and pack_texts is not None:
+        from meshkd.recipe.metrics import warn0
+
+        warn0("dataset.token_store is not used for kd.cross_tokenizer rows (both tokenizations, aligned): they are "
+              "tokenized in memory")
     if routes is not None:
         from meshkd.recipe.routing import routed_packing
 
