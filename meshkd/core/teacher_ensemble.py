@@ -9,20 +9,14 @@ micro-batch at the same time, while the student trains on the previous one; the 
 slowest teacher, not for their sum. Without overlap the members are asked in turn. A member's failure is
 raised inside `watch(operation, role)` with that teacher's role, so a lost teacher is named.
 
-How answers combine into the KD term (`combined_kd_loss`), with weights w normalized to sum to 1:
-- "sum": sum_i w_i D(teacher_i || student), each divergence on its own answer, any transport;
-- "mixture": D(sum_i w_i p_i || student), against the mixture of the teachers' distributions at the
-  temperature (`mix_full_answers`; whole-distribution answers: full or full_bf16);
-- "route": each row's divergence to its own teacher, which alone was asked for it (the rows' `ROUTE` field;
-  the answers put back together by `merge_routed_answers`).
-Two identical teachers give the one-teacher objective by sum or mixture, and a weight of 0 drops a teacher.
+How the student combines the answers into its KD term (`kd.combine`: sum, mixture, route) is the answer's
+own: `meshkd.recipe.teacher_answers.Ensemble`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -161,83 +155,3 @@ def _combined(answers: dict[str, Encoded | None], waits: dict[str, float]) -> En
     if all(answer is None for answer in answers.values()):
         return None
     return {"mode": TEACHERS, "answers": answers, "wait_s": waits}
-
-
-def mix_full_answers(answers: dict[str, Encoded], weights: dict[str, float], *, temperature: float) -> Encoded:
-    """One "full" answer whose distribution at `temperature` is the mixture sum_i w_i softmax(z_i / T).
-
-    Its logits are z_r + T log sum_i w_i p_i / p_r, r the first teacher of weight > 0: the mixture's log
-    probabilities up to a constant, which the loss's softmax drops. Taken relative to one teacher, so that
-    teachers that agree (and teachers of weight 0) give back exactly that teacher's logits."""
-    for name, answer in answers.items():
-        if answer.get("mode") not in ("full", "full_bf16"):
-            raise ValueError(f"teacher {name!r} answered {answer.get('mode')!r}: a mixture of teachers needs their "
-                             "whole distributions (logits_transport full or full_bf16)")
-    kept = [name for name in answers if weights[name] > 0]
-    reference = answers[kept[0]]["logits"].float()
-    reference_norm = torch.logsumexp(reference / temperature, dim=-1, keepdim=True)
-    terms = []
-    for name in kept:  # log(w_i p_i / p_r), from the logits' differences: exactly log w_r for the reference
-        logits = answers[name]["logits"].float()
-        norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
-        terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
-    return {"mode": "full", "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)}
-
-
-def answered_rows(answer: Encoded) -> int:
-    """The rows one teacher's answer covers (every tensor of an encoding is [rows, ...])."""
-    return next(value.shape[0] for value in answer.values() if isinstance(value, torch.Tensor))
-
-
-def merge_routed_answers(answers: dict[str, Encoded], rows: dict[str, torch.Tensor]) -> Encoded:
-    """One answer for the whole micro-batch from each teacher's answer for its rows (`rows`: name -> bool [rows]).
-
-    The teachers answer in one encoding (full_bf16 next to full is taken as float32)."""
-    modes = {answer["mode"].replace("full_bf16", "full") for answer in answers.values()}
-    if len(modes) > 1:
-        raise ValueError(f"routed teachers answered in different encodings {sorted(modes)}: give them one "
-                         "logits_transport")
-    for name, answer in answers.items():
-        if answered_rows(answer) != int(rows[name].sum()):
-            raise ValueError(f"teacher {name!r} answered {answered_rows(answer)} rows, not the "
-                             f"{int(rows[name].sum())} routed to it")
-    first = next(iter(answers.values()))
-    total = next(iter(rows.values())).shape[0]
-    merged = {}
-    for key, value in first.items():
-        if not isinstance(value, torch.Tensor):
-            merged[key] = value
-            continue
-        dtype = torch.float32 if value.is_floating_point() else value.dtype
-        merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
-        for name, answer in answers.items():
-            merged[key][rows[name]] = answer[key].to(dtype)
-    merged["mode"] = "full" if first["mode"] == "full_bf16" else first["mode"]
-    return merged
-
-
-def combined_kd_loss(answer: Encoded, loss_fn: Callable[..., torch.Tensor], *, weights: dict[str, float],
-                     combine: str, temperature: float, routes: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(the KD term of an ensemble's answer, each teacher's own divergence, detached) by `combine`.
-
-    `loss_fn(answer, rows=None)`: the divergence of the student's logits to one answer at `temperature`
-    (over `rows` only: a bool [rows] mask). "sum" weighs the members' divergences; "mixture" takes the
-    divergence to their mixture (`mix_full_answers`), and each member's own divergence for the metrics only;
-    "route" the divergence of each row to its teacher (`routes`: [rows] each row's teacher's index)."""
-    answers = answer["answers"]
-    if combine == "route":
-        rows = {name: routes == index for index, name in enumerate(answers)}
-        merged = merge_routed_answers(answers, rows)
-        each = {name: loss_fn(merged, rows[name]) for name in answers}
-        return sum(each.values()), {name: loss.detach() for name, loss in each.items()}
-    if combine == "sum":
-        each = {name: loss_fn(member) for name, member in answers.items()}
-        total = sum(weights[name] * loss for name, loss in each.items())
-        return total, {name: loss.detach() for name, loss in each.items()}
-    if combine != "mixture":
-        raise ValueError(f"combine must be sum, mixture or route, got {combine!r}")
-    total = loss_fn(mix_full_answers(answers, weights, temperature=temperature))
-    with torch.no_grad():
-        each = {name: loss_fn(member).detach() for name, member in answers.items()}
-    return total, each

@@ -20,9 +20,11 @@
   `val_top1_agreement`, the share of valid labels where the student's likeliest token is the teacher's
   (the teacher's from its full logits, or the first of its top-k). Both over the vocabulary the two
   share (the student's logits cut to it, as in training). One request per batch carries the encoding
-  and each label's log-probability (`with_label_log_probs`). A teacher cache holds only the labels'
-  log-probabilities for validation rows, and a teacher with another tokenizer answers over its own
-  vocabulary: these two figures are then left out, and the evaluation says why.
+  and each label's log-probability (`with_label_log_probs`); the typed answer gives each figure
+  (`meshkd.recipe.teacher_answers`: `label_log_probs`, `Distribution.kl`, `Distribution.top1_agreements`).
+  A teacher cache holds only the labels' log-probabilities for validation rows, and a teacher with another
+  tokenizer answers over its own vocabulary: these two figures are then left out, and the evaluation says
+  why.
 
 Which evaluations ask the teacher: the first (step 0) and the last, one teacher request per validation
 batch each (`step_scheduler.val_batches` bounds them). The periodic ones (`val_every_steps`) report the
@@ -47,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import gather_values, group_device
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, split_label_log_probs, with_label_log_probs
-from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded, top1_agreements
+from meshkd.core.logits_codec import LABEL_LOG_PROBS, with_label_log_probs
+from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.stage_broadcast import broadcast_tensors_from_last_stage
 from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
@@ -58,7 +60,7 @@ from meshkd.recipe.batches import eval_batches
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions
-from meshkd.recipe.teacher_answers import Distribution, shard_encoding
+from meshkd.recipe.teacher_answers import Distribution, TeacherAnswer, answer_class, answer_of
 from meshkd.recipe.teacher_cache import CachedTeacher
 from meshkd.recipe.train_step import shard_micro_batch, student_logits, sum_over_ranks
 
@@ -116,7 +118,8 @@ class Evaluation:
         self.dp_rank = setup.dp_mesh.get_local_rank()
         self.without_distribution = None
         """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
-        if isinstance(teacher, CachedTeacher) and teacher.answer_mode("validation") == LABEL_LOG_PROBS:
+        if isinstance(teacher, CachedTeacher) and not issubclass(answer_class(teacher.answer_mode("validation")),
+                                                                  Distribution):
             self.without_distribution = ("kd.teacher_cache holds only each label's log-probability for validation "
                                          "rows, not the teacher's distribution")
         if config.kd.cross_tokenizer is not None:
@@ -131,9 +134,9 @@ class Evaluation:
                 return
             yield batch
 
-    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS) -> dict:
+    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS) -> TeacherAnswer | None:
         with self.watch("the teacher request", self.teacher_role):
-            return self.teacher.request(batch, transport)
+            return answer_of(self.teacher.request(batch, transport))
 
     @torch.no_grad()
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -149,7 +152,7 @@ class Evaluation:
             micro_batch = {key: value.to(self.device) for key, value in batch.items()}
             answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
-            answer = shard_encoding(answer, self.setup)
+            answer = answer.shard(self.setup) if answer is not None else None
             logits = student_logits(self.model, self.pipeline, micro_batch)
             if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
                 continue
@@ -162,10 +165,11 @@ class Evaluation:
         return self._figures(sum_over_ranks(sums, self.setup, device=self.device, and_cp=True),
                              with_teacher=with_teacher, with_distribution=with_distribution)
 
-    def _add_batch(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, answer: dict | None,
-                   teacher_labels: torch.Tensor, *, with_distribution: bool) -> None:
-        """Add one micro-batch's (this rank's share's) sums; `answer`: the teacher's, or None; `teacher_labels`:
-        those of its tokenization (the student's with one tokenizer)."""
+    def _add_batch(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                   answer: TeacherAnswer | None, teacher_labels: torch.Tensor, *, with_distribution: bool) -> None:
+        """Add one micro-batch's (this rank's share's) sums; `answer`: the teacher's (its labels' log-probabilities,
+        with `with_distribution` a `Distribution` beside them), or None; `teacher_labels`: those of its
+        tokenization (the student's with one tokenizer)."""
         kd, ignore = self.config.kd, self.config.kd.ignore_index
         valid = labels != ignore
         label_bytes = torch.where(valid, self.byte_lengths[labels.clamp(min=0)], 0)
@@ -177,21 +181,18 @@ class Evaluation:
         sums[_TOKENS] += valid.sum()
         if answer is None:
             return
-        encoded, log_probs = split_label_log_probs(answer) if with_distribution else (None, answer["log_probs"])
-        log_probs = log_probs.to(self.device).double()  # 0 at ignored labels
+        log_probs = answer.label_log_probs().to(self.device).double()  # 0 at ignored labels
         sums[_TEACHER_CE] -= log_probs.sum()
         teacher_valid = teacher_labels != ignore
         teacher_bytes = torch.where(teacher_valid, self.teacher_byte_lengths[teacher_labels.clamp(min=0)], 0)
         sums[_TEACHER_TOKENS] += teacher_valid.sum()
         sums[_TEACHER_NLL] -= torch.where(teacher_bytes > 0, log_probs, 0.0).sum()
         sums[_TEACHER_BYTES] += teacher_bytes.sum()
-        if encoded is None:
+        if not with_distribution:
             return
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
-        kl = kd_loss_encoded(kd_logits, encoded, labels, temperature=kd.temperature, ignore_index=ignore,
-                             num_valid_tokens=1, chunk_size=kd.chunk_size or max(labels.numel(), 1))
-        sums[_KL] += kl.double() / kd.temperature**2
-        sums[_TOP1] += top1_agreements(kd_logits, Distribution(encoded).top_tokens(), labels, ignore_index=ignore)
+        sums[_KL] += answer.kl(kd_logits, labels, kd)
+        sums[_TOP1] += answer.top1_agreements(kd_logits, labels, ignore_index=ignore)
 
     @staticmethod
     def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool) -> dict[str, float]:
@@ -224,7 +225,8 @@ class Evaluation:
             rows, tokens, completed = completer.rows(batch, [0] * batch["input_ids"].shape[0])
             answer = self._teacher_answer(rows)
             scored = int((teacher_side(rows)["labels"] != self.config.kd.ignore_index).sum())
-            sums = [sums[0] - float(answer["log_probs"].sum()), sums[1] + tokens, sums[2] + completed, sums[3] + scored]
+            sums = [sums[0] - float(answer.label_log_probs().sum()), sums[1] + tokens, sums[2] + completed,
+                    sums[3] + scored]
         nll, tokens, completions, scored = sum_over_ranks(sums, self.setup, device=self.device)
         return {"teacher_nll_of_samples": nll / max(scored, 1.0), "sample_length": tokens / max(completions, 1.0)}
 

@@ -3,11 +3,13 @@
 On separate meshes the teacher-only ranks run a `TeacherWorker`: it builds the teacher without weights
 where the checkpoint allows (`meshkd.parallel.sharded_loading`), lays it out with `TeacherRunner`, reads
 this rank's share, and serves the student through `meshkd.core.teacher_protocol.TeacherServer` until the
-student sends STOP_TEACHER. `TeacherForward` is the answer to one request (the runner's logits cut to the
-common vocabulary, encoded as asked); on shared meshes the student trainer calls it directly. A teacher with
-another tokenizer (`kd.cross_tokenizer`) reads its own tokenization of the rows and projects its answer onto
-the student's vocabulary at the aligned positions (`meshkd.recipe.aligned_data`) before encoding it, so the
-transport and the student's loss are those of one tokenizer; its log-probabilities of labels are of its own.
+student sends STOP_TEACHER. `TeacherForward` is the answer to one request: the runner's logits cut to the
+common vocabulary, made into the kind of answer asked (`meshkd.recipe.teacher_answers`: each kind's
+`encode`); on shared meshes the student trainer calls it directly. A teacher with another tokenizer
+(`kd.cross_tokenizer`) reads its own tokenization of the rows; its distribution is projected onto the
+student's vocabulary at the aligned positions (`Distribution.projected`) before it is encoded, so the
+transport and the student's loss are those of one tokenizer, or sent per aligned group for `uld` / `gold`
+(`GroupDistributions`); its log-probabilities of labels are of its own.
 """
 
 from __future__ import annotations
@@ -15,28 +17,22 @@ from __future__ import annotations
 import torch
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map, project_teacher_logits
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, WITH_LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs
+from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.teacher_runner import TeacherRunner
-from meshkd.recipe.aligned_data import (
-    GROUPS,
-    TEACHER_POSITIONS,
-    group_positions,
-    kd_labels,
-    teacher_group_log_probs,
-    teacher_side,
-)
+from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
 from meshkd.recipe.loaders import load_section_model_for_layout
 from meshkd.recipe.preflight import about
+from meshkd.recipe.teacher_answers import EncodeContext, answer_type
 
 
 class TeacherForward:
-    """The teacher's answer to a request: its logits over the common vocabulary, encoded as asked.
+    """The teacher's answer to a request: its logits, made into the kind of answer the request and the run ask
+    for (`meshkd.recipe.teacher_answers.answer_type`).
 
     `encodes`: whether this rank encodes (the rank that sends the answer); elsewhere the answer is None.
     `vocabulary_map`: a teacher with another tokenizer; its answers are projected onto the student's
@@ -46,58 +42,26 @@ class TeacherForward:
     def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True,
                  vocabulary_map: VocabularyMap | None = None):
         self.runner = runner
-        self.vocab_size = vocab_size
-        self.kd = kd
-        self.seed = seed
         self.encodes = encodes
-        self.vocabulary_map = vocabulary_map
+        self.context = EncodeContext(kd, seed=seed, vocab_size=vocab_size, vocabulary_map=vocabulary_map)
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
-        if request.batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
-            empty = torch.zeros(0, request.batch["input_ids"].shape[1], self.vocab_size, device=self.runner.device)
-            return self.encode(empty, request.batch, request.logits_transport) if self.encodes else None
-        logits = self.runner.logits(teacher_side(request.batch))
+        batch = request.batch
+        if batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
+            logits = torch.zeros(0, batch["input_ids"].shape[1], self.context.vocab_size, device=self.runner.device)
+        else:
+            logits = self.runner.logits(teacher_side(batch))
         if logits is None or not self.encodes:
             return None
-        cross = self.kd.cross_tokenizer
-        if cross is None:
-            logits = logits[..., : self.vocab_size]
-        elif request.logits_transport != LABEL_LOG_PROBS and cross.loss != "projection":
-            return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
-                logits, request.batch, temperature=self.kd.temperature, ignore_index=self.kd.ignore_index)}
-        elif request.logits_transport != LABEL_LOG_PROBS:
-            logits = self.project(logits, request.batch)
-        return self.encode(logits, request.batch, request.logits_transport)
+        return self.encode(logits, batch, request.logits_transport)
 
-    def project(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        """[rows, student sequence, student vocab]: at each student position KD counts (`kd_labels`), the
-        teacher's distribution at the paired teacher position projected onto the student's vocabulary (as
-        logits at `kd.temperature`); 0 elsewhere."""
-        ignore = self.kd.ignore_index
-        counted = kd_labels(batch, ignore) != ignore
-        paired = group_positions(batch, TEACHER_POSITIONS, logits.shape[1], ignore)  # in `counted`'s order
-        projected = project_teacher_logits(logits.flatten(0, 1)[paired], self.vocabulary_map,
-                                           temperature=self.kd.temperature, student_vocab_size=self.vocab_size)
-        result = projected.new_zeros(*counted.shape, self.vocab_size)
-        result[counted] = projected
-        return result
-
-    def encode(self, logits: torch.Tensor, batch: dict, mode: str) -> Encoded:
-        """Encode as `mode`, or give each label's log-probability (`LABEL_LOG_PROBS`), or both in one answer
-        (`with_label_log_probs(mode)`, what an evaluation asks for the held-out KL beside the teacher's loss).
-
-        Each row's tail samples are seeded by that row's tokens, so a resumed run, and a teacher cache
-        written ahead of time, draw the same ones whatever the rows are batched with."""
-        kd = self.kd
-        if mode == LABEL_LOG_PROBS:  # of the teacher's own tokens, whichever tokenizer
-            return label_log_probs(logits, teacher_side(batch)["labels"], ignore_index=kd.ignore_index)
-        if mode in WITH_LABEL_LOG_PROBS:
-            encoded = self.encode(logits, batch, mode.partition("+")[0])
-            return {**encoded, "label_log_probs": self.encode(logits, batch, LABEL_LOG_PROBS)["log_probs"]}
-        # One host sync for the whole batch, not one per row.
-        seeds = [self.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()]
-        return encode_teacher_rows(logits, mode, seeds=seeds, k=min(kd.topk, logits.shape[-1]),
-                                   temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
+    def encode(self, logits: torch.Tensor, batch: dict, transport: str) -> Encoded:
+        """The answer on the wire to a request for `transport` (`TeacherRequest.logits_transport`), from the
+        teacher's logits [rows, its sequence, its vocab] of `batch`: with one tokenizer cut to the vocabulary
+        both share, then made by the kind of answer asked (`answer_type`: its `encode`)."""
+        if self.context.kd.cross_tokenizer is None:
+            logits = logits[..., : self.context.vocab_size]
+        return answer_type(transport, self.context.kd).encode(logits, batch, transport, self.context)
 
 
 def teacher_vocabulary_map(config: KDRecipeConfig, checked, *, losses: tuple[str, ...]) -> VocabularyMap | None:

@@ -103,7 +103,7 @@ def valid_tokens(micro_batches: list[dict], *, ignore_index: int) -> int:
 
 def shard_micro_batch(micro_batch: dict, setup: DistributedSetup, *, ignore_index: int) -> dict:
     """This cp rank's head-tail share of a micro-batch (itself without cp); its teacher answer's share:
-    `TeacherAnswer.shard` (`shard_encoding` on the wire)."""
+    `TeacherAnswer.shard`."""
     if setup.cp_size == 1:
         return micro_batch
     return shard_student_batch(micro_batch, setup, ignore_index=ignore_index)[0]
@@ -134,7 +134,7 @@ class TrainStep:
         watch: `FaultWatch.watch`, around each wait for the teacher's answer.
         vocabulary_map: `kd.cross_tokenizer.loss: gold`'s exact pairs of the two vocabularies.
         teacher_weights: several teachers' normalized weights, by name (their answers combine by
-            `kd.combine`, `meshkd.core.teacher_ensemble`); each one's divergence and wait are logged as
+            `kd.combine`, `meshkd.recipe.teacher_answers.Ensemble`); each one's divergence and wait are logged as
             `kd_loss/NAME` and `teacher_wait_s/NAME`.
     """
 
@@ -274,11 +274,11 @@ class _StepPairs:
             with step.watch("the teacher request", "teacher"):
                 item, answer = next(self._feed)
             self.wait_s += time.perf_counter() - started
-            for name, wait in (answer or {}).get("wait_s", {}).items():
-                self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait
             if index == 0:
                 (self.num_valid,) = sum_over_ranks([item["step_valid"]], step.setup, device=step.device)
             answer = answer_of(answer)
+            for name, wait in (answer.wait_s if answer is not None else {}).items():
+                self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait
             yield (shard_micro_batch(item["micro_batch"], step.setup, ignore_index=step.kd.ignore_index),
                    answer.shard(step.setup) if answer is not None else None)
 
