@@ -179,10 +179,10 @@ class Distribution(TeacherAnswer):
         indexing of a sharded vocabulary)."""
         kd = context.kd
         counted = kd_labels(micro_batch, kd.ignore_index)
-        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
-        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
         if rows is not None:
             counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
+        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
+        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
         return kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
                                ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
