@@ -200,7 +200,8 @@ class CacheWriter:
         mine = next(index for index, replica in enumerate(replicas) if dist.get_rank() in replica.ranks)
         output = dist.get_rank() == replicas[mine].output_rank
         forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output,
-                                 vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)))
+                                 vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
+                                 hidden_layers=config.hidden_state_layers("teacher"))
         progress = None
         if is_logging_rank() and config.logging.progress_bar:
             from tqdm import tqdm
@@ -271,6 +272,8 @@ class CacheWriter:
         manifest = {"format": cache.FORMAT, "version": cache.VERSION, "key": state["key"],
                     "teacher": state["identity"], "teacher_vocab_rows": checked.teacher_vocab_rows,
                     "seed": self.config.seed, "splits": splits, "shards": records, "summary": summary}
+        if self.config.kd.hidden_states is not None:  # the width of its hidden states (a student's projection's)
+            manifest["teacher_hidden_size"] = checked.teacher_width
         if self.config.kd.cross_tokenizer is not None:  # a training run reads its rows' teacher side with it
             checked.teacher_tokenizer.save_pretrained(self.directory / cache.TEACHER_TOKENIZER)
         write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())

@@ -70,6 +70,14 @@ class CrossTokenizerConfig:
 
 
 @dataclass
+class HiddenStatesConfig:
+    """Intermediate-layer KD (`meshkd.recipe.hidden_states`): paired decoder layers' outputs, before any final norm."""
+    pairs: list[list[int]] | str = "kept"  # [[student layer, teacher layer], ...]; kept: model.keep_layers' own
+    loss: str = "mse"  # mse (mean over the width) | cosine (1 - cosine similarity), per counted position
+    weight: float = 1.0  # the term's weight in the objective, beside CE and logit KD
+
+
+@dataclass
 class TeacherConfig:
     """One of several teachers (`teachers`): a name, its model, its weight in the objective and its ranks."""
     name: str = ""  # letters, digits, - and _ (what dataset.teacher_key and --teacher name)
@@ -102,6 +110,7 @@ class KDConfig:
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)  # student completions
     cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one
     combine: str = "sum"  # several teachers: sum of divergences | mixture of distributions | route rows to one
+    hidden_states: HiddenStatesConfig | None = None  # intermediate-layer KD; None: the logits alone
 
     @property
     def evaluates_samples(self) -> bool:
@@ -285,6 +294,14 @@ class KDRecipeConfig:
             self, teachers=None, teacher_model=teacher.model, teacher_distributed=teacher.distributed,
             separate_meshes=teacher.distributed is not None, kd=replace(self.kd, teacher_cache=teacher.cache,
             logits_transport=teacher.logits_transport or self.kd.logits_transport)) for teacher in self.teachers}
+
+    def hidden_state_layers(self, side: str) -> list[int]:
+        """Derived: the `side` ("student" or "teacher") layers of `kd.hidden_states`' pairs, in order; [] without."""
+        if self.kd.hidden_states is None:
+            return []
+        from meshkd.recipe.hidden_states import pairs_of
+
+        return [pair[side == "teacher"] for pair in pairs_of(self.kd.hidden_states, self.model.keep_layers)]
 
     def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
         """Several teachers: name -> the layout of its own ranks in training; None: the student's, or its cache."""

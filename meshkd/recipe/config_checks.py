@@ -161,6 +161,7 @@ def check_kd(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
     check_on_policy(config)
     check_cross_tokenizer(config)
+    check_hidden_states(config)
     router = kd.router_aux_loss_coef
     if router is not None and not (router >= 0 and math.isfinite(router)):
         raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
@@ -245,6 +246,31 @@ def check_cross_tokenizer(config: KDRecipeConfig) -> None:
                           "the teacher's tokenization whole (students use dp and tp)")
 
 
+def check_hidden_states(config: KDRecipeConfig) -> None:
+    """`kd.hidden_states`: its pairs, loss and weight, and the layouts and teachers that can send its answer."""
+    from meshkd.recipe.hidden_states import LOSSES, pairs_of
+
+    hidden_states = config.kd.hidden_states
+    if hidden_states is None:
+        return
+    try:
+        pairs_of(hidden_states, config.model.keep_layers)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if hidden_states.loss not in LOSSES:
+        raise ConfigError(f"kd.hidden_states.loss must be mse or cosine, got {hidden_states.loss!r}")
+    if not (hidden_states.weight >= 0 and math.isfinite(hidden_states.weight)):
+        raise ConfigError(f"kd.hidden_states.weight must be a finite number >= 0, got {hidden_states.weight}")
+    if config.kd.cross_tokenizer is not None:
+        raise ConfigError("kd.hidden_states with kd.cross_tokenizer: the teacher's positions are its own tokens, "
+                          "not the student's; pair hidden states with a teacher of the student's tokenizer")
+    teacher_key = "teacher_distributed" if config.separate_meshes else "distributed"
+    for key, layout in (("distributed", config.distributed), (teacher_key, config.teacher_layout)):
+        if layout is not None and layout.pp_size > 1:
+            raise ConfigError(f"kd.hidden_states with {key}.pp_size({layout.pp_size}) > 1 is not supported: a "
+                              "pipeline stage holds only some of the paired layers; use dp, tp or cp for it")
+
+
 # ------------------------------------------------------------------------------------------- teachers (several at once)
 
 def check_teachers(config: KDRecipeConfig) -> None:
@@ -288,6 +314,9 @@ def check_teachers(config: KDRecipeConfig) -> None:
         raise ConfigError("kd.teacher_cache: with several teachers each has its own, teachers[i].cache")
     if kd.cross_tokenizer is not None:
         raise ConfigError("kd.cross_tokenizer does not yet work with several teachers (teachers); use one teacher "
+                          "(teacher_model) for it")
+    if kd.hidden_states is not None:
+        raise ConfigError("kd.hidden_states does not yet work with several teachers (teachers); use one teacher "
                           "(teacher_model) for it")
 
 

@@ -20,6 +20,7 @@ from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
 from meshkd.recipe.aligned_data import check_row_lengths
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.hidden_states import check_pairs, pairs_of
 from meshkd.recipe.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.metrics import warn0
 
@@ -52,6 +53,7 @@ class Preflight:
     student_vocab_rows: int
     teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
     cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
+    teacher_width: int | None = None  # the teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)
 
 
 def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
@@ -163,13 +165,13 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                                      else teacher_cache.cache_teacher_tokenizer(config))
         manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student),
                                              teacher_tokenizer=teacher_tokenizer)
-        teacher_rows = manifest["teacher_vocab_rows"]
+        teacher_rows, teacher_width = manifest["teacher_vocab_rows"], manifest.get("teacher_hidden_size")
     else:
         with about("teacher_model.tokenizer"):
             teacher_tokenizer = load_section_tokenizer(config.teacher_model)
         with about("teacher_model"):
             teacher = load_section_skeleton(config.teacher_model, "teacher_model")
-        teacher_rows = _embedding_rows(teacher)
+        teacher_rows, teacher_width = _embedding_rows(teacher), teacher.config.get_text_config().hidden_size
     with about("model.tokenizer / teacher_model.tokenizer"):
         vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
                                               teacher_vocab_size=teacher_rows,
@@ -182,7 +184,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
 
     checked = Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
                         student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
-                        cache_manifest=manifest)
+                        cache_manifest=manifest, teacher_width=teacher_width)
     roles = [("distributed", student_layout, "model", student, config.model)]
     if teacher is not None:
         roles.append((teacher_key, teacher_layout, "teacher_model", teacher, config.teacher_model))
@@ -220,6 +222,13 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                 f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
                 + (" (after keep_layers)" if section.keep_layers is not None else "")
             )
+    if config.kd.hidden_states is not None:
+        try:
+            check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
+                        student_layers=student.config.num_hidden_layers,
+                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else None)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
     micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
     if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:

@@ -41,6 +41,7 @@ from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
+from meshkd.recipe.hidden_states import HiddenStateProjections, LayerTap, StudentHiddenStates
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
 from meshkd.recipe.models import resolve_dtype
@@ -91,6 +92,7 @@ class StudentTrainer:
                            if check.cache_manifest is not None}
         checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
+        self._teacher_width = checked.teacher_width
         # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
         # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
         # A LoRA student's frozen base: in the compute dtype (meshkd.recipe.adapters).
@@ -130,7 +132,12 @@ class StudentTrainer:
         self.vocab_size, self.bridges = vocab_size, bridges
         self.teacher = self._setup_teacher_source()
         self.model, self.pipeline = self._setup_model()
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.config)
+        self.hidden_states = self._student_hidden_states()
+        # What checkpoints hold: the student, and beside it the hidden-state projections when there are some.
+        self.checkpointed = self.model if not self.hidden_states or not self.hidden_states.parameters() else \
+            torch.nn.ModuleDict({"student": self.model, "hidden_state_projections": self.hidden_states.projections})
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.config, self.hidden_states.parameters() if self.hidden_states else [])
         self._setup_step()
         if self.config.model.pure_half_precision:
             warning = rounded_update_warning(self.model.parameters(), self.config.optimizer.lr,
@@ -153,7 +160,8 @@ class StudentTrainer:
             else:
                 runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
                 sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
-                                                            seed=config.seed, vocabulary_map=self._vocabulary_map))
+                                                            seed=config.seed, vocabulary_map=self._vocabulary_map,
+                                                            hidden_layers=view.hidden_state_layers("teacher")))
         if not config.teachers:
             return sources["teacher"]
         return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},
@@ -195,7 +203,8 @@ class StudentTrainer:
                               num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
                               router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
                               vocabulary_map=self._vocabulary_map,
-                              teacher_weights=config.teacher_weights() if config.teachers else None)
+                              teacher_weights=config.teacher_weights() if config.teachers else None,
+                              hidden_states=self.hidden_states)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         def evaluation(teacher: TeacherSource, view: KDRecipeConfig, role: str = "teacher") -> Evaluation:
@@ -214,6 +223,18 @@ class StudentTrainer:
         else:
             self.evaluation = evaluation(self.teacher, config)
 
+    def _student_hidden_states(self) -> StudentHiddenStates | None:
+        """`kd.hidden_states`' student side: a tap on the laid-out student's paired layers, and projections onto
+        the teacher's width where it differs from the student's."""
+        hidden_states, layers = self.config.kd.hidden_states, self.config.hidden_state_layers("student")
+        if hidden_states is None:
+            return None
+        model = getattr(self.model, "module", self.model)  # DDP's
+        width = model.config.get_text_config().hidden_size
+        projections = HiddenStateProjections(layers, student_width=width, teacher_width=self._teacher_width)
+        return StudentHiddenStates(LayerTap(model, layers), weight=hidden_states.weight,
+                                   projections=projections.to(self.device) if width != self._teacher_width else None)
+
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
 
@@ -223,7 +244,7 @@ class StudentTrainer:
             for stale in ckpt.remove_partials(self.checkpoint_root):
                 print0(f"meshkd: removed {stale}, left by a checkpoint save that did not finish")
         if resume:
-            latest, self.start_step = ckpt.resume_latest(self.checkpoint_root, model=self.model,
+            latest, self.start_step = ckpt.resume_latest(self.checkpoint_root, model=self.checkpointed,
                                                          optimizer=self.optimizer, scheduler=self.scheduler,
                                                          group=self.student_group)
             print0(f"resumed from {latest} at step {self.start_step}" if latest is not None
@@ -375,7 +396,7 @@ class StudentTrainer:
 
     def save(self, step: int) -> None:
         with self.faults.watch(f"saving the checkpoint of step {step}", "student"):
-            ckpt.save_checkpoint(self.checkpoint_root, step, model=self.model, optimizer=self.optimizer,
+            ckpt.save_checkpoint(self.checkpoint_root, step, model=self.checkpointed, optimizer=self.optimizer,
                                  scheduler=self.scheduler, group=self.student_group)
 
     def export_hf(self) -> Path:

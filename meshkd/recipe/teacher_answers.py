@@ -26,6 +26,9 @@ pass them on. The classes here make them on the teacher's side and read them on 
   - "route": each row's divergence to its own teacher, which alone was asked for it (the rows' `ROUTE`
     field; the answers put back together by `Distribution.merged`).
   Two identical teachers give the one-teacher objective by sum or mixture, and a weight of 0 drops a teacher.
+A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
+paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
+(`meshkd.recipe.hidden_states`).
 A new kind of answer is one class here, one entry in `_TYPES` and, if a teacher makes it, a line in `answer_type`.
 """
 
@@ -37,7 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, project_teacher_logits
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, encode_teacher_rows, label_log_probs, split_label_log_probs
+from meshkd.core.logits_codec import (
+    LABEL_LOG_PROBS,
+    LOGITS_MODES,
+    encode_teacher_rows,
+    label_log_probs,
+    split_label_log_probs,
+)
 from meshkd.core.loss import kd_loss_encoded
 from meshkd.core.loss import top1_agreements as _top1_agreements
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
@@ -54,6 +63,7 @@ from meshkd.recipe.aligned_data import (
     teacher_side,
 )
 from meshkd.recipe.config import KDConfig
+from meshkd.recipe.hidden_states import HIDDEN_STATES, HiddenStateProjections, hidden_state_loss
 
 Figures = dict[str, torch.Tensor]
 
@@ -126,9 +136,11 @@ class Distribution(TeacherAnswer):
 
     def __init__(self, wire: dict) -> None:
         super().__init__(wire)
-        # An evaluation's answer carries each label's log-probability beside the encoding (`with_label_log_probs`).
-        self.encoding = wire if "label_log_probs" not in wire else {
-            key: value for key, value in wire.items() if key != "label_log_probs"}
+        # An evaluation's answer carries each label's log-probability beside the encoding (`with_label_log_probs`),
+        # a training answer perhaps the teacher's hidden states (`with_hidden_states`).
+        beside = ("label_log_probs", HIDDEN_STATES)
+        self.encoding = wire if not any(key in wire for key in beside) else {
+            key: value for key, value in wire.items() if key not in beside}
 
     @classmethod
     def encode(cls, logits, batch, transport, context):
@@ -190,6 +202,17 @@ class Distribution(TeacherAnswer):
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
         return self.divergence(logits, micro_batch, context, norm=norm), {}
+
+    def hidden_state_loss(self, student: list[torch.Tensor], micro_batch: dict, context: LossContext, *, norm: float,
+                          projections: HiddenStateProjections | None = None) -> torch.Tensor:
+        """`kd.hidden_states`' term against the student's outputs of the paired layers, at the positions KD counts."""
+        if HIDDEN_STATES not in self.wire:
+            raise ValueError("kd.hidden_states: the teacher's answer holds no hidden states (a teacher cache written "
+                             "without kd.hidden_states?)")
+        kd = context.kd
+        counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
+        return hidden_state_loss(student, self.wire[HIDDEN_STATES], counted, loss=kd.hidden_states.loss, norm=norm,
+                                 projections=projections)
 
     def label_log_probs(self) -> torch.Tensor:
         return split_label_log_probs(self.wire)[1]
@@ -361,6 +384,16 @@ def answer_type(transport: str, kd: KDConfig) -> type[TeacherAnswer]:
     if kd.cross_tokenizer is not None and kd.cross_tokenizer.loss != "projection":
         return GroupDistributions
     return Distribution
+
+
+def with_hidden_states(wire: dict, hidden: list[torch.Tensor] | None, transport: str) -> dict:
+    """`wire` with the teacher's outputs of the paired layers (`kd.hidden_states`; each [rows, sequence, width])
+    stacked under "hidden_states" when the request is a training one (a distribution's encoding alone): float32
+    for `full`, else bfloat16, as the logits travel. Evaluations' answers go without them."""
+    if not hidden or transport not in LOGITS_MODES:
+        return wire
+    dtype = torch.float32 if transport == "full" else torch.bfloat16
+    return {**wire, HIDDEN_STATES: torch.stack(hidden, dim=2).to(dtype)}
 
 
 def answer_class(mode: str) -> type[TeacherAnswer]:

@@ -106,6 +106,8 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
     }
     if kd.logits_transport == "topk":  # full encodings do not depend on the temperature: the loss applies it
         key.update({"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature})
+    if kd.hidden_states is not None:  # the teacher layers whose outputs the answers hold, in order
+        key["kd.hidden_states.pairs (teacher layers)"] = config.hidden_state_layers("teacher")
     if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
         key.update({"kd.cross_tokenizer": {"loss": kd.cross_tokenizer.loss,
                                            "teacher_sequence_length": config.teacher_sequence_length},

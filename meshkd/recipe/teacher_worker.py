@@ -9,15 +9,19 @@ common vocabulary, made into the kind of answer asked (`meshkd.recipe.teacher_an
 (`kd.cross_tokenizer`) reads its own tokenization of the rows; its distribution is projected onto the
 student's vocabulary at the aligned positions (`Distribution.projected`) before it is encoded, so the
 transport and the student's loss are those of one tokenizer, or sent per aligned group for `uld` / `gold`
-(`GroupDistributions`); its log-probabilities of labels are of its own.
+(`GroupDistributions`); its log-probabilities of labels are of its own. With `kd.hidden_states` the
+teacher's paired layers' outputs travel beside its training answers (`meshkd.recipe.hidden_states`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map
+from meshkd.core.logits import materialize_teacher_logits
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
@@ -25,9 +29,10 @@ from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
+from meshkd.recipe.hidden_states import LayerTap
 from meshkd.recipe.loaders import load_section_model_for_layout
 from meshkd.recipe.preflight import about
-from meshkd.recipe.teacher_answers import EncodeContext, answer_type
+from meshkd.recipe.teacher_answers import EncodeContext, answer_type, with_hidden_states
 
 
 class TeacherForward:
@@ -36,32 +41,41 @@ class TeacherForward:
 
     `encodes`: whether this rank encodes (the rank that sends the answer); elsewhere the answer is None.
     `vocabulary_map`: a teacher with another tokenizer; its answers are projected onto the student's
-    `vocab_size` entries.
+    `vocab_size` entries. `hidden_layers`: the teacher layers of `kd.hidden_states`' pairs, in their order.
     """
 
     def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True,
-                 vocabulary_map: VocabularyMap | None = None):
+                 vocabulary_map: VocabularyMap | None = None, hidden_layers: list[int] | None = None):
         self.runner = runner
         self.encodes = encodes
         self.context = EncodeContext(kd, seed=seed, vocab_size=vocab_size, vocabulary_map=vocabulary_map)
+        self.tap = LayerTap(runner.model, hidden_layers) if hidden_layers else None
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
         batch = request.batch
+        hidden = None
         if batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
             logits = torch.zeros(0, batch["input_ids"].shape[1], self.context.vocab_size, device=self.runner.device)
         else:
-            logits = self.runner.logits(teacher_side(batch))
+            with self.tap.on() if self.tap else contextlib.nullcontext():
+                logits = self.runner.logits(teacher_side(batch))
+            if self.tap:  # gathered over the teacher's tp and cp ranks as its logits are: all of them take part
+                hidden = [materialize_teacher_logits(output, self.runner.mesh, batch["input_ids"].shape[1])
+                          for output in self.tap.take()]
         if logits is None or not self.encodes:
             return None
-        return self.encode(logits, batch, request.logits_transport)
+        return self.encode(logits, batch, request.logits_transport, hidden)
 
-    def encode(self, logits: torch.Tensor, batch: dict, transport: str) -> Encoded:
+    def encode(self, logits: torch.Tensor, batch: dict, transport: str,
+               hidden: list[torch.Tensor] | None = None) -> Encoded:
         """The answer on the wire to a request for `transport` (`TeacherRequest.logits_transport`), from the
         teacher's logits [rows, its sequence, its vocab] of `batch`: with one tokenizer cut to the vocabulary
-        both share, then made by the kind of answer asked (`answer_type`: its `encode`)."""
+        both share, then made by the kind of answer asked (`answer_type`: its `encode`); with the paired
+        layers' outputs `hidden` where it is a training answer (`with_hidden_states`)."""
         if self.context.kd.cross_tokenizer is None:
             logits = logits[..., : self.context.vocab_size]
-        return answer_type(transport, self.context.kd).encode(logits, batch, transport, self.context)
+        wire = answer_type(transport, self.context.kd).encode(logits, batch, transport, self.context)
+        return with_hidden_states(wire, hidden, transport)
 
 
 def teacher_vocabulary_map(config: KDRecipeConfig, checked, *, losses: tuple[str, ...]) -> VocabularyMap | None:
@@ -114,7 +128,8 @@ class TeacherWorker:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
         self.server = TeacherServer(bridges[self.name])
         self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
-                                      encodes=self.server.is_output, vocabulary_map=self.vocabulary_map)
+                                      encodes=self.server.is_output, vocabulary_map=self.vocabulary_map,
+                                      hidden_layers=self.config.hidden_state_layers("teacher"))
 
     def resume(self, resume: bool) -> None:
         """Nothing to restore: the teacher is frozen."""

@@ -43,6 +43,7 @@ from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_e
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.adapters import trainable_parameters
 from meshkd.recipe.config import ConfigError, KDConfig
+from meshkd.recipe.hidden_states import StudentHiddenStates
 from meshkd.recipe.metrics import warn0
 from meshkd.recipe.router_loss import RouterLoss
 from meshkd.recipe.teacher_answers import LossContext, TeacherAnswer, answer_of
@@ -60,10 +61,12 @@ def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, 
     return tensor.tolist()
 
 
-def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer,
-                                                             torch.optim.lr_scheduler.LRScheduler]:
-    """The `optimizer` section's optimizer over the laid-out model's parameters, and the `lr_scheduler`'s schedule."""
-    opt, parameters = config.optimizer, trainable_parameters(model)  # a LoRA student's: its adapters
+def build_optimizer(model: torch.nn.Module, config, extra: list[torch.nn.Parameter] = ()) -> tuple[
+        torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The `optimizer` section's optimizer over the laid-out model's parameters (and `extra` ones trained with
+    them: `kd.hidden_states`' projections), and the `lr_scheduler`'s schedule."""
+    opt = config.optimizer
+    parameters = trainable_parameters(model) + list(extra)  # a LoRA student's: its adapters
     if opt.name == "adamw":
         optimizer = torch.optim.AdamW(parameters, lr=opt.lr, weight_decay=opt.weight_decay,
                                       betas=tuple(opt.betas), eps=opt.eps, foreach=False)
@@ -136,17 +139,20 @@ class TrainStep:
         teacher_weights: several teachers' normalized weights, by name (their answers combine by
             `kd.combine`, `meshkd.recipe.teacher_answers.Ensemble`); each one's divergence and wait are logged as
             `kd_loss/NAME` and `teacher_wait_s/NAME`.
+        hidden_states: `kd.hidden_states`' student side (`meshkd.recipe.hidden_states.StudentHiddenStates`); its
+            term is logged as `hidden_state_loss`.
     """
 
     def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, setup: DistributedSetup, kd: KDConfig,
                  vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
                  router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
-                 vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None) -> None:
+                 vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None,
+                 hidden_states: StudentHiddenStates | None = None) -> None:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
-        self.router_loss, self.watch = router_loss, watch
+        self.router_loss, self.watch, self.hidden_states = router_loss, watch, hidden_states
         self.answer_context = LossContext(kd, vocabulary_map=vocabulary_map, teacher_weights=teacher_weights,
                                           cp_size=setup.cp_size)
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
@@ -168,12 +174,15 @@ class TrainStep:
             # Gradients are reduced over the data-parallel ranks once, after the step's last micro-batch.
             with gradient_sync(self.model, enabled=index == self.num_micro_batches - 1):
                 router = None
-                with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
+                with (self.router_loss.recording() if self.router_loss else contextlib.nullcontext(),
+                      self.hidden_states.tap.on() if self.hidden_states else contextlib.nullcontext()):
                     logits = student_logits(self.model, None, micro_batch)
+                hidden = self.hidden_states.tap.take() if self.hidden_states else None
                 if self.router_loss:  # under cp, this rank's share
                     statistics = self.router_loss.statistics(micro_batch["attention_mask"])
                     router = self.router_loss.local_loss(statistics, group=self._cp_group)
-                loss, values = self.micro_batch_loss(logits, micro_batch, answer, max(pairs.num_valid, 1.0), router)
+                loss, values = self.micro_batch_loss(logits, micro_batch, answer, max(pairs.num_valid, 1.0), router,
+                                                     hidden)
                 loss.backward()
             records.append(values)
         return records
@@ -193,12 +202,14 @@ class TrainStep:
             [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
 
     def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None, norm: float,
-                         router: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         router: torch.Tensor | None = None, hidden: list[torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
         `norm`: the step's global number of valid tokens. `router`: an MoE student's load-balancing loss of
         this micro-batch (under cp this rank's share); the objective adds `router_loss.coefficient` times
-        its mean over the step's micro-batches on every dp rank."""
+        its mean over the step's micro-batches on every dp rank. `hidden`: the student's outputs of
+        `kd.hidden_states`' paired layers; the objective adds `weight` times their term (`hidden_state_loss`)."""
         kd = self.kd
         labels = micro_batch["labels"]
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
@@ -210,6 +221,11 @@ class TrainStep:
         zero = torch.zeros((), device=logits.device)
         values = {"ce_loss": ce.detach() if ce is not None else zero,
                   "kd_loss": kd_loss.detach() if kd_loss is not None else zero, **figures}
+        if hidden is not None:
+            term = answer.hidden_state_loss(hidden, micro_batch, self.answer_context, norm=norm,
+                                            projections=self.hidden_states.projections)
+            loss = loss + self.hidden_states.weight * term
+            values["hidden_state_loss"] = term.detach()
         if router is not None:
             share = router / (self.num_micro_batches * self.setup.dp_size)  # of the mean over the step's
             loss = loss + self.router_loss.coefficient * share
@@ -223,7 +239,12 @@ class TrainStep:
         stages = self.setup.pp_group if self.pipeline is not None else None
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
         scale_expert_gradients(self.model)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.max_grad_norm, stages_group=stages, uncounted=copies)
+        parameters = list(self.model.parameters())
+        if self.hidden_states is not None:  # its projections, replicated: reduced here, clipped with the model
+            self.hidden_states.reduce_gradients([self.setup.dp_mesh.get_group()] + ([self._cp_group]
+                                                                                     if self._cp_group else []))
+            parameters += self.hidden_states.parameters()
+        grad_norm = clip_grad_norm(parameters, self.max_grad_norm, stages_group=stages, uncounted=copies)
         # The rest (the router's loss, each teacher's divergence) in the records' order, the same on every rank.
         keys = ("loss", "ce_loss", "kd_loss") + tuple(key for key in records[0] if key not in ("loss", "ce_loss",
                                                                                                 "kd_loss"))

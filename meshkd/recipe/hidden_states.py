@@ -1,0 +1,174 @@
+"""Intermediate-layer KD (`kd.hidden_states`): paired decoder layers' outputs, beside the logits answer.
+
+A pair (student layer s, teacher layer t), 0-based, compares the outputs of the two decoder layers: the
+residual stream a layer hands the next, before any final norm on either side. `pairs: kept` pairs each layer a
+`model.keep_layers` student kept with the teacher layer it came from (`pairs_of`).
+
+- Each side runs its model's own forward; a `LayerTap` keeps its paired layers' outputs (forward hooks on
+  the decoder's layers, `meshkd.parallel.stages.decoder_of`) while it is on.
+- The teacher sends them in its training answers, stacked [rows, sequence, pairs, width] under
+  "hidden_states" (`meshkd.recipe.teacher_answers.with_hidden_states`): float32 with logits_transport full,
+  bfloat16 otherwise; under teacher tp / cp gathered as its logits are; cut for the student's cp like them.
+  The teacher cache stores them with the rest of the answer (its key records the pairs).
+- The student's term (`hidden_state_loss`): at the positions logit KD counts, per pair the mean squared
+  difference over the width (`mse`) or 1 - the cosine similarity (`cosine`), summed over the positions,
+  averaged over the pairs and divided by the step's valid tokens; the objective adds `weight` times it.
+  Where the widths differ a learned projection maps the student's width onto the teacher's
+  (`HiddenStateProjections`): float32, trained with the student, saved in checkpoints, not exported.
+Refused, naming the key: a pipelined student or teacher (a stage holds only some layers), several teachers,
+a teacher with another tokenizer (its positions are not the student's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshkd.parallel.stages import decoder_of
+
+HIDDEN_STATES = "hidden_states"  # the answer's key
+LOSSES = ("mse", "cosine")
+
+
+def pairs_of(hidden_states, keep_layers) -> list[tuple[int, int]]:
+    """The (student layer, teacher layer) pairs of a `kd.hidden_states` section: as given, or with `kept`
+    each kept layer of `model.keep_layers` (a list) with the teacher layer it came from.
+
+    Raises:
+        ValueError: `kept` without a list of kept layers, or a pair that is not two integers.
+    """
+    if hidden_states.pairs == "kept":
+        if not isinstance(keep_layers, list):
+            raise ValueError("kd.hidden_states.pairs: kept pairs the layers model.keep_layers kept with the teacher "
+                             "layers they came from; without model.keep_layers give the pairs, e.g. [[0, 0], [1, 2]]")
+        return list(enumerate(keep_layers))
+    if isinstance(hidden_states.pairs, str):
+        raise ValueError(f"kd.hidden_states.pairs must be kept or a list of [student layer, teacher layer], "
+                         f"got {hidden_states.pairs!r}")
+    if not hidden_states.pairs or any(len(pair) != 2 for pair in hidden_states.pairs):
+        raise ValueError(f"kd.hidden_states.pairs must be a non-empty list of [student layer, teacher layer], "
+                         f"got {hidden_states.pairs!r}")
+    return [tuple(pair) for pair in hidden_states.pairs]
+
+
+def check_pairs(pairs: list[tuple[int, int]], *, student_layers: int, teacher_layers: int | None) -> None:
+    """ValueError naming `kd.hidden_states.pairs` for a layer outside either model's decoder layers (the teacher's
+    unchecked when `teacher_layers` is None: a cache's answers hold the pairs its key records)."""
+    for side, index, count in (("student", 0, student_layers), ("teacher", 1, teacher_layers)):
+        if count is None:
+            continue
+        outside = [pair for pair in pairs if not 0 <= pair[index] < count]
+        if outside:
+            raise ValueError(f"kd.hidden_states.pairs {[list(pair) for pair in outside]}: the {side} has {count} "
+                             f"decoder layers, [0, {count})")
+
+
+class LayerTap:
+    """Keeps the outputs of some decoder layers of `model` while `on()`; `take()` hands them over in `layers`'
+    order (a layer given twice, twice). Off, as in backward's recomputation, it keeps nothing."""
+
+    def __init__(self, model: nn.Module, layers: list[int]) -> None:
+        self.layers = list(layers)
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._keeping = False
+        decoder_layers = decoder_of(model).layers
+        self._handles = [decoder_layers[index].register_forward_hook(functools.partial(self._keep, index))
+                         for index in sorted(set(self.layers))]
+
+    def _keep(self, index: int, module: nn.Module, args, output) -> None:
+        if self._keeping:
+            self._outputs[index] = output[0] if isinstance(output, tuple) else output
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        self._outputs.clear()
+        self._keeping = True
+        try:
+            yield
+        finally:
+            self._keeping = False
+
+    def take(self) -> list[torch.Tensor]:
+        """The kept outputs [rows, sequence, width], whole (a DTensor's full tensor), and forget them."""
+        missing = [index for index in self.layers if index not in self._outputs]
+        if missing:
+            raise RuntimeError(f"decoder layers {missing} did not run in this forward")
+        outputs, self._outputs = [self._outputs[index] for index in self.layers], {}
+        return [output.full_tensor() if isinstance(output, DTensor) else output for output in outputs]
+
+
+class HiddenStateProjections(nn.Module):
+    """One learned linear map per pair from the student's width to the teacher's; none (the identity) where the
+    widths agree. Each starts as the first min(widths) coordinates copied, the rest 0: no seed to keep."""
+
+    def __init__(self, pairs: list[tuple[int, int]], *, student_width: int, teacher_width: int) -> None:
+        super().__init__()
+        self.maps = nn.ModuleList()
+        if student_width != teacher_width:
+            for _ in pairs:
+                linear = nn.Linear(student_width, teacher_width, bias=False, dtype=torch.float32)
+                with torch.no_grad():
+                    linear.weight.zero_()
+                    linear.weight.diagonal().fill_(1.0)
+                self.maps.append(linear)
+
+    def forward(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.maps[index](hidden) if len(self.maps) else hidden
+
+
+@dataclass
+class StudentHiddenStates:
+    """The student's side of `kd.hidden_states`: its tap on the paired layers, the term's weight, the projections
+    (replicated on every student rank; `reduce_gradients` sums their gradients as the wrappers do the model's)."""
+
+    tap: LayerTap
+    weight: float
+    projections: HiddenStateProjections | None = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.projections.parameters()) if self.projections is not None else []
+
+    def reduce_gradients(self, groups: list) -> None:
+        """Average the projections' gradients over `groups` (the student's dp, then cp), as FSDP2 and DDP average
+        the model's: with the loss scaled by their sizes, the sum the step's normalization asks for."""
+        for parameter in self.parameters():
+            if parameter.grad is None:
+                continue
+            for group in groups:
+                torch.distributed.all_reduce(parameter.grad, group=group)
+                parameter.grad.div_(torch.distributed.get_world_size(group))
+
+
+def hidden_state_loss(student: list[torch.Tensor], teacher: torch.Tensor, counted: torch.Tensor, *, loss: str,
+                      norm: float, projections: HiddenStateProjections | None = None) -> torch.Tensor:
+    """The hidden-state term of a micro-batch (module docstring), in float32.
+
+    Args:
+        student: the student's outputs of the paired layers, each [rows, sequence, student width].
+        teacher: the teacher's [rows, sequence, pairs, teacher width].
+        counted: bool [rows, sequence], the positions logit KD counts.
+        loss: mse or cosine.
+        norm: the step's valid tokens.
+        projections: the learned maps where the widths differ.
+    """
+    terms = []
+    for index, hidden in enumerate(student):
+        ours = hidden[counted].to(torch.promote_types(hidden.dtype, torch.float32))
+        if projections is not None:
+            ours = projections(index, ours)
+        theirs = teacher[:, :, index][counted].to(ours.dtype)
+        if ours.shape[-1] != theirs.shape[-1]:
+            raise ValueError(f"kd.hidden_states.pairs[{index}]: the student's width {ours.shape[-1]} differs from "
+                             f"the teacher's {theirs.shape[-1]} and no projection maps it")
+        if loss == "mse":
+            per_position = (ours - theirs).pow(2).mean(-1)
+        else:
+            per_position = 1 - nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        terms.append(per_position.sum())
+    return torch.stack(terms).mean() / norm
