@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="distill into the pruned student with a tokenizer of its own (a byte-level BPE trained on "
                            "the training split, embeddings transplanted from the teacher's; with --compare: "
                            "against CE only)")
+    demo.add_argument("--hidden-states", action="store_true",
+                      help="also heal with KD plus intermediate-layer KD (kd.hidden_states, pairs: kept), print both")
     demo.add_argument("--run-dir", default="runs/demo", help="where runs are written (default runs/demo)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 

@@ -4,7 +4,9 @@ The demo is a sequence of ordinary `meshkd` commands on the embedded `configs/de
 `demo_overrides` with the installed demo teacher (converted once from GGUF to an HF directory): choose the
 student's layers once (`meshkd prune`), optionally write the teacher's answers to a cache
 (`meshkd cache-teacher`), then `meshkd train` the KD run and, with --compare, the run it is compared with
-(CE only; or off-policy at about the same trained tokens for --on-policy). It ends with the validation
+(CE only; or off-policy at about the same trained tokens for --on-policy), and with --hidden-states the same
+KD run with intermediate-layer KD beside it (`kd.hidden_states`, each kept layer paired with the teacher layer it
+came from). It ends with the validation
 losses, the share of the pruned student's gap to the teacher that healing closed, bits per byte of the
 teacher and of the student before and after, the student's KL to the teacher and top-1 agreement with it
 before and after, greedy completions of one prompt, and the loss curves.
@@ -81,6 +83,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.on_policy and args.cross_tokenizer:
         raise ConfigError("meshkd demo: --on-policy and --cross-tokenizer do not combine (kd.cross_tokenizer "
                           "trains off-policy only)")
+    if args.hidden_states and (args.on_policy or args.cross_tokenizer):
+        raise ConfigError("meshkd demo: --hidden-states compares with the text demo's KD run; leave out --on-policy "
+                          "and --cross-tokenizer")
     if args.on_policy:
         return _demo_on_policy(config_path, args)
     if args.cross_tokenizer:
@@ -94,13 +99,15 @@ def run_demo(args: argparse.Namespace) -> int:
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
+    if args.hidden_states:
+        runs.append(("hidden", args.run_dir + "_hidden_states", [_HIDDEN_STATES]))
     if cache:
         code = _demo_cache(config_path, demo_overrides(args.run_dir, cache + args.set + layers))
         if code != 0:
             return code
     summaries = {}
     for name, run_dir, extra in runs:
-        print(f"meshkd demo: healing the pruned student with {'KD' if name == 'kd' else 'CE only'} -> {run_dir}")
+        print(f"meshkd demo: healing the pruned student with {_LABELS[name]} -> {run_dir}")
         overrides = demo_overrides(run_dir, extra + cache + args.set + layers)
         code = commands.train_command(config_path, overrides, None, False)
         if code != 0:
@@ -154,10 +161,10 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def figures_report(kd: dict, ce: dict | None) -> None:
+def figures_report(kd: dict, others: dict[str, dict]) -> None:
     """Bits per byte (comparable across tokenizers), and the KL to the teacher and top-1 agreement with it
-    (what distillation optimizes) before and after; "-" where a run did not report one (a teacher cache holds
-    no distribution for validation rows)."""
+    (what distillation optimizes) before and after KD, and after each of `others` (label -> its summary); "-"
+    where a run did not report one (a teacher cache holds no distribution for validation rows)."""
 
     def figure(summary: dict, key: str, spec: str) -> str:
         return format(summary[key], spec) if key in summary else "-"
@@ -166,15 +173,16 @@ def figures_report(kd: dict, ce: dict | None) -> None:
     rows = [("teacher", kd, "teacher_val_bits_per_byte", None),
             ("pruned student before healing", kd, "val_bits_per_byte_before", "_before"),
             ("after KD healing", kd, "val_bits_per_byte_after", "_after")]
-    if ce is not None:
-        rows.append(("after CE-only healing", ce, "val_bits_per_byte_after", "_after"))
+    rows += [(f"after {label} healing", summary, "val_bits_per_byte_after", "_after")
+             for label, summary in others.items()]
     for label, summary, bits, suffix in rows:
         kl = figure(summary, f"val_kl{suffix}", ".4f") if suffix else ""
         top1 = figure(summary, f"val_top1_agreement{suffix}", ".1%") if suffix else ""
         print(f"  {label:<44} {figure(summary, bits, '.4f'):>9}  {kl:>20}  {top1:>15}")
 
 
-_LABELS = {"kd": "KD", "ce": "CE only"}
+_LABELS = {"kd": "KD", "ce": "CE only", "hidden": "KD + hidden-state KD"}
+_HIDDEN_STATES = "kd.hidden_states={pairs: kept}"
 
 
 def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -> None:
@@ -192,10 +200,14 @@ def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -
     if "ce" in summaries:
         ce = summaries["ce"]["val_loss_after"]
         rows.append(("after CE-only healing", ce, f"{closed(ce)}; KD {(ce - kd['val_loss_after']) / ce:.1%} lower"))
+    if "hidden" in summaries:
+        hidden = summaries["hidden"]["val_loss_after"]
+        rows.append(("after KD + hidden-state KD healing", hidden, closed(hidden)))
     print("\nvalidation loss (nats/token) on held-out Python standard library sources:")
     for label, loss, note in rows:
         print(f"  {label:<44} {loss:.4f}" + (f"  ({note})" if note else ""))
-    figures_report(kd, summaries.get("ce"))
+    figures_report(kd, {_LABELS[name].replace("CE only", "CE-only"): summary for name, summary in summaries.items()
+                        if name != "kd"})
     if "hf_dir" in kd:
         from meshkd.recipe.completions import compare_completions
 

@@ -63,7 +63,7 @@ def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
     kd, ce = summaries["kd"], summaries.get("ce")
     print("\nheld-out Python standard library sources, each model on its own tokens (the teacher: SmolLM2's "
           f"49152-entry tokenizer; the student: its own {STUDENT_VOCAB})")
-    figures_report(kd, ce)
+    figures_report(kd, {"CE-only": ce} if ce is not None else {})
     if ce is not None:
         kd_bits, ce_bits = kd["val_bits_per_byte_after"], ce["val_bits_per_byte_after"]
         where = "below" if kd_bits < ce_bits else "above"

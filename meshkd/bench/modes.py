@@ -97,4 +97,25 @@ def measure(settings: dict) -> dict:
             "grad_rel_error": statistics.median(e["grad_rel_error"] for e in entries),
             "head_grad_rel_error": statistics.median(e["head_grad_rel_error"] for e in entries),
         })  # fmt: skip
-    return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows}
+    return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows,
+            "hidden_states": _hidden_state_bytes(teacher, inputs, tokens)}
+
+
+def _hidden_state_bytes(teacher, inputs: torch.Tensor, tokens: int) -> list[dict]:
+    """Wire bytes per token of `kd.hidden_states`' part of an answer (`with_hidden_states`, as the teacher sends
+    it), for one pair and for the demo student's kept layers, in bfloat16 (full_bf16, topk) and float32 (full)."""
+    from meshkd.recipe.hidden_states import LayerTap
+    from meshkd.recipe.teacher_answers import with_hidden_states
+
+    kept = _STUDENTS["demo (8/30 layers)"]
+    tap = LayerTap(teacher, kept)
+    with torch.no_grad(), tap.on():
+        teacher(input_ids=inputs)
+    outputs = tap.take()
+    rows = []
+    for pairs in (1, len(kept)):
+        for transport in ("full_bf16", "full"):
+            sent = with_hidden_states({}, outputs[:pairs], transport)["hidden_states"]
+            rows.append({"pairs": pairs, "dtype": str(sent.dtype).removeprefix("torch."), "width": sent.shape[-1],
+                         "bytes_per_token": sent.numel() * sent.element_size() / tokens})
+    return rows

@@ -15,7 +15,8 @@ Sections:
   modes      wire bytes per token and KD-loss error of each logits transport mode against full float32,
              on the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library source, for
              two students: the demo's (8 of 30 layers, before distillation, far from the teacher) and a
-             near one (26 of 30 layers). Top-k with a rest bucket and top-k with sampled tail tokens. Each
+             near one (26 of 30 layers). Beside them, the bytes `kd.hidden_states` adds: one pair, and the
+             demo student's 8 kept layers. Top-k with a rest bucket and top-k with sampled tail tokens. Each
              repeat is a different text sample; also the relative error of d loss / d logits and of the
              output-head weight gradient those logit gradients produce.
   overlap    steady-state time per micro-batch with TeacherPrefetcher (teacher overlapped) and with the
@@ -384,6 +385,11 @@ def _report(results: dict) -> str:
             [[r["student"], r["mode"], r["temperature"], r["bytes_per_token"], r["bytes_ratio"], r["kd_full"],
               r["kd_rel_error"], r["kd_rel_error_worst"], r["grad_rel_error"], r["head_grad_rel_error"]]
              for r in m["rows"]],
+        ))  # fmt: skip
+        parts.append(_table(
+            "(c') kd.hidden_states beside the logits: wire bytes per token of the teacher's paired layers' outputs",
+            ["pairs", "dtype", "width", "bytes/token"],
+            [[r["pairs"], r["dtype"], r["width"], r["bytes_per_token"]] for r in m["hidden_states"]],
         ))  # fmt: skip
     if "overlap" in results:
         parts.append(_table(

@@ -253,8 +253,10 @@ def check_hidden_states(config: KDRecipeConfig) -> None:
     hidden_states = config.kd.hidden_states
     if hidden_states is None:
         return
+    selected_later = hidden_states.pairs == "kept" and isinstance(config.model.keep_layers, dict)  # {auto: N}
     try:
-        pairs_of(hidden_states, config.model.keep_layers)
+        if not selected_later:
+            pairs_of(hidden_states, config.model.keep_layers)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if hidden_states.loss not in LOSSES:

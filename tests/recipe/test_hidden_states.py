@@ -62,7 +62,7 @@ def one_rank(tmp_path_factory) -> dict:
         runs[name] = hidden_config(root, name, **wider)
         runs[name]["kd"]["teacher_cache"] = cache
     first = hidden_config(root, "resumed", **wider)
-    first["checkpoint"] = {"enabled": True}
+    first["checkpoint"] = {"enabled": True, "save_hf": True}
     first["step_scheduler"].update(max_steps=2, ckpt_every_steps=2)
     first["lr_scheduler"]["total_steps"] = STEPS
     resumed = copy.deepcopy(first)
@@ -138,6 +138,18 @@ def test_a_resumed_run_continues_exactly(one_rank):
     saved = FileSystemReader(str(Path(one_rank["resumed"]["logging"]["run_dir"], "checkpoints", "step_00000002"))
                              ).read_metadata().state_dict_metadata
     assert {key for key in saved if "hidden_state_projections" in key}, "the projections are in the checkpoint"
+
+
+@pytest.mark.world
+def test_the_export_is_the_student_alone(one_rank):
+    from transformers import AutoModelForCausalLM
+
+    from meshkd.recipe.models import load_causal_lm
+    from tests.recipe.test_export import num_parameters
+
+    exported = AutoModelForCausalLM.from_pretrained(Path(one_rank["resumed"]["logging"]["run_dir"], "hf_student"))
+    assert exported.config.hidden_size == 48
+    assert num_parameters(exported) == num_parameters(load_causal_lm(random_init=wider_student()["random_init"]))
 
 
 # ---------------------------------------------------------------------------------------------------------
