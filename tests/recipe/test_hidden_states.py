@@ -55,6 +55,11 @@ def one_rank(tmp_path_factory) -> dict:
     same = tiny_llama(3, seed=2)  # the teacher's own config
     runs = {name: hidden_config(root, name, hidden=hidden, student={"dp_size": 1}, model=same)
             for name, hidden in (("plain", None), ("identity", {"pairs": [[0, 0], [1, 1], [2, 2]]}))}
+    runs["lora_identity"] = {**copy.deepcopy(runs["identity"]), "peft": {"rank": 4}}  # B = 0: the base at step 1
+    runs["on_policy_identity"] = copy.deepcopy(runs["identity"])
+    runs["on_policy_identity"]["kd"].update(mode="on_policy", generation={"prompt_tokens": 8, "max_new_tokens": 8})
+    for name in ("lora_identity", "on_policy_identity"):
+        runs[name]["logging"]["run_dir"] = str(root / name)
     wider = dict(hidden={"pairs": PAIRS}, student={"dp_size": 1}, model=wider_student())
     runs["one_process"] = hidden_config(root, "one_process", **wider)
     cache = str(root / "cache")
@@ -104,6 +109,15 @@ def test_an_identical_student_paired_layer_for_layer_has_a_zero_term_and_trains_
     assert steps[1]["loss"] == reference[1]["loss"]
     assert (steps[2]["ce_loss"], steps[2]["kd_loss"]) == (reference[2]["ce_loss"], reference[2]["kd_loss"])
     assert steps[2]["hidden_state_loss"] > 0  # the student has moved away from the teacher
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("run", ["lora_identity", "on_policy_identity"])
+def test_a_lora_student_and_on_policy_rows_have_the_term_too(one_rank, run):
+    """A LoRA student starts as its base, and on-policy rows are the student's own completions: paired with an
+    identical teacher, both have a term of exactly 0 at step 1, then the student moves away."""
+    losses = [record["hidden_state_loss"] for record in train_records(one_rank[run]) if record["kind"] == "train"]
+    assert losses[0] == 0.0 and losses[-1] > 0
 
 
 @pytest.mark.world
