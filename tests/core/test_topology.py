@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshkd.core.layouts import _mesh_size
 from meshkd.core.topology import (
     MESH_AXES,
     DistributedSetup,
     Replica,
-    _mesh_size,
     create_kd_distributed_setups,
     get_current_setup,
     last_stage_ranks,
