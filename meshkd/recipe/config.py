@@ -73,7 +73,7 @@ class CrossTokenizerConfig:
 class HiddenStatesConfig:
     """Intermediate-layer KD (`meshkd.recipe.hidden_states`): paired decoder layers' outputs, before any final norm."""
     pairs: list[list[int]] | str = "kept"  # [[student layer, teacher layer], ...]; kept: model.keep_layers' own
-    loss: str = "mse"  # mse (mean over the width) | cosine (1 - cosine similarity), per counted position
+    loss: str = "cosine"  # cosine (1 - cosine similarity) | mse (mean over the width), per counted position
     weight: float = 1.0  # the term's weight in the objective, beside CE and logit KD
 
 

@@ -54,7 +54,7 @@ def one_rank(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hidden_one")
     same = tiny_llama(3, seed=2)  # the teacher's own config
     runs = {name: hidden_config(root, name, hidden=hidden, student={"dp_size": 1}, model=same)
-            for name, hidden in (("plain", None), ("identity", {"pairs": [[0, 0], [1, 1], [2, 2]]}))}
+            for name, hidden in (("plain", None), ("identity", {"pairs": [[0, 0], [1, 1], [2, 2]], "loss": "mse"}))}
     runs["lora_identity"] = {**copy.deepcopy(runs["identity"]), "peft": {"rank": 4}}  # B = 0: the base at step 1
     runs["on_policy_identity"] = copy.deepcopy(runs["identity"])
     runs["on_policy_identity"]["kd"].update(mode="on_policy", generation={"prompt_tokens": 8, "max_new_tokens": 8})
