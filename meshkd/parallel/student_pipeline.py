@@ -63,8 +63,9 @@ from meshkd.core.masks import (
 )
 from meshkd.core.topology import PP_SCHEDULES, DistributedSetup, member_mesh
 from meshkd.parallel.context_parallel import enable_cp_attention, ensure_student_cp_axis, pad_and_shard
-from meshkd.parallel.data_parallel import check_experts_over_dp, gather_full_state_dict, student_fsdp_mesh
+from meshkd.parallel.data_parallel import check_experts_over_dp, student_fsdp_mesh
 from meshkd.parallel.mixed_precision import autocast_forward, fsdp_policy, is_mixed
+from meshkd.parallel.pipeline_export import pipeline_state_dict
 from meshkd.parallel.sharded_loading import is_empty
 from meshkd.parallel.stages import ModelStage, decoder_of, is_pass_through, is_tied
 from meshkd.parallel.tensor_parallel import apply_tensor_parallel
@@ -334,65 +335,9 @@ class StudentPipeline:
 
     def full_state_dict(self, *, first_rank_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete HF-named state dict (all stages, unsharded, on the CPU) on every rank of the pipeline, or
-        with `first_rank_only` on the setup's first rank alone (the rank that writes an export; the others get
-        an empty dict).
-
-        Collective over the whole setup. Without `first_rank_only` every rank gathers its stage over tp and
-        dp and the stages are exchanged whole over pp (pickled): every rank holds the whole model, for tests
-        and small models. With it the model travels tensor by tensor (`_gather_to_first_rank`): no rank but
-        the first holds more than one unsharded tensor of its stage at a time.
-        """
-        if first_rank_only:
-            return self._gather_to_first_rank()
-        state = gather_full_state_dict(self.stage_model)
-        parts: list[dict[str, torch.Tensor] | None] = [None] * self.pp_size
-        dist.all_gather_object(parts, state, group=self.pp_group)
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:  # stage order: embedding, layers in order, norm, lm_head (the HF order)
-            merged.update(part)
-        return merged
-
-    def _gather_to_first_rank(self) -> dict[str, torch.Tensor]:
-        """The whole model on the setup's first rank, one tensor at a time; {} elsewhere.
-
-        The first rank (pp, dp, cp and tp coordinates 0) learns each stage's names, shapes and dtypes first
-        (small objects over its pp group). Then, stage after stage in HF order, the ranks of a stage make
-        each of its tensors whole in turn (`full_tensor`, collective over the stage's tp / dp axes: every rank
-        of the stage takes part) and the one rank of the stage in the first rank's pipeline sends it over
-        pp, from the device (NCCL takes device tensors), into a buffer on the first rank that is moved to
-        the CPU at once. The other replicas' pipelines only take part in the gathers. So a rank holds at
-        most its stage's largest tensor beyond its shards; the first rank holds the model it will write.
-        Cannot deadlock: the first rank waits on stage s only after it is done with the stages before it,
-        and a stage's gathers involve that stage's ranks alone.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        first, rank = self.setup.ranks[0], dist.get_rank()
-        carries = first in dist.get_process_group_ranks(self.pp_group)  # this pipeline takes the stages to it
-        # This stage's tensors by HF name, still sharded (views, no copy); the names are the full dict's.
-        local = get_model_state_dict(self.stage_model, options=StateDictOptions(full_state_dict=False))
-        layouts: list = [None] * self.pp_size
-        if carries:
-            layout = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in local.items()]
-            dist.gather_object(layout, layouts if rank == first else None, dst=first, group=self.pp_group)
-        merged: dict[str, torch.Tensor] = {}
-        for stage in range(self.pp_size):
-            if stage == self.pp_rank:
-                for name, tensor in local.items():
-                    whole = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
-                    if rank == first:
-                        merged[name] = whole.cpu()
-                    elif carries:
-                        dist.send(whole.contiguous(), dst=first, group=self.pp_group)
-                    del whole
-            elif rank == first:
-                source = dist.get_global_rank(self.pp_group, stage)
-                for name, shape, dtype in layouts[stage]:
-                    buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                    dist.recv(buffer, src=source, group=self.pp_group)
-                    merged[name] = buffer.cpu()
-                    del buffer
-        return merged
+        with `first_rank_only` on the setup's first rank alone (`meshkd.parallel.pipeline_export`)."""
+        return pipeline_state_dict(self.stage_model, self.setup, pp_group=self.pp_group, pp_rank=self.pp_rank,
+                                   device=self.device, first_rank_only=first_rank_only)
 
     # -- internals -------------------------------------------------------------------------------------
 
