@@ -282,14 +282,14 @@ def export_hf(out_dir: Path, *, model: torch.nn.Module, pipeline, tokenizer, gro
     from meshkd.recipe.metrics import is_logging_rank
     from meshkd.recipe.models import save_hf_model
 
-    if pipeline is None and merge_adapters is None:
-        # Gathered to global rank 0 only, the rank that writes it: the others never hold a full copy.
-        state_dict, shell = gather_full_state_dict(model, rank0_only=True), getattr(model, "module", model)
-    else:
-        state_dict = (gather_full_state_dict(model, rank0_only=True) if pipeline is None
-                      else pipeline.full_state_dict(first_rank_only=True))  # global rank 0: the setup's first rank
+    # Gathered to global rank 0 only (the setup's first rank), the rank that writes it: the others never hold a
+    # full copy.
+    state_dict = (gather_full_state_dict(model, rank0_only=True) if pipeline is None
+                  else pipeline.full_state_dict(first_rank_only=True))
+    shell = getattr(model, "module", model)
+    if pipeline is not None or merge_adapters is not None:  # a stage, or LoRA layers: written from a plain shell
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(getattr(model, "module", model).config)
+            shell = AutoModelForCausalLM.from_config(shell.config)
     if merge_adapters is not None and is_logging_rank():
         state_dict = merge_adapters(state_dict)
     if dtype is not None:
