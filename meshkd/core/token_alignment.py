@@ -10,6 +10,10 @@ both sides have as many; a BOS that one side alone has is a group with no token 
 strictly inside a group joins it. Offsets, not decoded strings, are compared, so multibyte characters,
 whitespace runs and one-sided specials need no special case.
 
+Two texts that differ but share passages (a chat row under two templates, the same answers in different
+wrapping) are aligned passage by passage (`align_shared_spans`); every token outside them is a group of its
+own with no partner.
+
 `pack_aligned` tokenizes with `encode_with_byte_spans` and packs both sides NEAT-style
 (`meshkd.core.packing`), same documents in the same rows, each side with its own sequence length; a document
 too long for a row is cut at a common cut so both sides restart together. `AlignedGroups` holds, per loss
@@ -157,6 +161,82 @@ def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
     return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
 
 
+def align_shared_spans(student: TokenSpans, teacher: TokenSpans,
+                       shared: Sequence[tuple[int, int, int]]) -> Alignment:
+    """Groups of two tokenizations of texts that differ but hold some identical passages (a chat row rendered
+    by two templates: the answers are the same bytes, the wrapping around them is not).
+
+    `shared` lists the passages as (student byte start, teacher byte start, byte length), in text order on
+    both sides. Each passage is aligned as `align_token_spans` aligns a whole text, between the first and
+    the last byte position that is a cut of both sides inside it (a token reaching across a passage's edge
+    pairs with nothing). Every other token is a group of its own with no token on the other side: it pairs
+    with nothing, and a document can be cut before any of them. `byte_bounds` count the student's bytes.
+
+    Raises ValueError for invalid spans (`check_token_spans`) or passages out of order or outside a text.
+    """
+    check_token_spans(student, "student tokens")
+    check_token_spans(teacher, "teacher tokens")
+    sides = (student, teacher)
+    cut_points = [_cut_points(side) for side in sides]
+    bounds: list[list[int]] = [[0], [0]]
+    byte_bounds = [0]
+    aligned_up_to = [0, 0]  # each side's byte where the last aligned passage ended
+
+    def alone(side_index: int, stop: int) -> None:
+        """Each of the side's tokens before `stop` not yet in a group, as a group of its own."""
+        other = 1 - side_index
+        for k in range(bounds[side_index][-1], stop):
+            bounds[side_index].append(k + 1)
+            bounds[other].append(bounds[other][-1])
+            byte_bounds.append(max(byte_bounds[-1], student.ends[k]) if side_index == 0 else byte_bounds[-1])
+
+    for student_start, teacher_start, length in shared:
+        starts = (student_start, teacher_start)
+        for side, start, name in zip(sides, starts, ("student", "teacher")):
+            if length < 0 or start < 0 or start + length > side.num_bytes:
+                raise ValueError(f"shared passage ({student_start}, {teacher_start}, {length}) is outside the "
+                                 f"{name} text's {side.num_bytes} bytes")
+        common = sorted(set.intersection(*({point - start for point in points if start <= point <= start + length}
+                                           for points, start in zip(cut_points, starts))))
+        if len(common) < 2:
+            continue  # no stretch of the passage that both sides cut alike at both ends
+        low, high = common[0], common[-1]
+        pieces = []
+        for side_index, (side, start) in enumerate(zip(sides, starts)):
+            if start + low < aligned_up_to[side_index]:
+                raise ValueError(f"shared passage ({student_start}, {teacher_start}, {length}) overlaps the one "
+                                 f"before it on the {('student', 'teacher')[side_index]} side: give them in text "
+                                 f"order")
+            aligned_up_to[side_index] = start + high
+            first = bisect.bisect_left(side.starts, start + low, lo=bounds[side_index][-1])
+            stop = bisect.bisect_right(side.ends, start + high, lo=first)
+            pieces.append((first, stop))
+            alone(side_index, first)
+        spans = [TokenSpans(side.ids[first:stop], tuple(b - start - low for b in side.starts[first:stop]),
+                            tuple(b - start - low for b in side.ends[first:stop]), high - low)
+                 for side, start, (first, stop) in zip(sides, starts, pieces)]
+        inner = align_token_spans(*spans)
+        for g in range(inner.num_groups):
+            bounds[0].append(pieces[0][0] + inner.student_bounds[g + 1])
+            bounds[1].append(pieces[1][0] + inner.teacher_bounds[g + 1])
+            byte_bounds.append(max(byte_bounds[-1], student_start + low + inner.byte_bounds[g + 1]))
+    alone(0, len(student.ids))
+    alone(1, len(teacher.ids))
+    return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
+
+
+def _cut_points(side: TokenSpans) -> set[int]:
+    """Byte positions where no token of `side` reaches across: each token's start and end unless an
+    overlapping token (parts of one character left unsplit) covers it."""
+    points = {0, side.num_bytes}
+    for k, (start, end) in enumerate(zip(side.starts, side.ends)):
+        if k == 0 or side.ends[k - 1] <= start:
+            points.add(start)
+        if k + 1 == len(side.ids) or side.starts[k + 1] >= end:
+            points.add(end)
+    return points
+
+
 def _segment(bounds: list[int], byte: int) -> int:
     """Index r of the range [bounds[r], bounds[r + 1]) holding `byte` (the last range for the end)."""
     return min(max(bisect.bisect_right(bounds, byte) - 1, 0), len(bounds) - 2)
@@ -276,8 +356,16 @@ def pack_aligned_documents(
     student_pad_id: int = 0,
     teacher_pad_id: int = 0,
     pack: bool = True,
+    alignments: Sequence[Alignment] | None = None,
+    student_trains: Sequence[Tensor | None] | None = None,
+    teacher_trains: Sequence[Tensor | None] | None = None,
 ) -> AlignedBatch:
     """Align each document's two tokenizations and pack both sides NEAT-style into the same rows.
+
+    `alignments` gives each document's groups (default: `align_token_spans` of its two tokenizations, which
+    must then be of one text). `student_trains` / `teacher_trains`: per document, a bool tensor saying which of
+    its tokens are targets (an answer-only mask), or None when all are; a token that is not is no position's
+    label on its side.
 
     A document whose tokens do not fit a row on either side is cut at group boundaries into the longest
     pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
@@ -300,12 +388,14 @@ def pack_aligned_documents(
     for name, value in lengths.items():
         if value < 2:
             raise ValueError(f"{name} must be at least 2 tokens, got {value}")
-    alignments = []
-    for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
-        try:
-            alignments.append(align_token_spans(student, teacher))
-        except ValueError as error:
-            raise ValueError(f"document {index}: {error}") from error
+    if alignments is None:
+        alignments = []
+        for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
+            try:
+                alignments.append(align_token_spans(student, teacher))
+            except ValueError as error:
+                raise ValueError(f"document {index}: {error}") from error
+    no_masks = [None] * len(student_documents)
 
     pieces = []
     for index, alignment in enumerate(alignments):
@@ -314,11 +404,12 @@ def pack_aligned_documents(
     num_rows = max(rows, default=-1) + 1
 
     sides = (
-        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, "student_bounds"),
-        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, "teacher_bounds"),
+        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, student_trains),
+        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, teacher_trains),
     )
     batches, target_bytes = [], []
-    for side_index, (documents, length, pad_id, tokens_of, _) in enumerate(sides):
+    for side_index, (documents, length, pad_id, tokens_of, trains) in enumerate(sides):
+        trains = no_masks if trains is None else trains
         batch = {
             "input_ids": torch.full((num_rows, length), pad_id, dtype=torch.int64),
             "labels": torch.full((num_rows, length), IGNORE_INDEX, dtype=torch.int64),
@@ -331,15 +422,22 @@ def pack_aligned_documents(
             pieces_in_row[row] += 1
             document = documents[piece.document]
             tokens = tokens_of(piece)
+            if not tokens:  # a piece of one side's tokens alone (a chat template's wrapping)
+                continue
             start = offset[side_index]
             columns = slice(start, start + len(tokens))
             ids = torch.tensor(document.ids[tokens.start : tokens.stop], dtype=torch.int64)
+            sizes = torch.tensor(_new_bytes(document, tokens), dtype=torch.int64)
+            labels = ids[1:]
+            mask = trains[piece.document]
+            if mask is not None:  # a token that does not train is no position's target
+                targets = mask[tokens.start + 1 : tokens.stop]
+                labels, sizes[1:] = labels.masked_fill(~targets, IGNORE_INDEX), sizes[1:].masked_fill(~targets, 0)
             batch["input_ids"][row, columns] = ids
-            batch["labels"][row, start : start + len(tokens) - 1] = ids[1:]
+            batch["labels"][row, start : start + len(tokens) - 1] = labels
             batch["position_ids"][row, columns] = torch.arange(len(tokens))
             batch["attention_mask"][row, columns] = pieces_in_row[row]
-            sizes = _new_bytes(document, tokens)
-            nbytes[row, start : start + len(tokens) - 1] = torch.tensor(sizes[1:], dtype=torch.int64)
+            nbytes[row, start : start + len(tokens) - 1] = sizes[1:]
         batches.append(batch)
         target_bytes.append(nbytes)
 

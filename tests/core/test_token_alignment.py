@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from meshkd.core.token_alignment import (
     IGNORE_INDEX,
     GroupTooLongError,
+    align_shared_spans,
     align_token_spans,
     pack_aligned,
     pack_aligned_documents,
@@ -171,6 +172,37 @@ def test_groups_of_a_row_slice_index_that_slice():
     s_part, t_part = batch.student["input_ids"][1:3].reshape(-1), batch.teacher["input_ids"][1:3].reshape(-1)
     assert torch.equal(s_part[part.student_last], s_ids[groups.student_last[keep]])
     assert torch.equal(t_part[part.teacher_first], t_ids[groups.teacher_first[keep]])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wraps=st.lists(texts, min_size=4, max_size=4), passages=st.lists(texts, min_size=2, max_size=2),
+       pair=st.tuples(st.sampled_from(names), st.sampled_from(names)))
+def test_shared_passages_pair_their_bytes_alone(wraps, passages, pair):
+    """Two texts with different wrapping around the same passages (a chat row under two templates): every
+    group with tokens on both sides covers the same bytes of one passage; every other token is alone."""
+    student_text = wraps[0] + passages[0] + wraps[1] + passages[1]
+    teacher_text = wraps[2] + passages[0] + wraps[3] + passages[1] + "!"
+    shared, at = [], [0, 0]
+    for passage, (before_student, before_teacher) in zip(passages, ((wraps[0], wraps[2]), (wraps[1], wraps[3]))):
+        at = [at[0] + len(before_student.encode()), at[1] + len(before_teacher.encode())]
+        shared.append((at[0], at[1], len(passage.encode())))
+        at = [at[0] + len(passage.encode()), at[1] + len(passage.encode())]
+    (student,) = encode_with_byte_spans(TOKENIZERS[pair[0]](), [student_text])
+    (teacher,) = encode_with_byte_spans(TOKENIZERS[pair[1]](), [teacher_text])
+    alignment = align_shared_spans(student, teacher, shared)
+    sb, tb = alignment.student_bounds, alignment.teacher_bounds
+    assert (sb[0], tb[0], sb[-1], tb[-1]) == (0, 0, len(student), len(teacher))
+    assert all(a <= b for bounds in (sb, tb) for a, b in zip(bounds, bounds[1:]))
+    for g in range(alignment.num_groups):
+        (s0, s1), (t0, t1) = (sb[g], sb[g + 1]), (tb[g], tb[g + 1])
+        if s0 == s1 or t0 == t1:
+            assert s1 - s0 + t1 - t0 == 1  # a token alone
+            continue
+        student_span = (student.starts[s0], student.ends[s1 - 1])
+        teacher_span = (teacher.starts[t0], teacher.ends[t1 - 1])
+        assert student_text.encode()[slice(*student_span)] == teacher_text.encode()[slice(*teacher_span)]
+        assert any(start <= student_span[0] and student_span[1] <= start + length and
+                   teacher_span[0] - other == student_span[0] - start for start, other, length in shared)
 
 
 def test_hand_built_alignment_with_one_sided_bos_and_shared_eos():
