@@ -340,7 +340,9 @@ class GroupTooLongError(ValueError):
 
 
 @dataclass
-class _Piece:
+class Piece:
+    """A document's groups that go into one row (`cut_document`), with their tokens on each side."""
+
     document: int
     groups: range  # group indices of the document's alignment
     student: range  # token indices of the document
@@ -399,8 +401,8 @@ def pack_aligned_documents(
 
     pieces = []
     for index, alignment in enumerate(alignments):
-        pieces.extend(_cut(index, alignment, student_sequence_length, teacher_sequence_length))
-    rows, offsets = _place(pieces, student_sequence_length, teacher_sequence_length, pack)
+        pieces.extend(cut_document(index, alignment, student_sequence_length, teacher_sequence_length))
+    rows, offsets = place_pieces(pieces, student_sequence_length, teacher_sequence_length, pack)
     num_rows = max(rows, default=-1) + 1
 
     sides = (
@@ -474,8 +476,9 @@ def _new_bytes(document: TokenSpans, tokens: range) -> list[int]:
     return sizes
 
 
-def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
-    """The document as pieces of whole groups, each as long as fits a row on both sides."""
+def cut_document(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[Piece]:
+    """The document (named `document` in errors and the pieces) as pieces of whole groups, each as long as fits
+    a row on both sides; none when a side has no token. GroupTooLongError for a group longer than a row."""
     sb, tb = alignment.student_bounds, alignment.teacher_bounds
     if sb[-1] == 0 or tb[-1] == 0:  # nothing to pair on one side
         return []
@@ -492,15 +495,17 @@ def _cut(document: int, alignment: Alignment, student_length: int, teacher_lengt
                 where=where, student_tokens=student_tokens, teacher_tokens=teacher_tokens,
             )
         if sb[g + 1] - sb[first] > student_length or tb[g + 1] - tb[first] > teacher_length:
-            pieces.append(_Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
+            pieces.append(Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
             first = g
     last = alignment.num_groups
-    pieces.append(_Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
+    pieces.append(Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
     return pieces
 
 
-def _place(pieces: list[_Piece], student_length: int, teacher_length: int, pack: bool):
-    """Row and (student, teacher) column offset of each piece: first fit on both sides at once."""
+def place_pieces(pieces: list[Piece], student_length: int, teacher_length: int,
+                 pack: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """Row and (student, teacher) column offset of each piece: first fit on both sides at once (`pack`
+    False: a row each)."""
     free: list[list[int]] = []
     rows, offsets = [], []
     for piece in pieces:

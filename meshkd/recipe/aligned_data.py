@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,31 +85,60 @@ def rendering_teacher(config, teacher_tokenizer):
 
 
 def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
-                    pack: bool) -> Callable[[list[str]], PackedDataset]:
-    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides
-    (no special tokens, each side's EOS appended, as `meshkd.recipe.data` tokenizes)."""
+                    pack: bool) -> AlignedPacking:
+    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run (`AlignedPacking`)."""
+    return AlignedPacking(student_tokenizer, teacher_tokenizer, sequence_length, teacher_sequence_length, pack)
 
-    def pack_texts(texts: list[str]) -> PackedDataset:
+
+@dataclass(frozen=True)
+class AlignedPacking:
+    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides (no
+    special tokens, each side's EOS appended, as `meshkd.recipe.data` tokenizes). Its settings tell a token
+    store (`meshkd.recipe.token_store`) how to keep and pack the same rows."""
+
+    student_tokenizer: Any
+    teacher_tokenizer: Any
+    sequence_length: int
+    teacher_sequence_length: int
+    pack: bool
+
+    def __call__(self, texts: list[str]) -> PackedDataset:
         try:
-            aligned = pack_rows(texts, student_tokenizer, teacher_tokenizer, sequence_length=sequence_length,
-                                teacher_sequence_length=teacher_sequence_length, pack=pack)
+            aligned = pack_rows(texts, self.student_tokenizer, self.teacher_tokenizer,
+                                sequence_length=self.sequence_length,
+                                teacher_sequence_length=self.teacher_sequence_length, pack=self.pack)
         except GroupTooLongError as error:
-            raise _row_too_short(error, sequence_length, teacher_sequence_length) from None
-        padding = {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
+            raise row_too_short(error, self.sequence_length, self.teacher_sequence_length) from None
+        padding = teacher_padding(self.teacher_tokenizer)
         extra = {f"teacher_{key}": (aligned.teacher[key], padding.get(key, 0)) for key in BATCH_KEYS}
         extra.update({key: (columns, -1) for key, columns in group_columns(aligned).items()})
-        return PackedDataset(**aligned.student, pad_token_id=pad_token_id(student_tokenizer),
+        return PackedDataset(**aligned.student, pad_token_id=pad_token_id(self.student_tokenizer),
                              num_documents=len(texts), extra=extra)
 
-    return pack_texts
+
+def teacher_padding(teacher_tokenizer) -> dict[str, int]:
+    """The padding value of each of the teacher's keys that is not 0."""
+    return {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
 
 
 def pack_rows(texts: list[str], student_tokenizer, teacher_tokenizer, *, sequence_length: int,
               teacher_sequence_length: int, pack: bool) -> AlignedBatch:
-    """Both sides of `texts` aligned and packed (`pack_aligned_documents`). A text row is read alike by both;
-    a chat or prompt / completion row (`meshkd.recipe.records.Document`) by each in its own rendering
-    (`Document.teacher`), aligned on the passages both hold (`Document.shared`: the answers, by
-    `align_shared_spans`), each side's targets its own answer tokens."""
+    """Both sides of `texts` aligned (`encode_aligned`) and packed (`pack_aligned_documents`)."""
+    student, student_trains, teacher, teacher_trains, alignments = encode_aligned(texts, student_tokenizer,
+                                                                                  teacher_tokenizer)
+    return pack_aligned_documents(student, teacher, student_sequence_length=sequence_length,
+                                  teacher_sequence_length=teacher_sequence_length,
+                                  student_pad_id=pad_token_id(student_tokenizer),
+                                  teacher_pad_id=pad_token_id(teacher_tokenizer), pack=pack, alignments=alignments,
+                                  student_trains=student_trains, teacher_trains=teacher_trains)
+
+
+def encode_aligned(texts: list[str], student_tokenizer, teacher_tokenizer) -> tuple[list, list, list, list, list]:
+    """Per text: the student's tokens (`TokenSpans`) and which train, the teacher's likewise, and their
+    `Alignment`. A text row is read alike by both; a chat or prompt / completion row
+    (`meshkd.recipe.records.Document`) by each in its own rendering (`Document.teacher`), aligned on the
+    passages both hold (`Document.shared`: the answers, by `align_shared_spans`), each side's targets its own
+    answer tokens."""
     teachers = [getattr(text, "teacher", None) or text for text in texts]
     student, student_trains = encode_rows(student_tokenizer, texts)
     teacher, teacher_trains = encode_rows(teacher_tokenizer, teachers)
@@ -120,11 +151,7 @@ def pack_rows(texts: list[str], student_tokenizer, teacher_tokenizer, *, sequenc
                 alignments.append(align_shared_spans(mine, theirs, byte_passages(text, teachers[index])))
         except ValueError as error:
             raise ValueError(f"document {index}: {error}") from error
-    return pack_aligned_documents(student, teacher, student_sequence_length=sequence_length,
-                                  teacher_sequence_length=teacher_sequence_length,
-                                  student_pad_id=pad_token_id(student_tokenizer),
-                                  teacher_pad_id=pad_token_id(teacher_tokenizer), pack=pack, alignments=alignments,
-                                  student_trains=student_trains, teacher_trains=teacher_trains)
+    return student, student_trains, teacher, teacher_trains, alignments
 
 
 def encode_rows(tokenizer, texts: list[str]) -> tuple[list[TokenSpans], list[torch.Tensor | None]]:
@@ -154,7 +181,7 @@ def byte_passages(student: Document, teacher: Document) -> list[tuple[int, int, 
             for start, other, length in student.shared]
 
 
-def _row_too_short(error: GroupTooLongError, sequence_length: int, teacher_sequence_length: int) -> ConfigError:
+def row_too_short(error: GroupTooLongError, sequence_length: int, teacher_sequence_length: int) -> ConfigError:
     """The error naming the key whose rows cannot hold one aligned group (a group is never split)."""
     if error.teacher_tokens > teacher_sequence_length:
         key, length, needed = TEACHER_LENGTH_KEY, teacher_sequence_length, error.teacher_tokens
@@ -170,6 +197,8 @@ def row_fill(rows: PackedDataset) -> dict[str, float]:
     token in the rows of a cross-tokenizer run; {} for rows of one tokenization. A row is closed when either
     side is full, so the side whose tokenizer takes more tokens for the same bytes fills its rows and the
     other fills what the length ratio leaves."""
+    if hasattr(rows, "row_fill"):  # rows read from a token store
+        return rows.row_fill()
     if TEACHER_POSITIONS not in getattr(rows, "extra", {}) or len(rows) == 0:
         return {}
     teacher_mask, _ = rows.extra["teacher_attention_mask"]

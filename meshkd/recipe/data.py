@@ -274,21 +274,18 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     are rendered by it too, for the teacher's side of the rows `pack_texts` makes.
 
     With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.token_store`,
-    written first if there is none; `store_wait_s`: how long to wait for another process writing it), unless
-    `pack_texts` makes them (a cross-tokenizer run) or `text_key` / `prompts` ask for prompts."""
+    written first if there is none; `store_wait_s`: how long to wait for another process writing it), those of
+    a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both sides stored), unless
+    `text_key` / `prompts` ask for prompts."""
     pack = dataset.packing if pack is None else pack
-    if dataset.token_store is not None and pack_texts is None and text_key is None and not prompts:
+    aligned = getattr(pack_texts, "teacher_sequence_length", None) is not None  # both tokenizations, aligned
+    if dataset.token_store is not None and (pack_texts is None or aligned) and text_key is None and not prompts:
         from meshkd.recipe.token_store import stored_datasets
 
         check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                         dataset.max_document_chars, "replace")
         return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
-                               routes=routes)
-    if dataset.token_store is not None and pack_texts is not None:
-        from meshkd.recipe.metrics import warn0
-
-        warn0("dataset.token_store is not used for kd.cross_tokenizer rows (both tokenizations, aligned): they are "
-              "tokenized in memory")
+                               routes=routes, aligned=pack_texts if aligned else None)
     if routes is not None:
         from meshkd.recipe.routing import routed_packing
 

@@ -228,13 +228,24 @@ def run_config(tmp: Path, *, save_teacher: bool = True) -> dict:
 
 @pytest.mark.world
 def test_a_run_on_chat_rows_across_tokenizers_trains_on_the_answers(tmp_path):
+    """It trains to its end on the answers alone, and reading the rows from the token store gives its curve."""
+    import copy
+
     from meshkd.recipe.batches import iterate_batches
-    from tests.recipe.test_recipe import TrainRun
+    from tests.recipe.test_recipe import TrainRun, curve
     from tests.recipe.test_teacher_cache import train_records
     from tests.world import run_world
 
     config = run_config(tmp_path)
-    run_world(1, [TrainRun(config, name="run")], timeout_s=60, deadline_s=300).check("run")
+    stored = copy.deepcopy(config)
+    stored["dataset"]["token_store"] = str(tmp_path / "tokens")
+    stored["logging"]["run_dir"] = str(tmp_path / "stored")
+    results = run_world(1, [TrainRun(config, name="memory"), TrainRun(stored, name="stored")], timeout_s=60,
+                        deadline_s=400)
+    results.check("memory")
+    results.check("stored")
+    assert len(list((tmp_path / "tokens").glob("*/groups.bin"))) == 1  # both sides read from the store
+    assert curve(train_records(stored)) == pytest.approx(curve(train_records(config)), abs=1e-6)
     records = train_records(config)
     steps = [r for r in records if r["kind"] == "train"]
     assert len(steps) == 8
