@@ -371,8 +371,8 @@ def pack_aligned_documents(
 
     A document whose tokens do not fit a row on either side is cut at group boundaries into the longest
     pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
-    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides (a scan
-    over the open rows: meant for a batch of documents, not a corpus at once); `pack=False` puts each
+    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides
+    (`place_pieces`: a search of two max-trees, not a scan of the open rows); `pack=False` puts each
     piece in a row of its own. A document with no token on one side (or both) is skipped: it has nothing to
     pair (an empty text, say, with a tokenizer that adds neither BOS nor EOS).
 
@@ -504,20 +504,44 @@ def cut_document(document: int, alignment: Alignment, student_length: int, teach
 
 def place_pieces(pieces: list[Piece], student_length: int, teacher_length: int,
                  pack: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """Row and (student, teacher) column offset of each piece: first fit on both sides at once (`pack`
-    False: a row each)."""
-    free: list[list[int]] = []
+    """Row and (student, teacher) column offset of each piece: first fit on both sides at once, the first row
+    (in the order rows open) with room on both (`pack` False: a row each).
+
+    Two max-trees over the rows' free space, one per side, find that row without scanning the open rows: the
+    search descends leftmost-first into the subtrees whose maxima both suffice, so it visits O(log rows) nodes
+    a piece, more only where rows with room on one side alone come before the first with room on both (a
+    subtree whose maxima lie in different rows). Rows not yet opened are empty and a piece fits an empty row
+    (`cut_document`), so the row found is an open one or the next to open.
+    """
+    if not pack:
+        return list(range(len(pieces))), [(0, 0)] * len(pieces)
+    size = 1
+    while size < max(1, len(pieces)):
+        size *= 2
+    # free[side][size + row]: the room left in row on that side; inner nodes hold their subtree's maximum.
+    free = ([student_length] * (2 * size), [teacher_length] * (2 * size))
+    capacity = (student_length, teacher_length)
     rows, offsets = [], []
     for piece in pieces:
         need = (len(piece.student), len(piece.teacher))
-        row = None
-        if pack:
-            row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
-        if row is None:
-            free.append([student_length, teacher_length])
-            row = len(free) - 1
-        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
-        free[row][0] -= need[0]
-        free[row][1] -= need[1]
-        rows.append(row)
+        node, stack = 0, [1]
+        while stack:
+            node = stack.pop()
+            if free[0][node] < need[0] or free[1][node] < need[1]:
+                continue
+            if node >= size:
+                break
+            stack += (2 * node + 1, 2 * node)  # the left subtree first
+        else:
+            raise ValueError(f"a piece of {need[0]} student and {need[1]} teacher tokens is longer than a row "
+                             f"({student_length} and {teacher_length})")
+        rows.append(node - size)
+        offsets.append((capacity[0] - free[0][node], capacity[1] - free[1][node]))
+        for side in range(2):
+            tree = free[side]
+            tree[node] -= need[side]
+            parent = node // 2
+            while parent:
+                tree[parent] = max(tree[2 * parent], tree[2 * parent + 1])
+                parent //= 2
     return rows, offsets

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from meshkd.core.token_alignment import (
     IGNORE_INDEX,
     GroupTooLongError,
+    Piece,
     align_shared_spans,
     align_token_spans,
     pack_aligned,
     pack_aligned_documents,
+    place_pieces,
 )
 from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans, token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS, smollm2_tokenizer
@@ -203,6 +205,31 @@ def test_shared_passages_pair_their_bytes_alone(wraps, passages, pair):
         assert student_text.encode()[slice(*student_span)] == teacher_text.encode()[slice(*teacher_span)]
         assert any(start <= student_span[0] and student_span[1] <= start + length and
                    teacher_span[0] - other == student_span[0] - start for start, other, length in shared)
+
+
+def first_fit_scan(needs: list[tuple[int, int]], student_length: int, teacher_length: int):
+    """First fit on two capacities by scanning the open rows: what `place_pieces` must place alike."""
+    free, rows, offsets = [], [], []
+    for need in needs:
+        row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
+        if row is None:
+            free.append([student_length, teacher_length])
+            row = len(free) - 1
+        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
+        free[row][0] -= need[0]
+        free[row][1] -= need[1]
+        rows.append(row)
+    return rows, offsets
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.tuples(st.integers(2, 48), st.integers(2, 48)), data=st.data())
+def test_pieces_are_placed_as_the_first_fit_scan_places_them(lengths, data):
+    """The max-tree search finds the scan's row for every piece, pieces empty on one side included."""
+    needs = data.draw(st.lists(st.tuples(st.integers(0, lengths[0]), st.integers(0, lengths[1])), max_size=150))
+    pieces = [Piece(0, range(0), range(student), range(teacher)) for student, teacher in needs]
+    assert place_pieces(pieces, *lengths, pack=True) == first_fit_scan(needs, *lengths)
+    assert place_pieces(pieces, *lengths, pack=False) == (list(range(len(needs))), [(0, 0)] * len(needs))
 
 
 def test_hand_built_alignment_with_one_sided_bos_and_shared_eos():
