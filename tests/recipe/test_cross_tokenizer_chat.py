@@ -228,24 +228,35 @@ def run_config(tmp: Path, *, save_teacher: bool = True) -> dict:
 
 @pytest.mark.world
 def test_a_run_on_chat_rows_across_tokenizers_trains_on_the_answers(tmp_path):
-    """It trains to its end on the answers alone, and reading the rows from the token store gives its curve."""
+    """It trains to its end on the answers alone; reading the rows from the token store, or the teacher's
+    answers from its cache (which keeps the teacher's tokenizer with its template), gives its curve."""
     import copy
 
     from meshkd.recipe.batches import iterate_batches
+    from meshkd.recipe.preflight import preflight
     from tests.recipe.test_recipe import TrainRun, curve
-    from tests.recipe.test_teacher_cache import train_records
+    from tests.recipe.test_teacher_cache import WriteCache, train_records
     from tests.world import run_world
 
     config = run_config(tmp_path)
-    stored = copy.deepcopy(config)
-    stored["dataset"]["token_store"] = str(tmp_path / "tokens")
-    stored["logging"]["run_dir"] = str(tmp_path / "stored")
-    results = run_world(1, [TrainRun(config, name="memory"), TrainRun(stored, name="stored")], timeout_s=60,
-                        deadline_s=400)
-    results.check("memory")
-    results.check("stored")
+    config["kd"]["logits_transport"] = "full_bf16"  # what a cache holds exactly
+    runs = {name: copy.deepcopy(config) for name in ("stored", "write_cache", "cached")}
+    runs["stored"]["dataset"]["token_store"] = str(tmp_path / "tokens")
+    for name in ("write_cache", "cached"):
+        runs[name]["kd"]["teacher_cache"] = str(tmp_path / "cache")
+    for name, run in runs.items():
+        run["logging"]["run_dir"] = str(tmp_path / name)
+    checks = [TrainRun(config, name="memory"), TrainRun(runs["stored"], name="stored"),
+              WriteCache(runs["write_cache"], "write_cache"), TrainRun(runs["cached"], name="cached")]
+    results = run_world(1, checks, timeout_s=60, deadline_s=500)
+    for check in checks:
+        results.check(check.__name__)
     assert len(list((tmp_path / "tokens").glob("*/groups.bin"))) == 1  # both sides read from the store
-    assert curve(train_records(stored)) == pytest.approx(curve(train_records(config)), abs=1e-6)
+    for name in ("stored", "cached"):
+        assert curve(train_records(runs[name])) == pytest.approx(curve(train_records(config)), abs=1e-6), name
+    without_teacher = copy.deepcopy(runs["cached"])
+    without_teacher.pop("teacher_model")  # the cache's own copy of the teacher's tokenizer renders its side
+    assert preflight(config_from_dict(without_teacher)).teacher_tokenizer.chat_template == LLAMA_TEMPLATE
     records = train_records(config)
     steps = [r for r in records if r["kind"] == "train"]
     assert len(steps) == 8
