@@ -10,6 +10,10 @@ both sides have as many; a BOS that one side alone has is a group with no token 
 strictly inside a group joins it. Offsets, not decoded strings, are compared, so multibyte characters,
 whitespace runs and one-sided specials need no special case.
 
+Two texts that differ but share passages (a chat row under two templates, the same answers in different
+wrapping) are aligned passage by passage (`align_shared_spans`); every token outside them is a group of its
+own with no partner.
+
 `pack_aligned` tokenizes with `encode_with_byte_spans` and packs both sides NEAT-style
 (`meshkd.core.packing`), same documents in the same rows, each side with its own sequence length; a document
 too long for a row is cut at a common cut so both sides restart together. `AlignedGroups` holds, per loss
@@ -157,6 +161,82 @@ def align_token_spans(student: TokenSpans, teacher: TokenSpans) -> Alignment:
     return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
 
 
+def align_shared_spans(student: TokenSpans, teacher: TokenSpans,
+                       shared: Sequence[tuple[int, int, int]]) -> Alignment:
+    """Groups of two tokenizations of texts that differ but hold some identical passages (a chat row rendered
+    by two templates: the answers are the same bytes, the wrapping around them is not).
+
+    `shared` lists the passages as (student byte start, teacher byte start, byte length), in text order on
+    both sides. Each passage is aligned as `align_token_spans` aligns a whole text, between the first and
+    the last byte position that is a cut of both sides inside it (a token reaching across a passage's edge
+    pairs with nothing). Every other token is a group of its own with no token on the other side: it pairs
+    with nothing, and a document can be cut before any of them. `byte_bounds` count the student's bytes.
+
+    Raises ValueError for invalid spans (`check_token_spans`) or passages out of order or outside a text.
+    """
+    check_token_spans(student, "student tokens")
+    check_token_spans(teacher, "teacher tokens")
+    sides = (student, teacher)
+    cut_points = [_cut_points(side) for side in sides]
+    bounds: list[list[int]] = [[0], [0]]
+    byte_bounds = [0]
+    aligned_up_to = [0, 0]  # each side's byte where the last aligned passage ended
+
+    def alone(side_index: int, stop: int) -> None:
+        """Each of the side's tokens before `stop` not yet in a group, as a group of its own."""
+        other = 1 - side_index
+        for k in range(bounds[side_index][-1], stop):
+            bounds[side_index].append(k + 1)
+            bounds[other].append(bounds[other][-1])
+            byte_bounds.append(max(byte_bounds[-1], student.ends[k]) if side_index == 0 else byte_bounds[-1])
+
+    for student_start, teacher_start, length in shared:
+        starts = (student_start, teacher_start)
+        for side, start, name in zip(sides, starts, ("student", "teacher")):
+            if length < 0 or start < 0 or start + length > side.num_bytes:
+                raise ValueError(f"shared passage ({student_start}, {teacher_start}, {length}) is outside the "
+                                 f"{name} text's {side.num_bytes} bytes")
+        common = sorted(set.intersection(*({point - start for point in points if start <= point <= start + length}
+                                           for points, start in zip(cut_points, starts))))
+        if len(common) < 2:
+            continue  # no stretch of the passage that both sides cut alike at both ends
+        low, high = common[0], common[-1]
+        pieces = []
+        for side_index, (side, start) in enumerate(zip(sides, starts)):
+            if start + low < aligned_up_to[side_index]:
+                raise ValueError(f"shared passage ({student_start}, {teacher_start}, {length}) overlaps the one "
+                                 f"before it on the {('student', 'teacher')[side_index]} side: give them in text "
+                                 f"order")
+            aligned_up_to[side_index] = start + high
+            first = bisect.bisect_left(side.starts, start + low, lo=bounds[side_index][-1])
+            stop = bisect.bisect_right(side.ends, start + high, lo=first)
+            pieces.append((first, stop))
+            alone(side_index, first)
+        spans = [TokenSpans(side.ids[first:stop], tuple(b - start - low for b in side.starts[first:stop]),
+                            tuple(b - start - low for b in side.ends[first:stop]), high - low)
+                 for side, start, (first, stop) in zip(sides, starts, pieces)]
+        inner = align_token_spans(*spans)
+        for g in range(inner.num_groups):
+            bounds[0].append(pieces[0][0] + inner.student_bounds[g + 1])
+            bounds[1].append(pieces[1][0] + inner.teacher_bounds[g + 1])
+            byte_bounds.append(max(byte_bounds[-1], student_start + low + inner.byte_bounds[g + 1]))
+    alone(0, len(student.ids))
+    alone(1, len(teacher.ids))
+    return Alignment(tuple(bounds[0]), tuple(bounds[1]), tuple(byte_bounds))
+
+
+def _cut_points(side: TokenSpans) -> set[int]:
+    """Byte positions where no token of `side` reaches across: each token's start and end unless an
+    overlapping token (parts of one character left unsplit) covers it."""
+    points = {0, side.num_bytes}
+    for k, (start, end) in enumerate(zip(side.starts, side.ends)):
+        if k == 0 or side.ends[k - 1] <= start:
+            points.add(start)
+        if k + 1 == len(side.ids) or side.starts[k + 1] >= end:
+            points.add(end)
+    return points
+
+
 def _segment(bounds: list[int], byte: int) -> int:
     """Index r of the range [bounds[r], bounds[r + 1]) holding `byte` (the last range for the end)."""
     return min(max(bisect.bisect_right(bounds, byte) - 1, 0), len(bounds) - 2)
@@ -260,7 +340,9 @@ class GroupTooLongError(ValueError):
 
 
 @dataclass
-class _Piece:
+class Piece:
+    """A document's groups that go into one row (`cut_document`), with their tokens on each side."""
+
     document: int
     groups: range  # group indices of the document's alignment
     student: range  # token indices of the document
@@ -276,13 +358,21 @@ def pack_aligned_documents(
     student_pad_id: int = 0,
     teacher_pad_id: int = 0,
     pack: bool = True,
+    alignments: Sequence[Alignment] | None = None,
+    student_trains: Sequence[Tensor | None] | None = None,
+    teacher_trains: Sequence[Tensor | None] | None = None,
 ) -> AlignedBatch:
     """Align each document's two tokenizations and pack both sides NEAT-style into the same rows.
 
+    `alignments` gives each document's groups (default: `align_token_spans` of its two tokenizations, which
+    must then be of one text). `student_trains` / `teacher_trains`: per document, a bool tensor saying which of
+    its tokens are targets (an answer-only mask), or None when all are; a token that is not is no position's
+    label on its side.
+
     A document whose tokens do not fit a row on either side is cut at group boundaries into the longest
     pieces that fit both; every piece is a document of its own on both sides (positions restart, labels
-    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides (a scan
-    over the open rows: meant for a batch of documents, not a corpus at once); `pack=False` puts each
+    stop at its end). Pieces go first-fit, in order, into the first row with room on both sides
+    (`place_pieces`: a search of two max-trees, not a scan of the open rows); `pack=False` puts each
     piece in a row of its own. A document with no token on one side (or both) is skipped: it has nothing to
     pair (an empty text, say, with a tokenizer that adds neither BOS nor EOS).
 
@@ -300,25 +390,28 @@ def pack_aligned_documents(
     for name, value in lengths.items():
         if value < 2:
             raise ValueError(f"{name} must be at least 2 tokens, got {value}")
-    alignments = []
-    for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
-        try:
-            alignments.append(align_token_spans(student, teacher))
-        except ValueError as error:
-            raise ValueError(f"document {index}: {error}") from error
+    if alignments is None:
+        alignments = []
+        for index, (student, teacher) in enumerate(zip(student_documents, teacher_documents)):
+            try:
+                alignments.append(align_token_spans(student, teacher))
+            except ValueError as error:
+                raise ValueError(f"document {index}: {error}") from error
+    no_masks = [None] * len(student_documents)
 
     pieces = []
     for index, alignment in enumerate(alignments):
-        pieces.extend(_cut(index, alignment, student_sequence_length, teacher_sequence_length))
-    rows, offsets = _place(pieces, student_sequence_length, teacher_sequence_length, pack)
+        pieces.extend(cut_document(index, alignment, student_sequence_length, teacher_sequence_length))
+    rows, offsets = place_pieces(pieces, student_sequence_length, teacher_sequence_length, pack)
     num_rows = max(rows, default=-1) + 1
 
     sides = (
-        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, "student_bounds"),
-        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, "teacher_bounds"),
+        (student_documents, student_sequence_length, student_pad_id, lambda p: p.student, student_trains),
+        (teacher_documents, teacher_sequence_length, teacher_pad_id, lambda p: p.teacher, teacher_trains),
     )
     batches, target_bytes = [], []
-    for side_index, (documents, length, pad_id, tokens_of, _) in enumerate(sides):
+    for side_index, (documents, length, pad_id, tokens_of, trains) in enumerate(sides):
+        trains = no_masks if trains is None else trains
         batch = {
             "input_ids": torch.full((num_rows, length), pad_id, dtype=torch.int64),
             "labels": torch.full((num_rows, length), IGNORE_INDEX, dtype=torch.int64),
@@ -331,15 +424,22 @@ def pack_aligned_documents(
             pieces_in_row[row] += 1
             document = documents[piece.document]
             tokens = tokens_of(piece)
+            if not tokens:  # a piece of one side's tokens alone (a chat template's wrapping)
+                continue
             start = offset[side_index]
             columns = slice(start, start + len(tokens))
             ids = torch.tensor(document.ids[tokens.start : tokens.stop], dtype=torch.int64)
+            sizes = torch.tensor(_new_bytes(document, tokens), dtype=torch.int64)
+            labels = ids[1:]
+            mask = trains[piece.document]
+            if mask is not None:  # a token that does not train is no position's target
+                targets = mask[tokens.start + 1 : tokens.stop]
+                labels, sizes[1:] = labels.masked_fill(~targets, IGNORE_INDEX), sizes[1:].masked_fill(~targets, 0)
             batch["input_ids"][row, columns] = ids
-            batch["labels"][row, start : start + len(tokens) - 1] = ids[1:]
+            batch["labels"][row, start : start + len(tokens) - 1] = labels
             batch["position_ids"][row, columns] = torch.arange(len(tokens))
             batch["attention_mask"][row, columns] = pieces_in_row[row]
-            sizes = _new_bytes(document, tokens)
-            nbytes[row, start : start + len(tokens) - 1] = torch.tensor(sizes[1:], dtype=torch.int64)
+            nbytes[row, start : start + len(tokens) - 1] = sizes[1:]
         batches.append(batch)
         target_bytes.append(nbytes)
 
@@ -376,8 +476,9 @@ def _new_bytes(document: TokenSpans, tokens: range) -> list[int]:
     return sizes
 
 
-def _cut(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[_Piece]:
-    """The document as pieces of whole groups, each as long as fits a row on both sides."""
+def cut_document(document: int, alignment: Alignment, student_length: int, teacher_length: int) -> list[Piece]:
+    """The document (named `document` in errors and the pieces) as pieces of whole groups, each as long as fits
+    a row on both sides; none when a side has no token. GroupTooLongError for a group longer than a row."""
     sb, tb = alignment.student_bounds, alignment.teacher_bounds
     if sb[-1] == 0 or tb[-1] == 0:  # nothing to pair on one side
         return []
@@ -394,27 +495,53 @@ def _cut(document: int, alignment: Alignment, student_length: int, teacher_lengt
                 where=where, student_tokens=student_tokens, teacher_tokens=teacher_tokens,
             )
         if sb[g + 1] - sb[first] > student_length or tb[g + 1] - tb[first] > teacher_length:
-            pieces.append(_Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
+            pieces.append(Piece(document, range(first, g), range(sb[first], sb[g]), range(tb[first], tb[g])))
             first = g
     last = alignment.num_groups
-    pieces.append(_Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
+    pieces.append(Piece(document, range(first, last), range(sb[first], sb[last]), range(tb[first], tb[last])))
     return pieces
 
 
-def _place(pieces: list[_Piece], student_length: int, teacher_length: int, pack: bool):
-    """Row and (student, teacher) column offset of each piece: first fit on both sides at once."""
-    free: list[list[int]] = []
+def place_pieces(pieces: list[Piece], student_length: int, teacher_length: int,
+                 pack: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """Row and (student, teacher) column offset of each piece: first fit on both sides at once, the first row
+    (in the order rows open) with room on both (`pack` False: a row each).
+
+    Two max-trees over the rows' free space, one per side, find that row without scanning the open rows: the
+    search descends leftmost-first into the subtrees whose maxima both suffice, so it visits O(log rows) nodes
+    a piece, more only where rows with room on one side alone come before the first with room on both (a
+    subtree whose maxima lie in different rows). Rows not yet opened are empty and a piece fits an empty row
+    (`cut_document`), so the row found is an open one or the next to open.
+    """
+    if not pack:
+        return list(range(len(pieces))), [(0, 0)] * len(pieces)
+    size = 1
+    while size < max(1, len(pieces)):
+        size *= 2
+    # free[side][size + row]: the room left in row on that side; inner nodes hold their subtree's maximum.
+    free = ([student_length] * (2 * size), [teacher_length] * (2 * size))
+    capacity = (student_length, teacher_length)
     rows, offsets = [], []
     for piece in pieces:
         need = (len(piece.student), len(piece.teacher))
-        row = None
-        if pack:
-            row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
-        if row is None:
-            free.append([student_length, teacher_length])
-            row = len(free) - 1
-        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
-        free[row][0] -= need[0]
-        free[row][1] -= need[1]
-        rows.append(row)
+        node, stack = 0, [1]
+        while stack:
+            node = stack.pop()
+            if free[0][node] < need[0] or free[1][node] < need[1]:
+                continue
+            if node >= size:
+                break
+            stack += (2 * node + 1, 2 * node)  # the left subtree first
+        else:
+            raise ValueError(f"a piece of {need[0]} student and {need[1]} teacher tokens is longer than a row "
+                             f"({student_length} and {teacher_length})")
+        rows.append(node - size)
+        offsets.append((capacity[0] - free[0][node], capacity[1] - free[1][node]))
+        for side in range(2):
+            tree = free[side]
+            tree[node] -= need[side]
+            parent = node // 2
+            while parent:
+                tree[parent] = max(tree[2 * parent], tree[2 * parent + 1])
+                parent //= 2
     return rows, offsets

@@ -123,7 +123,7 @@ def encode_with_byte_spans(
     texts: Sequence[str],
     *,
     add_bos: bool = False,
-    add_eos: bool = True,
+    add_eos: bool | Sequence[bool] = True,
     byte_table: Sequence[bytes | None] | None = None,
 ) -> list[TokenSpans]:
     """Tokenize documents without the tokenizer's own special tokens and give every token its byte span.
@@ -133,11 +133,27 @@ def encode_with_byte_spans(
     their own bytes (`byte_table`, default `token_bytes(tokenizer)`) spell it, else keep their overlapping
     spans (and so share a group). Bytes that no token covers go to the next token (the last one takes
     trailing bytes), so a side tiles its text. BOS (when `add_bos`) and EOS (when `add_eos` and the
-    tokenizer has one, as `meshkd.recipe.data` does) are added with empty spans at the text's start and end.
+    tokenizer has one, as `meshkd.recipe.data` does; a sequence says it per document) are added with empty
+    spans at the text's start and end.
 
     Raises:
         ValueError: `add_bos` for a tokenizer without a BOS token, or a tokenizer without offset mappings.
     """
+    return encode_with_byte_spans_and_offsets(tokenizer, texts, add_bos=add_bos, add_eos=add_eos,
+                                              byte_table=byte_table)[0]
+
+
+def encode_with_byte_spans_and_offsets(
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    add_bos: bool = False,
+    add_eos: bool | Sequence[bool] = True,
+    byte_table: Sequence[bytes | None] | None = None,
+) -> tuple[list[TokenSpans], list[list[tuple[int, int]]]]:
+    """`encode_with_byte_spans` and, per document, the tokenizer's own character offsets of its tokens (BOS and
+    EOS left out): what an answer-only mask is read from (`meshkd.recipe.records.answer_tokens`), with one
+    tokenization for both."""
     if add_bos and tokenizer.bos_token_id is None:
         raise ValueError(f"add_bos=True but the tokenizer {type(tokenizer).__name__} has no bos_token")
     if not getattr(tokenizer, "is_fast", False):
@@ -145,10 +161,13 @@ def encode_with_byte_spans(
             f"{type(tokenizer).__name__} is not a fast tokenizer: byte spans need its offset mapping "
             f"(load it with use_fast=True)"
         )
+    if not texts:  # (fast tokenizers fail on an empty batch)
+        return [], []
     table = _LazyTable(tokenizer) if byte_table is None else byte_table
     encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     documents = []
-    for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):
+    closing = [add_eos] * len(texts) if isinstance(add_eos, bool) else list(add_eos)
+    for text, ids, offsets, eos in zip(texts, encoded["input_ids"], encoded["offset_mapping"], closing):
         data = text.encode()
         char_to_byte = [0]
         for character in text:
@@ -160,10 +179,10 @@ def encode_with_byte_spans(
         ids = list(ids)
         if add_bos:
             ids, starts, ends = [tokenizer.bos_token_id, *ids], [0, *starts], [0, *ends]
-        if add_eos and tokenizer.eos_token_id is not None:
+        if eos and tokenizer.eos_token_id is not None:
             ids, starts, ends = [*ids, tokenizer.eos_token_id], [*starts, len(data)], [*ends, len(data)]
         documents.append(TokenSpans(tuple(ids), tuple(starts), tuple(ends), len(data)))
-    return documents
+    return documents, list(encoded["offset_mapping"])
 
 
 def decode_with_byte_spans(ids: Sequence[int], table: Sequence[bytes | None]) -> tuple[str, TokenSpans]:

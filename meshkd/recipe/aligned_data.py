@@ -16,21 +16,41 @@ group's chain-rule distribution over its own vocabulary instead (`teacher_group_
 in one order on both sides by `group_positions`), and the student's loss compares its groups with them
 (`group_kd_loss`). On-policy rows, made of the student's own samples, get their
 teacher side when they are made (`CompletionAligner`).
+
+Chat and prompt / completion rows are rendered by each side's own template (`meshkd.recipe.records`), so the
+two texts differ but for the answers: each side's labels are its own answer tokens, and only the answers'
+bytes are aligned (`align_shared_spans`; `pack_rows`); the rest of each side pairs with nothing, so KD counts
+the answers alone.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
-from meshkd.core.token_alignment import AlignedBatch, GroupTooLongError, align_token_spans, pack_aligned
-from meshkd.core.token_bytes import decode_with_byte_spans, encode_with_byte_spans, token_bytes
+from meshkd.core.token_alignment import (
+    AlignedBatch,
+    GroupTooLongError,
+    align_shared_spans,
+    align_token_spans,
+    pack_aligned_documents,
+)
+from meshkd.core.token_bytes import (
+    TokenSpans,
+    decode_with_byte_spans,
+    encode_with_byte_spans,
+    encode_with_byte_spans_and_offsets,
+    token_bytes,
+)
 from meshkd.recipe.config import ConfigError
 from meshkd.recipe.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id, padding_rows
 from meshkd.recipe.metrics import warn0
+from meshkd.recipe.records import Document, answer_tokens
 
 TEACHER_POSITIONS = "teacher_positions"
 GROUPS = "groups"
@@ -58,28 +78,110 @@ def run_packing(config, student_tokenizer, teacher_tokenizer) -> Callable[[list[
                            teacher_sequence_length=config.teacher_sequence_length, pack=config.dataset.packing)
 
 
-def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
-                    pack: bool) -> Callable[[list[str]], PackedDataset]:
-    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides
-    (no special tokens, each side's EOS appended, as `meshkd.recipe.data` tokenizes)."""
+def rendering_teacher(config, teacher_tokenizer):
+    """The tokenizer that renders the teacher's side of chat and prompt / completion rows
+    (`meshkd.recipe.data.build_run_datasets`' `teacher_tokenizer`): the teacher's, with `kd.cross_tokenizer`."""
+    return teacher_tokenizer if config.kd.cross_tokenizer is not None and config.dataset.records != "text" else None
 
-    def pack_texts(texts: list[str]) -> PackedDataset:
+
+def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
+                    pack: bool) -> AlignedPacking:
+    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run (`AlignedPacking`)."""
+    return AlignedPacking(student_tokenizer, teacher_tokenizer, sequence_length, teacher_sequence_length, pack)
+
+
+@dataclass(frozen=True)
+class AlignedPacking:
+    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides (no
+    special tokens, each side's EOS appended, as `meshkd.recipe.data` tokenizes). Its settings tell a token
+    store (`meshkd.recipe.token_store`) how to keep and pack the same rows."""
+
+    student_tokenizer: Any
+    teacher_tokenizer: Any
+    sequence_length: int
+    teacher_sequence_length: int
+    pack: bool
+
+    def __call__(self, texts: list[str]) -> PackedDataset:
         try:
-            aligned = pack_aligned(texts, student_tokenizer, teacher_tokenizer,
-                                   student_sequence_length=sequence_length,
-                                   teacher_sequence_length=teacher_sequence_length, pack=pack)
+            aligned = pack_rows(texts, self.student_tokenizer, self.teacher_tokenizer,
+                                sequence_length=self.sequence_length,
+                                teacher_sequence_length=self.teacher_sequence_length, pack=self.pack)
         except GroupTooLongError as error:
-            raise _row_too_short(error, sequence_length, teacher_sequence_length) from None
-        padding = {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
+            raise row_too_short(error, self.sequence_length, self.teacher_sequence_length) from None
+        padding = teacher_padding(self.teacher_tokenizer)
         extra = {f"teacher_{key}": (aligned.teacher[key], padding.get(key, 0)) for key in BATCH_KEYS}
         extra.update({key: (columns, -1) for key, columns in group_columns(aligned).items()})
-        return PackedDataset(**aligned.student, pad_token_id=pad_token_id(student_tokenizer),
+        return PackedDataset(**aligned.student, pad_token_id=pad_token_id(self.student_tokenizer),
                              num_documents=len(texts), extra=extra)
 
-    return pack_texts
+
+def teacher_padding(teacher_tokenizer) -> dict[str, int]:
+    """The padding value of each of the teacher's keys that is not 0."""
+    return {"input_ids": pad_token_id(teacher_tokenizer), "labels": IGNORE_INDEX}
 
 
-def _row_too_short(error: GroupTooLongError, sequence_length: int, teacher_sequence_length: int) -> ConfigError:
+def pack_rows(texts: list[str], student_tokenizer, teacher_tokenizer, *, sequence_length: int,
+              teacher_sequence_length: int, pack: bool) -> AlignedBatch:
+    """Both sides of `texts` aligned (`encode_aligned`) and packed (`pack_aligned_documents`)."""
+    student, student_trains, teacher, teacher_trains, alignments = encode_aligned(texts, student_tokenizer,
+                                                                                  teacher_tokenizer)
+    return pack_aligned_documents(student, teacher, student_sequence_length=sequence_length,
+                                  teacher_sequence_length=teacher_sequence_length,
+                                  student_pad_id=pad_token_id(student_tokenizer),
+                                  teacher_pad_id=pad_token_id(teacher_tokenizer), pack=pack, alignments=alignments,
+                                  student_trains=student_trains, teacher_trains=teacher_trains)
+
+
+def encode_aligned(texts: list[str], student_tokenizer, teacher_tokenizer) -> tuple[list, list, list, list, list]:
+    """Per text: the student's tokens (`TokenSpans`) and which train, the teacher's likewise, and their
+    `Alignment`. A text row is read alike by both; a chat or prompt / completion row
+    (`meshkd.recipe.records.Document`) by each in its own rendering (`Document.teacher`), aligned on the
+    passages both hold (`Document.shared`: the answers, by `align_shared_spans`), each side's targets its own
+    answer tokens."""
+    teachers = [getattr(text, "teacher", None) or text for text in texts]
+    student, student_trains = encode_rows(student_tokenizer, texts)
+    teacher, teacher_trains = encode_rows(teacher_tokenizer, teachers)
+    alignments = []
+    for index, (text, mine, theirs) in enumerate(zip(texts, student, teacher)):
+        try:
+            if teachers[index] is text:
+                alignments.append(align_token_spans(mine, theirs))
+            else:
+                alignments.append(align_shared_spans(mine, theirs, byte_passages(text, teachers[index])))
+        except ValueError as error:
+            raise ValueError(f"document {index}: {error}") from error
+    return student, student_trains, teacher, teacher_trains, alignments
+
+
+def encode_rows(tokenizer, texts: list[str]) -> tuple[list[TokenSpans], list[torch.Tensor | None]]:
+    """Each text's tokens with their byte spans, EOS appended when the text takes it (`Document.eos`, as
+    `meshkd.recipe.records.tokenize_documents` does), and which of them train (None: all), read from the
+    same tokenization's character offsets (`answer_tokens`: the EOS trains with the answer it ends)."""
+    spans, offsets = encode_with_byte_spans_and_offsets(tokenizer, texts,
+                                                        add_eos=[getattr(text, "eos", True) for text in texts])
+    trains = []
+    for text, tokens, offset in zip(texts, spans, offsets):
+        answers = getattr(text, "answers", None)
+        if answers is None:
+            trains.append(None)
+            continue
+        mask = answer_tokens(answers, offset)
+        closing = len(tokens) - len(mask)
+        mask = torch.cat([mask, mask[-1:].expand(closing) if len(mask) else torch.zeros(closing, dtype=torch.bool)])
+        trains.append(mask)
+    return spans, trains
+
+
+def byte_passages(student: Document, teacher: Document) -> list[tuple[int, int, int]]:
+    """`student.shared` (character offsets into both renderings) in UTF-8 bytes, as `align_shared_spans` takes."""
+    def byte_offset(text: str, chars: int) -> int:
+        return len(text[:chars].encode())
+    return [(byte_offset(student, start), byte_offset(teacher, other), len(student[start : start + length].encode()))
+            for start, other, length in student.shared]
+
+
+def row_too_short(error: GroupTooLongError, sequence_length: int, teacher_sequence_length: int) -> ConfigError:
     """The error naming the key whose rows cannot hold one aligned group (a group is never split)."""
     if error.teacher_tokens > teacher_sequence_length:
         key, length, needed = TEACHER_LENGTH_KEY, teacher_sequence_length, error.teacher_tokens
@@ -95,6 +197,8 @@ def row_fill(rows: PackedDataset) -> dict[str, float]:
     token in the rows of a cross-tokenizer run; {} for rows of one tokenization. A row is closed when either
     side is full, so the side whose tokenizer takes more tokens for the same bytes fills its rows and the
     other fills what the length ratio leaves."""
+    if hasattr(rows, "row_fill"):  # rows read from a token store
+        return rows.row_fill()
     if TEACHER_POSITIONS not in getattr(rows, "extra", {}) or len(rows) == 0:
         return {}
     teacher_mask, _ = rows.extra["teacher_attention_mask"]
@@ -120,7 +224,7 @@ def check_row_lengths(config, texts: list[str], student_tokenizer, teacher_token
     for text in texts:
         if left <= 0:
             break
-        sample.append(text[:left])
+        sample.append(text.cut(left) if isinstance(text, Document) else text[:left])
         left -= len(sample[-1])
     length, teacher_length = config.step_scheduler.sequence_length, config.teacher_sequence_length
     rows = aligned_packing(student_tokenizer, teacher_tokenizer, sequence_length=length,

@@ -32,7 +32,7 @@ from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.recipe import data, models
 from meshkd.recipe import teacher_cache as cache
-from meshkd.recipe.aligned_data import run_packing
+from meshkd.recipe.aligned_data import rendering_teacher, run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.files import file_sha256, write_atomically
@@ -131,7 +131,8 @@ class CacheWriter:
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
                 checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length,
-                pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer))))
+                pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer),
+                teacher_tokenizer=rendering_teacher(config, checked.teacher_tokenizer))))
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
             row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}

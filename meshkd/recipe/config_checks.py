@@ -359,9 +359,10 @@ def check_dataset(config: KDRecipeConfig) -> None:
         raise ConfigError(f"dataset.records must be one of {', '.join(RECORD_FORMATS)}, got {dataset.records!r}")
     if dataset.train_on not in TRAIN_ON:
         raise ConfigError(f"dataset.train_on must be one of {', '.join(TRAIN_ON)}, got {dataset.train_on!r}")
-    if dataset.records != "text" and config.kd.cross_tokenizer is not None:
-        raise ConfigError(f"dataset.records {dataset.records!r} with kd.cross_tokenizer is not supported yet (each "
-                          "side would render the row with its own template); use text rows")
+    if dataset.records != "text" and config.kd.cross_tokenizer is not None and config.kd.generates:
+        raise ConfigError(f"dataset.records {dataset.records!r} with kd.cross_tokenizer does not yet work with "
+                          "kd.mode on_policy or kd.generation.evaluate (the student's samples would reach the "
+                          "teacher in the student's chat template); use kd.mode off_policy")
 
 
 # ------------------------------------------------------------------------------ step_scheduler, optimizer, lr_scheduler

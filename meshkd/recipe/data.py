@@ -265,36 +265,34 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
                        routes: list[str] | None = None, prompts: bool = False,
-                       store_wait_s: float = 3600.0) -> tuple[PackedDataset, PackedDataset]:
+                       store_wait_s: float = 3600.0, teacher_tokenizer=None) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.config.DatasetConfig`) says; `text_key`
     and `pack` in place of the section's (on-policy prompts of text rows read another column, one per row);
     `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`);
     `routes`: the teachers' names rows routed by `dataset.teacher_key` give, packed teacher by teacher
-    (`meshkd.recipe.routing`).
+    (`meshkd.recipe.routing`); `teacher_tokenizer` (`kd.cross_tokenizer`): chat and prompt / completion rows
+    are rendered by it too, for the teacher's side of the rows `pack_texts` makes.
 
     With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.token_store`,
-    written first if there is none; `store_wait_s`: how long to wait for another process writing it), unless
-    `pack_texts` makes them (a cross-tokenizer run) or `text_key` / `prompts` ask for prompts."""
+    written first if there is none; `store_wait_s`: how long to wait for another process writing it), those of
+    a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both sides stored), unless
+    `text_key` / `prompts` ask for prompts."""
     pack = dataset.packing if pack is None else pack
-    if dataset.token_store is not None and pack_texts is None and text_key is None and not prompts:
+    aligned = getattr(pack_texts, "teacher_sequence_length", None) is not None  # both tokenizations, aligned
+    if dataset.token_store is not None and (pack_texts is None or aligned) and text_key is None and not prompts:
         from meshkd.recipe.token_store import stored_datasets
 
         check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                         dataset.max_document_chars, "replace")
         return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
-                               routes=routes)
-    if dataset.token_store is not None and pack_texts is not None:
-        from meshkd.recipe.metrics import warn0
-
-        warn0("dataset.token_store is not used for kd.cross_tokenizer rows (both tokenizations, aligned): they are "
-              "tokenized in memory")
+                               routes=routes, aligned=pack_texts if aligned else None)
     if routes is not None:
         from meshkd.recipe.routing import routed_packing
 
         pack_texts = routed_packing(pack_texts or packer(tokenizer, sequence_length, pack=pack), routes)
     if text_key is not None:
         dataset = dataclasses.replace(dataset, text_key=text_key)
-    arguments = reading_arguments(dataset, tokenizer)
+    arguments = reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
     if prompts:
         read_row = arguments["read_record"]
 
@@ -308,15 +306,16 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
 
 
 def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
-                      teachers: list[str] | None = None) -> dict:
+                      teachers: list[str] | None = None, teacher_tokenizer=None) -> dict:
     """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
-    renders chat rows, `teachers` are the names routed rows may give (`meshkd.recipe.records.record_reader`)."""
+    renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names routed
+    rows may give (`meshkd.recipe.records.record_reader`)."""
     from meshkd.recipe.config import expand_path
 
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
             "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
             "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,
-            "read_record": record_reader(dataset, tokenizer, teachers), "hf_section": dataset.hf}
+            "read_record": record_reader(dataset, tokenizer, teachers, teacher_tokenizer), "hf_section": dataset.hf}
 
 
 # ---------------------------------------------------------------------------------------------------------

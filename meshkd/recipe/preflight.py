@@ -18,7 +18,7 @@ from meshkd.core.masks import attention_windows
 from meshkd.parallel.data_parallel import check_experts_over_dp
 from meshkd.parallel.tensor_parallel import check_tensor_parallel
 from meshkd.recipe import data, documents, models, teacher_cache
-from meshkd.recipe.aligned_data import check_row_lengths
+from meshkd.recipe.aligned_data import check_row_lengths, rendering_teacher
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.hidden_states import check_pairs, pairs_of
 from meshkd.recipe.loaders import load_section_skeleton, load_section_tokenizer
@@ -243,6 +243,13 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
             f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
         )
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
+        if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
+            with about("dataset.paths"):
+                arguments = data.reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
+                found = documents.read_documents(files, format=dataset.format, max_documents=None,
+                                                 max_document_chars=None, encoding_errors="replace",
+                                                 on_bad_file=dataset.on_bad_file,
+                                                 read_record=arguments["read_record"])
         check_row_lengths(config, found, tokenizer, teacher_tokenizer)
     return checked
 

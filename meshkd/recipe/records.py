@@ -20,6 +20,9 @@ Design:
 - `dataset.train_on`: `answers` (every assistant turn), `last_answer`, or `all` (every token, as text).
 - `tokenize_documents` maps the spans to tokens: a token trains when its first character lies in an answer,
   by the fast tokenizer's offsets over the whole text (the tokens the model sees at inference).
+- With `kd.cross_tokenizer` the teacher's tokenizer renders the row too (`Document.teacher`); the two
+  renderings share the answers' text, not the wrapping around it (`Document.shared`: what
+  `meshkd.recipe.aligned_data` aligns the two tokenizations on).
 """
 
 from __future__ import annotations
@@ -40,22 +43,38 @@ class Document(str):
     prompt_end: int | None = None
     eos: bool = True
     route: str | None = None
+    contents: tuple[tuple[int, str] | None, ...] = ()
+    """Per assistant turn (every one, whatever `train_on`): where its content starts and the content as the
+    template wrote it (stripped when the template strips it; None when the template changes it otherwise)."""
+    teacher: Document | None = None
+    """With `kd.cross_tokenizer`: the row as the teacher's tokenizer renders it."""
+    shared: tuple[tuple[int, int, int], ...] = ()
+    """Beside `teacher`: the passages both renderings hold alike, as (start here, start in `teacher`,
+    characters): the answers (`shared_passages`)."""
 
     @classmethod
-    def of(cls, text: str, *, answers=None, prompt_end=None, eos: bool = True, route: str | None = None) -> Document:
+    def of(cls, text: str, *, answers=None, prompt_end=None, eos: bool = True, route: str | None = None,
+           contents=(), teacher: Document | None = None, shared=()) -> Document:
         document = cls(text)
         document.answers = None if answers is None else tuple(answers)
         document.prompt_end, document.eos, document.route = prompt_end, eos, route
+        document.contents, document.teacher, document.shared = tuple(contents), teacher, tuple(shared)
         return document
 
     def cut(self, max_chars: int) -> Document:
-        """The first `max_chars` characters, the spans clipped to them (an answer cut away is dropped)."""
-        if len(self) <= max_chars:
+        """The first `max_chars` characters, the spans clipped to them (an answer cut away is dropped); the
+        teacher's rendering likewise, and the shared passages to what both keep."""
+        if len(self) <= max_chars and (self.teacher is None or len(self.teacher) <= max_chars):
             return self
         answers = None if self.answers is None else [(start, min(end, max_chars)) for start, end in self.answers
                                                      if start < max_chars]
         prompt_end = None if self.prompt_end is None or self.prompt_end > max_chars else self.prompt_end
-        return Document.of(self[:max_chars], answers=answers, prompt_end=prompt_end, eos=self.eos, route=self.route)
+        contents = [content for content in self.contents if content is not None and content[0] < max_chars]
+        shared = [(start, other, min(length, max_chars - start, max_chars - other))
+                  for start, other, length in self.shared if start < max_chars and other < max_chars]
+        return Document.of(self[:max_chars], answers=answers, prompt_end=prompt_end, eos=self.eos, route=self.route,
+                           contents=contents, teacher=None if self.teacher is None else self.teacher.cut(max_chars),
+                           shared=shared)
 
     def prompt(self, where: str) -> Document:
         """The row's on-policy prompt: its text before the last answer (the generation prompt included); a
@@ -67,27 +86,23 @@ class Document(str):
         return Document.of(self[: self.prompt_end], eos=False, route=self.route)
 
 
-def record_reader(dataset, tokenizer=None, teachers: list[str] | None = None) -> Callable[[dict, str], Document | None]:
+def record_reader(dataset, tokenizer=None, teachers: list[str] | None = None,
+                  teacher_tokenizer=None) -> Callable[[dict, str], Document | None]:
     """`(record, where) -> Document` (None: an empty text row, skipped) as the `dataset` section says.
 
     `where` names the row in errors (`file:line`, or the dataset and index). `tokenizer` renders chat rows;
     ValueError when they need a template it does not have. `teachers`: the names a routed row may give.
+    `teacher_tokenizer` (`kd.cross_tokenizer`): chat and prompt / completion rows are rendered by it too, into
+    `Document.teacher`, with the passages both renderings share (`shared_passages`).
     """
     records = getattr(dataset, "records", "text")
     route_key = dataset.teacher_key
     if records == "text":
         convert = _text_reader(dataset.text_key)
     else:
-        template = records == "chat" or dataset.chat_template or (
-            dataset.chat_template is None and tokenizer is not None and tokenizer.chat_template is not None)
-        if template and (tokenizer is None or tokenizer.chat_template is None):
-            raise ValueError(f"dataset.records {records!r} renders rows with the chat template of model.tokenizer, "
-                             f"which has none (dataset.chat_template: false joins prompt and completion as they "
-                             f"are)" if records == "prompt_completion" else
-                             "dataset.records 'chat' renders rows with the chat template of model.tokenizer, which "
-                             "has none")
-        render = ChatRenderer(tokenizer, dataset.train_on) if template else None
-        convert = _chat_reader(dataset.messages_key, render) if records == "chat" else _pair_reader(dataset, render)
+        convert = _row_reader(dataset, tokenizer, "model.tokenizer")
+        if teacher_tokenizer is not None:
+            convert = _both_sides(convert, _row_reader(dataset, teacher_tokenizer, "teacher_model.tokenizer"))
 
     def read(record: dict, where: str) -> Document | None:
         document = convert(record, where)
@@ -106,6 +121,56 @@ def record_reader(dataset, tokenizer=None, teachers: list[str] | None = None) ->
     # What a plain text file can be: a document of text rows only, and one naming no teacher.
     read.records, read.route_key = records, route_key
     return read
+
+
+def _row_reader(dataset, tokenizer, tokenizer_key: str) -> Callable[[dict, str], Document]:
+    """A chat or prompt / completion row's `Document` as `tokenizer` (the config's `tokenizer_key`) renders it."""
+    records = dataset.records
+    template = records == "chat" or dataset.chat_template or (
+        dataset.chat_template is None and tokenizer is not None and tokenizer.chat_template is not None)
+    if template and (tokenizer is None or tokenizer.chat_template is None):
+        raise ValueError(f"dataset.records {records!r} renders rows with the chat template of {tokenizer_key}, "
+                         f"which has none (dataset.chat_template: false joins prompt and completion as they "
+                         f"are)" if records == "prompt_completion" else
+                         f"dataset.records 'chat' renders rows with the chat template of {tokenizer_key}, which "
+                         "has none")
+    render = ChatRenderer(tokenizer, dataset.train_on, tokenizer_key) if template else None
+    return _chat_reader(dataset.messages_key, render) if records == "chat" else _pair_reader(dataset, render)
+
+
+def _both_sides(student: Callable[[dict, str], Document],
+                teacher: Callable[[dict, str], Document]) -> Callable[[dict, str], Document]:
+    """A reader of rows rendered by both tokenizers: the student's `Document` with the teacher's beside it."""
+    def read(record: dict, where: str) -> Document:
+        document = student(record, where)
+        document.teacher = teacher(record, where)
+        document.shared = shared_passages(document, document.teacher, where)
+        return document
+    return read
+
+
+def shared_passages(student: Document, teacher: Document, where: str) -> tuple[tuple[int, int, int], ...]:
+    """What two renderings of one row hold alike, as (student start, teacher start, characters): the whole text
+    when they are equal, else each answer's content (where a template strips it, what both keep of it).
+    ValueError naming the row when a template changes an answer otherwise (nothing then pairs its bytes)."""
+    if str(student) == str(teacher):
+        return ((0, 0, len(student)),)
+    shared = []
+    for turn, (mine, theirs) in enumerate(zip(student.contents, teacher.contents, strict=True)):
+        if mine is None or theirs is None:
+            key = "model.tokenizer" if mine is None else "teacher_model.tokenizer"
+            raise ValueError(f"{where}: the chat template of {key} does not write answer {turn} as the row gives "
+                             f"it, so kd.cross_tokenizer cannot pair its bytes with the other tokenizer's")
+        (start, text), (other, other_text) = mine, theirs
+        if other_text in text:
+            shared.append((start + text.index(other_text), other, len(other_text)))
+        elif text in other_text:
+            shared.append((start, other + other_text.index(text), len(text)))
+        else:
+            raise ValueError(f"{where}: answer {turn} reads {text[:40]!r} under the chat template of model.tokenizer "
+                             f"but {other_text[:40]!r} under teacher_model.tokenizer's, so kd.cross_tokenizer cannot "
+                             f"pair its bytes")
+    return tuple(shared)
 
 
 def column(record: dict, key: str, where: str, setting: str) -> Any:
@@ -156,7 +221,7 @@ def _pair_reader(dataset, render: ChatRenderer | None) -> Callable[[dict, str], 
                 raise ValueError(f"{where}: empty answer ({keys['completion']!r} is empty)")
             head = "\n\n".join([part for part in (system, prompt) if part])
             return Document.of(head + completion, answers=[(len(head), len(head) + len(completion))],
-                               prompt_end=len(head))
+                               prompt_end=len(head), contents=[(len(head), completion)])
         if isinstance(prompt, str):
             prompt = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
         if isinstance(completion, str):
@@ -182,33 +247,35 @@ def _messages(value: Any, where: str) -> list[dict]:
 
 
 class ChatRenderer:
-    """A list of messages -> its `Document` under a tokenizer's chat template (see the module docstring)."""
+    """A list of messages -> its `Document` under a tokenizer's chat template (see the module docstring);
+    `tokenizer_key` names the tokenizer in errors."""
 
-    def __init__(self, tokenizer, train_on: str) -> None:
-        self.tokenizer, self.train_on = tokenizer, train_on
+    def __init__(self, tokenizer, train_on: str, tokenizer_key: str = "model.tokenizer") -> None:
+        self.tokenizer, self.train_on, self.tokenizer_key = tokenizer, train_on, tokenizer_key
 
     def render(self, messages: list[dict], where: str, *, generation_prompt: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as error:  # jinja's TemplateError (raise_exception in the template) and its kin
-            raise ValueError(f"{where}: the chat template of model.tokenizer refuses the row: {error}") from None
+            raise ValueError(f"{where}: the chat template of {self.tokenizer_key} refuses the row: {error}") from None
 
     def __call__(self, messages: list[dict], where: str) -> Document:
         text = self.render(messages, where)
-        answers = []
+        answers, contents = [], []
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:turn], where, generation_prompt=True) if turn else ""
             through = text if turn == len(messages) - 1 else self.render(messages[: turn + 1], where)
             if not (through.startswith(before) and text.startswith(through)):
-                raise ValueError(f"{where}: the chat template of model.tokenizer does not render turn {turn} as a "
-                                 f"prefix of the whole conversation, so its answer cannot be told from the prompt "
-                                 f"(dataset.train_on: all trains on every token)")
+                raise ValueError(f"{where}: the chat template of {self.tokenizer_key} does not render turn {turn} "
+                                 f"as a prefix of the whole conversation, so its answer cannot be told from the "
+                                 f"prompt (dataset.train_on: all trains on every token)")
             if not message["content"].strip():
                 raise ValueError(f"{where}: empty answer (message {turn}, role 'assistant')")
             answers.append((len(before), len(through)))
+            contents.append(_written(message["content"], text, len(before), len(through)))
         if not answers:
             raise ValueError(f"{where}: no assistant message, so nothing to train on")
         prompt_end = answers[-1][0]
@@ -216,7 +283,17 @@ class ChatRenderer:
             answers = None
         elif self.train_on == "last_answer":
             answers = answers[-1:]
-        return Document.of(text, answers=answers, prompt_end=prompt_end, eos=False)
+        return Document.of(text, answers=answers, prompt_end=prompt_end, eos=False, contents=contents)
+
+
+def _written(content: str, text: str, start: int, end: int) -> tuple[int, str] | None:
+    """Where `content` stands in `text[start:end]` (an answer turn's rendering) and as what: as given, else
+    stripped (templates such as Llama 3's trim it); None when the template changes it otherwise."""
+    for written in (content, content.strip()):
+        found = text.find(written, start, end)
+        if found >= 0:
+            return found, written
+    return None
 
 
 # Documents are tokenized this many at a time: big enough for the fast tokenizer's batch encoding to

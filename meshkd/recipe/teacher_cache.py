@@ -113,6 +113,8 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
                                            "teacher_sequence_length": config.teacher_sequence_length},
                     "teacher_model.tokenizer": tokenizer_fingerprint(teacher_tokenizer),
                     "kd.temperature": kd.temperature})
+        if dataset.records != "text":  # the teacher renders the rows with its own template
+            key["teacher_model.tokenizer.chat_template"] = teacher_tokenizer.chat_template
     return key
 
 

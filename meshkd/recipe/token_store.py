@@ -18,6 +18,9 @@ Design:
   split and first-fit packing as `meshkd.recipe.data`, so rows equal the in-memory ones token for token; routed
   rows packed teacher by teacher as `meshkd.recipe.routing` packs them, each row's teacher in the plan) and
   kept beside the tokens in `plan-<digest>/`, written the same way.
+- A cross-tokenizer corpus (`kd.cross_tokenizer`) keeps the teacher's tokens beside the student's and each
+  document's groups (`meshkd.core.token_alignment.Alignment` bounds); its plan is the in-memory aligned packing's
+  (`plan_aligned`: pieces of whole groups, first fit on both sides), its rows `StoredAlignedRows`.
 - `StoredRows` is a split's rows: a batch is built on demand from the memory-mapped tokens, so a rank's resident
   memory does not grow with the corpus. Each MiB block is checked against its CRC-32 the first time this
   process reads it: damaged bytes are refused naming the file, never read silently.
@@ -154,46 +157,88 @@ class TokenStore:
                                 files["routes.bin"]["bytes"]).whole() if "routes.bin" in files else None)
         if len(self.offsets) != self.manifest["documents"] + 1 or self.offsets[-1] != self.manifest["tokens"]:
             raise ValueError(f"token store {directory}: its document index does not match its manifest")
+        self.two_sided = "teacher_tokens.bin" in files
+        if self.two_sided:  # a cross-tokenizer corpus: the teacher's tokens and each document's groups
+            def checked(name: str, dtype) -> _Checked:
+                return _Checked(directory / name, np.dtype(dtype), files[name]["crc32"], files[name]["bytes"])
+
+            self.teacher_tokens = checked("teacher_tokens.bin", self.manifest["teacher_token_dtype"])
+            self.teacher_trains = checked("teacher_trains.bin", np.uint8) if "teacher_trains.bin" in files else None
+            self.teacher_offsets = checked("teacher_documents.bin", np.int64).whole()
+            self.groups = checked("groups.bin", np.int64)
+            self.group_offsets = checked("group_documents.bin", np.int64).whole()
+            if (len(self.teacher_offsets) != len(self.offsets) or len(self.group_offsets) != len(self.offsets)
+                    or self.teacher_offsets[-1] != self.manifest["teacher_tokens"]
+                    or self.group_offsets[-1] * 3 != len(self.groups.array)):
+                raise ValueError(f"token store {directory}: its teacher or group index does not match its manifest")
 
     @staticmethod
     def write(directory: Path, key: dict, documents: Iterable[list[tuple]], vocabulary: int, *, masked: bool,
-              routed: bool, progress: bool) -> None:
+              routed: bool, progress: bool, teacher_vocabulary: int | None = None) -> None:
         """Write the store of `documents` (chunks of (ids, trains, route index): `records.tokenize_documents`'
-        output with each document's teacher index, None unless `routed`) at `directory`, atomically."""
-        dtype = token_dtype(vocabulary)
+        output with each document's teacher index, None unless `routed`) at `directory`, atomically.
+
+        With `teacher_vocabulary` (a cross-tokenizer corpus) each document also gives the teacher's ids and
+        trains and its groups (int64 [groups + 1, 3]: the student, teacher and byte bounds of its `Alignment`),
+        kept in `teacher_tokens.bin`, `teacher_trains.bin`, `teacher_documents.bin` (offsets), `groups.bin` and
+        `group_documents.bin` (offsets, in rows of 3)."""
+        sides = [("", token_dtype(vocabulary))]
+        if teacher_vocabulary is not None:
+            sides.append(("teacher_", token_dtype(teacher_vocabulary)))
 
         def fill(tmp: Path) -> None:
-            count = tokens = 0
-            offsets = [np.zeros(1, dtype=np.int64)]
+            count, tokens, groups = 0, [0] * len(sides), 0
+            offsets = [[np.zeros(1, dtype=np.int64)] for _ in sides]
+            group_offsets = [np.zeros(1, dtype=np.int64)]
             bar = _progress(progress)
-            with open(tmp / "tokens.bin", "wb") as ids_file, \
-                    open(tmp / "trains.bin", "wb") if masked else contextlib.nullcontext() as trains_file, \
-                    open(tmp / "routes.bin", "wb") if routed else contextlib.nullcontext() as routes_file:
+            with contextlib.ExitStack() as files:
+                def output(name: str, wanted: bool = True):
+                    return files.enter_context(open(tmp / name, "wb")) if wanted else None
+
+                ids_files = [output(f"{side}tokens.bin") for side, _ in sides]
+                trains_files = [output(f"{side}trains.bin", masked) for side, _ in sides]
+                routes_file = output("routes.bin", routed)
+                groups_file = output("groups.bin", len(sides) > 1)
                 for chunk in documents:
                     if routes_file is not None:
-                        routes_file.write(np.array([route for _, _, route in chunk], dtype=np.int32).tobytes())
-                    for ids, trains, _ in chunk:  # torch tensors, or numpy arrays from tokenizing workers
-                        ids_file.write(np.asarray(ids).astype(dtype).tobytes())
-                        if trains_file is not None:
-                            mask = np.ones(len(ids), dtype=bool) if trains is None else np.asarray(trains)
-                            trains_file.write(mask.astype(np.uint8).tobytes())
-                    lengths = np.array([len(ids) for ids, _, _ in chunk], dtype=np.int64)
-                    offsets.append(tokens + np.cumsum(lengths))
-                    tokens += int(lengths.sum())
+                        routes_file.write(np.array([document[2] for document in chunk], dtype=np.int32).tobytes())
+                    for index, (_, dtype) in enumerate(sides):
+                        at = 0 if index == 0 else 3  # (ids, trains, route[, teacher ids, teacher trains, groups])
+                        for document in chunk:  # torch tensors, or numpy arrays from tokenizing workers
+                            ids, trains = document[at], document[at + 1]
+                            ids_files[index].write(np.asarray(ids).astype(dtype).tobytes())
+                            if trains_files[index] is not None:
+                                mask = np.ones(len(ids), dtype=bool) if trains is None else np.asarray(trains)
+                                trains_files[index].write(mask.astype(np.uint8).tobytes())
+                        lengths = np.array([len(document[at]) for document in chunk], dtype=np.int64)
+                        offsets[index].append(tokens[index] + np.cumsum(lengths))
+                        tokens[index] += int(lengths.sum())
+                    if groups_file is not None:
+                        bounds = [np.asarray(document[5], dtype=np.int64).reshape(-1, 3) for document in chunk]
+                        for rows in bounds:
+                            groups_file.write(rows.tobytes())
+                        group_offsets.append(groups + np.cumsum([len(rows) for rows in bounds], dtype=np.int64))
+                        groups = int(group_offsets[-1][-1])
                     count += len(chunk)
                     if bar is not None:
                         bar.update(len(chunk))
-                        bar.set_postfix(tokens=tokens)
+                        bar.set_postfix(tokens=tokens[0])
             if bar is not None:
                 bar.close()
             if count == 0:
                 raise ValueError("no non-empty document in dataset.paths / dataset.hf")
-            np.concatenate(offsets).tofile(tmp / "documents.bin")
-            names = ["tokens.bin", "documents.bin"] + ["trains.bin"] * masked + ["routes.bin"] * routed
-            manifest = {"format": FORMAT, "version": VERSION, "key": key, "documents": count, "tokens": tokens,
-                        "token_dtype": dtype.name,
-                        "files": {name: {"bytes": (tmp / name).stat().st_size, "crc32": _block_crcs(tmp / name)}
-                                  for name in names}}
+            names = ["routes.bin"] * routed
+            for index, (side, _) in enumerate(sides):
+                np.concatenate(offsets[index]).tofile(tmp / f"{side}documents.bin")
+                names += [f"{side}tokens.bin", f"{side}documents.bin"] + [f"{side}trains.bin"] * masked
+            manifest = {"format": FORMAT, "version": VERSION, "key": key, "documents": count, "tokens": tokens[0],
+                        "token_dtype": sides[0][1].name}
+            if len(sides) > 1:
+                np.concatenate(group_offsets).tofile(tmp / "group_documents.bin")
+                names += ["groups.bin", "group_documents.bin"]
+                manifest.update(teacher_tokens=tokens[1], teacher_token_dtype=sides[1][1].name, groups=groups)
+            manifest["files"] = {name: {"bytes": (tmp / name).stat().st_size, "crc32": _block_crcs(tmp / name)}
+                                 for name in names}
             (tmp / "manifest.json").write_text(json.dumps(manifest))
 
         _write_atomically(directory, fill)
@@ -201,10 +246,21 @@ class TokenStore:
     def document_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def piece(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Tokens [start, start + length) and whether each trains (None: all do)."""
-        trains = None if self.trains is None else self.trains.read(start, start + length)
-        return self.tokens.read(start, start + length), trains
+    def piece(self, start: int, length: int, *, teacher: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, start + length) and whether each trains (None: all do); the teacher's with `teacher`."""
+        tokens, trains = (self.teacher_tokens, self.teacher_trains) if teacher else (self.tokens, self.trains)
+        return tokens.read(start, start + length), None if trains is None else trains.read(start, start + length)
+
+    def group_bounds(self, first: int, stop: int) -> np.ndarray:
+        """Rows [first, stop) of the groups' bounds (int64 [rows, 3]: student, teacher, byte)."""
+        return self.groups.read(3 * first, 3 * stop).reshape(-1, 3)
+
+    def alignment(self, document: int):
+        """The `meshkd.core.token_alignment.Alignment` of a document of a two-sided store."""
+        from meshkd.core.token_alignment import Alignment
+
+        bounds = self.group_bounds(int(self.group_offsets[document]), int(self.group_offsets[document + 1]))
+        return Alignment(*(tuple(bounds[:, side].tolist()) for side in range(3)))
 
 
 def _progress(enabled: bool):
@@ -249,28 +305,21 @@ class StoredRows:
     def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
         from meshkd.recipe.data import padding_rows
 
-        if isinstance(index, int):
-            rows = [index]
-        elif isinstance(index, slice):
-            rows = range(*index.indices(len(self)))
-        else:
-            rows = torch.as_tensor(index).reshape(-1).tolist()
+        rows = self._rows(index)
         batch = padding_rows(len(rows), self.sequence_length, self.pad_token_id)
         plan = self.plan
         for out, row in enumerate(rows):
             for document, piece in enumerate(range(plan["row_starts"][row], plan["row_starts"][row + 1]), start=1):
                 start, length, offset = (int(plan[key][piece]) for key in ("starts", "lengths", "offsets"))
-                ids, trains = self.store.piece(start, length)
-                ids = torch.from_numpy(ids.astype(np.int64))
-                at = slice(offset, offset + length)
-                batch["input_ids"][out, at] = ids
-                targets = ids[1:].clone()
-                if trains is not None:
-                    targets[torch.from_numpy(trains[1:] == 0)] = _IGNORE
-                batch["labels"][out, offset : offset + length - 1] = targets
-                batch["position_ids"][out, at] = torch.arange(length)
-                batch["attention_mask"][out, at] = document
+                _put_piece(batch, out, *self.store.piece(start, length), offset, document)
         return batch | {key: tensor[rows] for key, (tensor, _) in self.extra.items()}
+
+    def _rows(self, index: int | slice | torch.Tensor) -> list[int]:
+        if isinstance(index, int):
+            return [index]
+        if isinstance(index, slice):
+            return list(range(*index.indices(len(self))))
+        return torch.as_tensor(index).reshape(-1).tolist()
 
     def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
         from meshkd.recipe.data import padding_rows
@@ -280,8 +329,124 @@ class StoredRows:
             for key, (tensor, value) in self.extra.items()}
 
     def __repr__(self) -> str:
-        return (f"StoredRows(rows={len(self)}, sequence_length={self.sequence_length}, "
+        return (f"{type(self).__name__}(rows={len(self)}, sequence_length={self.sequence_length}, "
                 f"documents={self.num_documents}, tokens={self.num_tokens})")
+
+
+def _put_piece(batch: dict[str, torch.Tensor], out: int, ids: np.ndarray, trains: np.ndarray | None, offset: int,
+               document: int) -> None:
+    """A piece's tokens into row `out` of `batch` at `offset`, the row's `document`-th: its ids, the next token
+    as each one's label where it trains, positions from 0."""
+    length = len(ids)
+    if not length:
+        return
+    ids = torch.from_numpy(ids.astype(np.int64))
+    at = slice(offset, offset + length)
+    batch["input_ids"][out, at] = ids
+    targets = ids[1:].clone()
+    if trains is not None:
+        targets[torch.from_numpy(trains[1:] == 0)] = _IGNORE
+    batch["labels"][out, offset : offset + length - 1] = targets
+    batch["position_ids"][out, at] = torch.arange(length)
+    batch["attention_mask"][out, at] = document
+
+
+class StoredAlignedRows(StoredRows):
+    """A cross-tokenizer split's rows read from a two-sided token store: the batch dicts
+    `meshkd.recipe.aligned_data.AlignedPacking` makes in memory (the student's keys, the teacher's under
+    `teacher_` names, the group columns), built on demand. The plan (`plan_aligned`) lists, per piece, each
+    side's `starts`, `lengths` and `offsets` (the teacher's under `teacher_` names) and its groups (`group_starts`,
+    `group_counts`: rows of the store's group bounds)."""
+
+    def __init__(self, store: TokenStore, plan: dict[str, np.ndarray], aligned) -> None:
+        from meshkd.recipe.aligned_data import teacher_padding
+        from meshkd.recipe.data import pad_token_id
+
+        super().__init__(store, plan, sequence_length=aligned.sequence_length,
+                         pad_token_id=pad_token_id(aligned.student_tokenizer))
+        self.teacher_sequence_length = aligned.teacher_sequence_length
+        self.teacher_padding = teacher_padding(aligned.teacher_tokenizer)
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        from meshkd.recipe.aligned_data import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS
+        from meshkd.recipe.data import padding_rows
+
+        rows, plan = self._rows(index), self.plan
+        student = padding_rows(len(rows), self.sequence_length, self.pad_token_id)
+        teacher = padding_rows(len(rows), self.teacher_sequence_length, self.teacher_padding["input_ids"])
+        columns = {key: torch.full((len(rows), self.sequence_length), -1, dtype=torch.int64)
+                   for key in (TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)}
+        for out, row in enumerate(rows):
+            for document, piece in enumerate(range(plan["row_starts"][row], plan["row_starts"][row + 1]), start=1):
+                offset, teacher_offset = int(plan["offsets"][piece]), int(plan["teacher_offsets"][piece])
+                for prefix, batch, at in (("", student, offset), ("teacher_", teacher, teacher_offset)):
+                    start, length = int(plan[f"{prefix}starts"][piece]), int(plan[f"{prefix}lengths"][piece])
+                    _put_piece(batch, out, *self.store.piece(start, length, teacher=bool(prefix)), at, document)
+                # The loss groups, as `aligned_data.group_columns` sets them: a group with tokens on both sides and
+                # a token of its piece before it on both.
+                first = int(plan["group_starts"][piece])
+                bounds = self.store.group_bounds(first, first + int(plan["group_counts"][piece]) + 1)
+                mine, theirs = bounds[:, 0] - bounds[0, 0], bounds[:, 1] - bounds[0, 1]
+                paired = (mine[:-1] >= 1) & (theirs[:-1] >= 1) & (mine[1:] > mine[:-1]) & (theirs[1:] > theirs[:-1])
+                at = torch.from_numpy(offset + mine[:-1][paired] - 1)
+                for key, values in ((TEACHER_POSITIONS, teacher_offset + theirs[:-1][paired] - 1),
+                                    (GROUP_ENDS, offset + mine[1:][paired] - 2),
+                                    (TEACHER_GROUP_ENDS, teacher_offset + theirs[1:][paired] - 2)):
+                    columns[key][out, at] = torch.from_numpy(values)
+        return student | {f"teacher_{key}": value for key, value in teacher.items()} | columns
+
+    def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
+        from meshkd.recipe.aligned_data import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS
+        from meshkd.recipe.data import padding_rows
+
+        teacher = padding_rows(num_rows, self.teacher_sequence_length, self.teacher_padding["input_ids"])
+        return (padding_rows(num_rows, self.sequence_length, self.pad_token_id)
+                | {f"teacher_{key}": value for key, value in teacher.items()}
+                | {key: torch.full((num_rows, self.sequence_length), -1, dtype=torch.int64)
+                   for key in (TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)})
+
+    def row_fill(self) -> dict[str, float]:
+        """`meshkd.recipe.aligned_data.row_fill` of these rows, from the plan."""
+        if len(self) == 0:
+            return {}
+        return {"row_fill": float(self.plan["lengths"].sum()) / (len(self) * self.sequence_length),
+                "teacher_row_fill": float(self.plan["teacher_lengths"].sum())
+                / (len(self) * self.teacher_sequence_length)}
+
+
+def plan_aligned(store: TokenStore, documents: np.ndarray, aligned) -> dict[str, np.ndarray]:
+    """The packing plan of a two-sided store's `documents` (indices, in order), as `aligned.pack_aligned_documents`
+    packs them: each cut into pieces of whole groups (`cut_document`), placed first-fit on both sides at once
+    (`place_pieces`). ConfigError naming the key when a row cannot hold a group."""
+    from meshkd.core.token_alignment import GroupTooLongError, cut_document, place_pieces
+    from meshkd.recipe.aligned_data import row_too_short
+
+    length, teacher_length = aligned.sequence_length, aligned.teacher_sequence_length
+    pieces = []
+    try:
+        for index, document in enumerate(documents.tolist()):
+            pieces.extend(cut_document(index, store.alignment(document), length, teacher_length))
+    except GroupTooLongError as error:
+        raise row_too_short(error, length, teacher_length) from None
+    rows, offsets = place_pieces(pieces, length, teacher_length, aligned.pack)
+    rows = np.asarray(rows, dtype=np.int64)
+    order = np.argsort(rows, kind="stable")  # placement order within a row is offset order
+    of = [int(documents[piece.document]) for piece in pieces]
+    fields = {
+        "starts": [int(store.offsets[d]) + piece.student.start for d, piece in zip(of, pieces)],
+        "lengths": [len(piece.student) for piece in pieces],
+        "offsets": [student for student, _ in offsets],
+        "teacher_starts": [int(store.teacher_offsets[d]) + piece.teacher.start for d, piece in zip(of, pieces)],
+        "teacher_lengths": [len(piece.teacher) for piece in pieces],
+        "teacher_offsets": [teacher for _, teacher in offsets],
+        "group_starts": [int(store.group_offsets[d]) + piece.groups.start for d, piece in zip(of, pieces)],
+        "group_counts": [len(piece.groups) for piece in pieces],
+    }
+    num_rows = int(rows.max()) + 1 if len(rows) else 0
+    row_starts = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=num_rows), out=row_starts[1:])
+    return {**{name: np.asarray(values, dtype=np.int64)[order] for name, values in fields.items()},
+            "row_starts": row_starts, "documents": np.array([len(documents)], dtype=np.int64)}
 
 
 def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
@@ -330,19 +495,32 @@ def plan_routed(lengths: np.ndarray, starts: np.ndarray, routes: np.ndarray, num
 
 
 def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wait_s: float,
-                    routes: list[str] | None = None, progress: bool = True) -> tuple[StoredRows, StoredRows]:
+                    routes: list[str] | None = None, progress: bool = True,
+                    aligned=None) -> tuple[StoredRows, StoredRows]:
     """(train, validation) rows of a recipe's `dataset` section read from its token store (`dataset.token_store`),
     which this process writes first when no store of these sources, tokenizer and settings exists yet; `routes`:
-    the teachers' names rows routed by `dataset.teacher_key` give (their order: the teacher indices)."""
+    the teachers' names rows routed by `dataset.teacher_key` give (their order: the teacher indices).
+
+    `aligned` (`meshkd.recipe.aligned_data.AlignedPacking`, `kd.cross_tokenizer`): the store holds both sides'
+    tokens and each document's groups, and the rows are its packing's (`StoredAlignedRows`)."""
     from meshkd.recipe import data
     from meshkd.recipe.config import expand_path
 
-    arguments = data.reading_arguments(dataset, tokenizer, routes)
+    teacher = None if aligned is None else aligned.teacher_tokenizer
+    rendering = teacher if dataset.records != "text" else None  # the teacher renders chat rows its own way
+    arguments = data.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=rendering)
     key = store_key(tokenizer, dataset, arguments) | {"routes": routes}
+    if teacher is not None:
+        from meshkd.recipe.teacher_cache import tokenizer_fingerprint
+
+        key["teacher"] = {"tokenizer": tokenizer_fingerprint(teacher),
+                          "chat_template": None if rendering is None else teacher.chat_template}
     root = Path(expand_path(dataset.token_store))
     directory = root / digest(key)
     split_key = {"sequence_length": sequence_length, "packing": pack, "val_fraction": dataset.val_fraction,
                  "seed": dataset.seed}
+    if aligned is not None:
+        split_key["teacher_sequence_length"] = aligned.teacher_sequence_length
     plans = directory / f"plan-{digest(split_key)}"
     with _host_lock(root / f"{directory.name}.lock", wait_s):
         if not (directory / "manifest.json").exists():
@@ -350,8 +528,9 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
             print(f"meshkd: tokenizing the corpus once into {directory}" + (
                 f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
                 file=sys.stderr, flush=True)
-            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes), len(tokenizer),
-                             masked=dataset.records != "text", routed=routes is not None, progress=progress)
+            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes, aligned),
+                             len(tokenizer), masked=dataset.records != "text", routed=routes is not None,
+                             progress=progress, teacher_vocabulary=None if teacher is None else len(teacher))
         store = TokenStore(directory)
         if not plans.exists():
             lengths = store.document_lengths()
@@ -360,6 +539,8 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
             starts = store.offsets[:-1]
 
             def plan(chosen: np.ndarray) -> dict[str, np.ndarray]:
+                if aligned is not None:
+                    return plan_aligned(store, np.flatnonzero(chosen), aligned)
                 if store.routes is None:
                     return plan_split(lengths[chosen], starts[chosen], sequence_length, pack=pack)
                 return plan_routed(lengths[chosen], starts[chosen], store.routes[chosen], len(routes),
@@ -367,24 +548,26 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
 
             save_plans(plans, {split: plan(chosen)
                                for split, chosen in (("train", ~held_out), ("validation", held_out))})
+    if aligned is not None:
+        return tuple(StoredAlignedRows(store, load_plan(plans / split), aligned) for split in ("train", "validation"))
     pad = data.pad_token_id(tokenizer)
     train, val = (StoredRows(store, load_plan(plans / split), sequence_length=sequence_length, pad_token_id=pad)
                   for split in ("train", "validation"))
     return train, val
 
 
-def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None) -> Iterator[list]:
+def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, aligned=None) -> Iterator[list]:
     """Chunks of the corpus's tokenized documents, in corpus order: (ids, trains, route index) per document
     (`records.tokenize_documents`, empty ones kept; the index in `routes` of the teacher it names, None
-    unless routed). With `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the
-    documents in order), the rows are read here and turned into documents and tokens in worker processes,
-    `imap` keeping the order."""
+    unless routed), and with `aligned` the teacher's ids and trains and the groups (`_tokenize_chunk`). With
+    `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in order), the
+    rows are read here and turned into documents and tokens in worker processes, `imap` keeping the order."""
     from meshkd.recipe import data, documents
 
     reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
     if dataset.tokenize_workers <= 1 or dataset.max_documents is not None:
         corpus = data.corpus_documents(**reading, encoding_errors="replace")
-        yield from (_tokenize_chunk(tokenizer, chunk, routes) for chunk in _chunks(corpus))
+        yield from (_tokenize_chunk(tokenizer, chunk, routes, aligned) for chunk in _chunks(corpus))
         return
     files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
     rows = documents.iter_rows(files, format=dataset.format, encoding_errors="replace",
@@ -394,27 +577,38 @@ def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None) ->
     # data guards its entry point, as multiprocessing requires (the meshkd commands do).
     context = multiprocessing.get_context("spawn")
     with context.Pool(dataset.tokenize_workers, initializer=_start_worker,
-                      initargs=(tokenizer, dataset, routes)) as pool:
+                      initargs=(tokenizer, dataset, routes, aligned)) as pool:
         yield from pool.imap(_tokenize_rows, _chunks(rows))
 
 
-def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None) -> list[tuple]:
-    """(ids, trains, route index) of each document of `chunk` (see `_tokenized`)."""
-    from meshkd.recipe.records import tokenize_documents
-
+def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None, aligned=None) -> list[tuple]:
+    """(ids, trains, route index) of each document of `chunk` (see `_tokenized`); with `aligned`, also the
+    teacher's ids and trains and the groups' bounds (int64 [groups + 1, 3]), as
+    `meshkd.recipe.aligned_data.encode_aligned` gives them to the in-memory packing."""
     indices = [None if routes is None else routes.index(document.route) for document in chunk]
-    return [(ids, trains, index) for (ids, trains), index
-            in zip(tokenize_documents(tokenizer, chunk, keep_empty=True), indices)]
+    if aligned is None:
+        from meshkd.recipe.records import tokenize_documents
+
+        return [(ids, trains, index) for (ids, trains), index
+                in zip(tokenize_documents(tokenizer, chunk, keep_empty=True), indices)]
+    from meshkd.recipe.aligned_data import encode_aligned
+
+    sides = encode_aligned(chunk, aligned.student_tokenizer, aligned.teacher_tokenizer)
+    return [(np.array(student.ids, dtype=np.int64), student_trains, index, np.array(teacher.ids, dtype=np.int64),
+             teacher_trains, np.array([alignment.student_bounds, alignment.teacher_bounds, alignment.byte_bounds],
+                                      dtype=np.int64).T)
+            for student, student_trains, teacher, teacher_trains, alignment, index in zip(*sides, indices)]
 
 
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer, dataset, routes: list[str] | None) -> None:
+def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None) -> None:
     from meshkd.recipe.records import record_reader
 
-    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer, routes), routes=routes,
-                   cut=dataset.max_document_chars)
+    rendering = None if aligned is None or dataset.records == "text" else aligned.teacher_tokenizer
+    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer, routes, rendering), routes=routes,
+                   cut=dataset.max_document_chars, aligned=aligned)
 
 
 def _tokenize_rows(rows: list) -> list[tuple]:
@@ -424,8 +618,8 @@ def _tokenize_rows(rows: list) -> list[tuple]:
 
     chunk = [document for document in (to_document(_WORKER["read"], record, where, _WORKER["cut"])
                                         for record, where in rows) if document is not None]
-    return [(ids.numpy(), None if trains is None else trains.numpy(), route)
-            for ids, trains, route in _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["routes"])]
+    return [tuple(value.numpy() if isinstance(value, torch.Tensor) else value for value in document)
+            for document in _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["routes"], _WORKER["aligned"])]
 
 
 def store_key(tokenizer, dataset, arguments: dict) -> dict:

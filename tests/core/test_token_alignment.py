@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 from meshkd.core.token_alignment import (
     IGNORE_INDEX,
     GroupTooLongError,
+    Piece,
+    align_shared_spans,
     align_token_spans,
     pack_aligned,
     pack_aligned_documents,
+    place_pieces,
 )
 from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans, token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS, smollm2_tokenizer
@@ -171,6 +174,62 @@ def test_groups_of_a_row_slice_index_that_slice():
     s_part, t_part = batch.student["input_ids"][1:3].reshape(-1), batch.teacher["input_ids"][1:3].reshape(-1)
     assert torch.equal(s_part[part.student_last], s_ids[groups.student_last[keep]])
     assert torch.equal(t_part[part.teacher_first], t_ids[groups.teacher_first[keep]])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wraps=st.lists(texts, min_size=4, max_size=4), passages=st.lists(texts, min_size=2, max_size=2),
+       pair=st.tuples(st.sampled_from(names), st.sampled_from(names)))
+def test_shared_passages_pair_their_bytes_alone(wraps, passages, pair):
+    """Two texts with different wrapping around the same passages (a chat row under two templates): every
+    group with tokens on both sides covers the same bytes of one passage; every other token is alone."""
+    student_text = wraps[0] + passages[0] + wraps[1] + passages[1]
+    teacher_text = wraps[2] + passages[0] + wraps[3] + passages[1] + "!"
+    shared, at = [], [0, 0]
+    for passage, (before_student, before_teacher) in zip(passages, ((wraps[0], wraps[2]), (wraps[1], wraps[3]))):
+        at = [at[0] + len(before_student.encode()), at[1] + len(before_teacher.encode())]
+        shared.append((at[0], at[1], len(passage.encode())))
+        at = [at[0] + len(passage.encode()), at[1] + len(passage.encode())]
+    (student,) = encode_with_byte_spans(TOKENIZERS[pair[0]](), [student_text])
+    (teacher,) = encode_with_byte_spans(TOKENIZERS[pair[1]](), [teacher_text])
+    alignment = align_shared_spans(student, teacher, shared)
+    sb, tb = alignment.student_bounds, alignment.teacher_bounds
+    assert (sb[0], tb[0], sb[-1], tb[-1]) == (0, 0, len(student), len(teacher))
+    assert all(a <= b for bounds in (sb, tb) for a, b in zip(bounds, bounds[1:]))
+    for g in range(alignment.num_groups):
+        (s0, s1), (t0, t1) = (sb[g], sb[g + 1]), (tb[g], tb[g + 1])
+        if s0 == s1 or t0 == t1:
+            assert s1 - s0 + t1 - t0 == 1  # a token alone
+            continue
+        student_span = (student.starts[s0], student.ends[s1 - 1])
+        teacher_span = (teacher.starts[t0], teacher.ends[t1 - 1])
+        assert student_text.encode()[slice(*student_span)] == teacher_text.encode()[slice(*teacher_span)]
+        assert any(start <= student_span[0] and student_span[1] <= start + length and
+                   teacher_span[0] - other == student_span[0] - start for start, other, length in shared)
+
+
+def first_fit_scan(needs: list[tuple[int, int]], student_length: int, teacher_length: int):
+    """First fit on two capacities by scanning the open rows: what `place_pieces` must place alike."""
+    free, rows, offsets = [], [], []
+    for need in needs:
+        row = next((r for r, room in enumerate(free) if room[0] >= need[0] and room[1] >= need[1]), None)
+        if row is None:
+            free.append([student_length, teacher_length])
+            row = len(free) - 1
+        offsets.append((student_length - free[row][0], teacher_length - free[row][1]))
+        free[row][0] -= need[0]
+        free[row][1] -= need[1]
+        rows.append(row)
+    return rows, offsets
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.tuples(st.integers(2, 48), st.integers(2, 48)), data=st.data())
+def test_pieces_are_placed_as_the_first_fit_scan_places_them(lengths, data):
+    """The max-tree search finds the scan's row for every piece, pieces empty on one side included."""
+    needs = data.draw(st.lists(st.tuples(st.integers(0, lengths[0]), st.integers(0, lengths[1])), max_size=150))
+    pieces = [Piece(0, range(0), range(student), range(teacher)) for student, teacher in needs]
+    assert place_pieces(pieces, *lengths, pack=True) == first_fit_scan(needs, *lengths)
+    assert place_pieces(pieces, *lengths, pack=False) == (list(range(len(needs))), [(0, 0)] * len(needs))
 
 
 def test_hand_built_alignment_with_one_sided_bos_and_shared_eos():

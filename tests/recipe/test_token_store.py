@@ -96,6 +96,45 @@ def test_routed_rows_are_stored_with_their_teacher(workers, tmp_path):
                                 sequence_length=16, routes=["code"])
 
 
+@pytest.mark.parametrize("records, workers", [("text", 1), ("chat", 1), ("chat", 2)])
+def test_cross_tokenizer_rows_are_stored_with_both_sides_and_their_groups(records, workers, tmp_path, capfd):
+    """`kd.cross_tokenizer` rows (the byte tokenizer beside a byte-level BPE with a template of its own): both
+    tokenizations and the groups stored, the rows read back equal to the in-memory ones, every key (each side's
+    tokens and answer-only labels, the group columns), for both splits and two pairs of row lengths; a damaged
+    group file refused naming it."""
+    from meshkd.recipe.aligned_data import aligned_packing, row_fill
+    from tests.recipe.test_cross_tokenizer_chat import MULTI_TURN, teacher_tokenizer
+
+    teacher = teacher_tokenizer()
+    if records == "text":
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3)
+    else:
+        rows = [{"messages": MULTI_TURN}, *chat_rows(300 if workers > 1 else 30)]  # two chunks of 256 rows
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1)
+    rendering = None if records == "text" else teacher
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=workers)
+    for length, teacher_length in ((64, 24), (512, 256)):
+        packing = aligned_packing(TOKENIZER, teacher, sequence_length=length, teacher_sequence_length=teacher_length,
+                                  pack=True)
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, pack_texts=packing,
+                                            teacher_tokenizer=rendering)
+        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, pack_texts=packing,
+                                         teacher_tokenizer=rendering)
+        for got, expected in zip(stored, in_memory):
+            assert type(got).__name__ == "StoredAlignedRows"
+            assert_same_rows(got, expected)
+            assert row_fill(got) == pytest.approx(row_fill(expected), rel=1e-12)
+    assert capfd.readouterr().err.count("tokenizing the corpus once") == 1  # one store, packed twice
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    groups = store / "groups.bin"
+    damaged = bytearray(groups.read_bytes())
+    damaged[8] ^= 0xFF
+    groups.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=re.escape(str(groups)) + r": block 0 .* does not match its checksum"):
+        data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=64, teacher_tokenizer=rendering,
+                                pack_texts=dataclasses.replace(packing, sequence_length=64, teacher_sequence_length=32))
+
+
 def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
     corpus = write_corpus(tmp_path / "corpus")
     dataset = DatasetConfig(paths=[corpus], val_fraction=0.2, token_store=str(tmp_path / "store"))
