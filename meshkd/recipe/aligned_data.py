@@ -1,7 +1,7 @@
 """Rows for a teacher with another tokenizer: each row's text in both tokenizations, aligned by bytes.
 
 With `kd.cross_tokenizer` the documents are read and split as `meshkd.recipe.data` does, then both
-tokenizations are packed into the same rows (`meshkd.core.token_alignment.pack_aligned`: NEAT rows,
+tokenizations are packed into the same rows (`meshkd.core.aligned_packing.pack_aligned`: NEAT rows,
 documents never mixed, each side its own sequence length: both checked against the corpus's first
 documents at preflight, `check_row_lengths`, and their fill logged, `row_fill`). A row holds the student's keys
 (`data.BATCH_KEYS`), the teacher's under `teacher_` names (`TEACHER_KEYS`), and `teacher_positions`
@@ -32,14 +32,9 @@ from typing import Any
 
 import torch
 
+from meshkd.core.aligned_packing import AlignedBatch, GroupTooLongError, pack_aligned_documents
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
-from meshkd.core.token_alignment import (
-    AlignedBatch,
-    GroupTooLongError,
-    align_shared_spans,
-    align_token_spans,
-    pack_aligned_documents,
-)
+from meshkd.core.token_alignment import align_shared_spans, align_token_spans
 from meshkd.core.token_bytes import (
     TokenSpans,
     decode_with_byte_spans,

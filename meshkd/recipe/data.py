@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshkd.core.token_alignment import pad_token_id
+from meshkd.core.aligned_packing import pad_token_id
 from meshkd.recipe.documents import check_arguments, describe_patterns, iter_documents, match_files
 from meshkd.recipe.records import Document, record_reader, tokenize_documents
 

@@ -418,7 +418,7 @@ def plan_aligned(store: TokenStore, documents: np.ndarray, aligned) -> dict[str,
     """The packing plan of a two-sided store's `documents` (indices, in order), as `aligned.pack_aligned_documents`
     packs them: each cut into pieces of whole groups (`cut_document`), placed first-fit on both sides at once
     (`place_pieces`). ConfigError naming the key when a row cannot hold a group."""
-    from meshkd.core.token_alignment import GroupTooLongError, cut_document, place_pieces
+    from meshkd.core.aligned_packing import GroupTooLongError, cut_document, place_pieces
     from meshkd.recipe.aligned_data import row_too_short
 
     length, teacher_length = aligned.sequence_length, aligned.teacher_sequence_length

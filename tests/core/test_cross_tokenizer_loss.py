@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshkd.core.aligned_packing import pack_aligned
 from meshkd.core.cross_tokenizer_loss import (
     VocabularyMap,
     bits_per_byte,
@@ -20,7 +21,7 @@ from meshkd.core.cross_tokenizer_loss import (
     vocabulary_fingerprint,
 )
 from meshkd.core.loss import kd_loss
-from meshkd.core.token_alignment import IGNORE_INDEX, pack_aligned
+from meshkd.core.token_alignment import IGNORE_INDEX
 from meshkd.core.token_bytes import token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS
 

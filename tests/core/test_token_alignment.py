@@ -7,16 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshkd.core.token_alignment import (
-    IGNORE_INDEX,
-    GroupTooLongError,
-    Piece,
-    align_shared_spans,
-    align_token_spans,
-    pack_aligned,
-    pack_aligned_documents,
-    place_pieces,
-)
+from meshkd.core.aligned_packing import GroupTooLongError, Piece, pack_aligned, pack_aligned_documents, place_pieces
+from meshkd.core.token_alignment import IGNORE_INDEX, align_shared_spans, align_token_spans
 from meshkd.core.token_bytes import TokenSpans, encode_with_byte_spans, token_bytes
 from tests.core.tokenizers_on_the_fly import TOKENIZERS, smollm2_tokenizer
 
