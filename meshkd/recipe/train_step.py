@@ -26,9 +26,10 @@ Host syncs. Everything the step computes stays on the device until its end: the 
 gradient norm (`clip_grad_norm` clips on the device too), the top-k index checks of the teacher's answers
 (`LossContext.index_checks`). One all-reduce over the student ranks then sums the loss values with the stop
 requests (`stop_requested`: SIGINT, SIGTERM, the stop file) and the index errors, and one `.tolist()` reads
-it all back: the step's only host sync on the training thread with the teacher on its own ranks (counted by
-`tests/gpu/test_train_nccl.py`'s `CountedStep`), which the non-finite rule, the optimizer step and the
-metrics need. The micro-batches reach a GPU from pinned memory, copied without waiting.
+it all back, which the non-finite rule, the optimizer step and the metrics need: with the teacher on its own
+ranks the step's only host sync on the training thread (counted by `tests/gpu/test_train_nccl.py`'s
+`CountedStep`; a pipelined step also sends its loss values from the last stage through the host). The
+micro-batches reach a GPU from pinned memory, copied without waiting.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimiz
                                                              torch.optim.lr_scheduler.LRScheduler]:
     """The `optimizer` section's optimizer over the laid-out model's parameters, and the `lr_scheduler`'s schedule.
 
-    AdamW on CUDA is torch's fused kernel: one launch for all parameters, its step counts kept on the device.
-    On the CPU it stays the per-tensor loop, which is what torch's foreach variant runs there too."""
+    AdamW on CUDA is torch's fused kernel: a few launches for all parameters, its step counts kept on the
+    device. On the CPU it stays the per-tensor loop: torch's foreach ops run tensor by tensor there anyway."""
     opt, parameters = config.optimizer, trainable_parameters(model)  # a LoRA student's: its adapters
     if opt.name == "adamw":
         on_cuda = bool(parameters) and all(parameter.device.type == "cuda" for parameter in parameters)
