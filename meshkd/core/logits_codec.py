@@ -221,11 +221,13 @@ def _sample_tail(tail_log_p: Tensor, num_samples: int, generator: torch.Generato
     return index.to(torch.int32), tail_log_p.gather(-1, index)
 
 
-def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size) -> str:
+def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size, *, check_indices: bool = True) -> str:
     """Validate encoded teacher logits against the student logits' (global) shape; returns the mode.
 
     Everything a peer could get wrong is checked here, before any of it is used: fields, dtypes, shapes,
-    and for "topk" that indices lie in [0, vocab) and are distinct per token (one host sync).
+    and for "topk" that indices lie in [0, vocab) and are distinct per token (one host sync). With
+    `check_indices` False the index values are left to the caller (`topk_index_errors`, which reads nothing
+    back): a training step folds them into the one reduction it makes per step anyway.
 
     Raises:
         ValueError: with what is wrong.
@@ -271,12 +273,6 @@ def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size) -> s
         raise ValueError("encoded topk log_probs and tail_log_prob must be floating point")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"encoded topk indices must be int32 or int64, got {indices.dtype}")
-    bad = torch.zeros((), dtype=torch.bool, device=indices.device)
-    if indices.numel():
-        ordered = indices.reshape(-1, k).sort(dim=-1).values
-        bad_range = (ordered[:, 0] < 0) | (ordered[:, -1] >= vocab)
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
-        bad = (bad_range | repeated).any()
     if "tail_indices" in encoded:
         samples, sample_log_probs = encoded["tail_indices"], encoded["tail_log_probs"]
         if not isinstance(samples, Tensor) or not isinstance(sample_log_probs, Tensor):
@@ -289,11 +285,31 @@ def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size) -> s
             )
         if samples.dtype not in (torch.int32, torch.int64) or not sample_log_probs.is_floating_point():
             raise ValueError("encoded topk tail_indices must be int32 or int64 and tail_log_probs floating point")
-        if samples.numel():
-            bad = bad | (samples.amin() < 0) | (samples.amax() >= vocab)
-    if bool(bad):  # one host sync for every check of the index values
-        raise ValueError(f"encoded topk indices must be distinct per token and lie in [0, {vocab}), tail indices too")
+    if check_indices and bool(topk_index_errors(encoded, vocab)):  # one host sync for every index value
+        raise ValueError(topk_index_message(vocab))
     return mode
+
+
+def topk_index_errors(encoded: dict[str, Any], vocab: int) -> Tensor:
+    """Whether a top-k encoding (its fields checked by `check_encoded_logits`) holds an index outside
+    [0, `vocab`) or one repeated within a token's k, as a 0-dim bool tensor on the indices' device: nothing is
+    read back, so the caller decides when to wait for it."""
+    indices = encoded["indices"]
+    bad = torch.zeros((), dtype=torch.bool, device=indices.device)
+    if indices.numel():
+        ordered = indices.reshape(-1, indices.shape[-1]).sort(dim=-1).values
+        bad_range = (ordered[:, 0] < 0) | (ordered[:, -1] >= vocab)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
+        bad = (bad_range | repeated).any()
+    samples = encoded.get("tail_indices")
+    if samples is not None and samples.numel():
+        bad = bad | (samples.amin() < 0) | (samples.amax() >= vocab)
+    return bad
+
+
+def topk_index_message(vocab: int) -> str:
+    """What `check_encoded_logits` says of top-k indices that `topk_index_errors` finds wrong."""
+    return f"encoded topk indices must be distinct per token and lie in [0, {vocab}), tail indices too"
 
 
 def decode_teacher_logits(encoded: dict[str, Any]) -> Tensor:
@@ -314,4 +330,4 @@ def encoded_nbytes(encoded: Any) -> int:
 
 __all__ = ["LABEL_LOG_PROBS", "LOGITS_MODES", "TEACHER_ANSWERS", "WITH_LABEL_LOG_PROBS", "check_encoded_logits",
            "decode_teacher_logits", "encode_teacher_logits", "encode_teacher_rows", "encoded_nbytes", "label_log_probs",
-           "split_label_log_probs", "with_label_log_probs"]
+           "split_label_log_probs", "topk_index_errors", "topk_index_message", "with_label_log_probs"]

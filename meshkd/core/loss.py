@@ -164,6 +164,7 @@ def kd_loss_encoded(
     chunk_size: int | None = None,
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
+    check_indices: bool = True,
 ) -> Tensor:
     """`kd_loss` against teacher logits in a transport encoding (`meshkd.core.logits_codec`).
 
@@ -180,10 +181,14 @@ def kd_loss_encoded(
         labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
         temperature: T > 0; a "topk" encoding must have been made at the same temperature.
         divergence, jsd_beta: as for `kd_loss`; "topk" combines with "forward_kl" only (`check_divergence`).
+        check_indices: False leaves the check of the top-k index values to the caller (`check_encoded_logits`),
+            which the chunked and vocab-parallel paths allow: they read only the entries in range, so wrong
+            indices give a wrong value, never an out-of-bounds read. The plain path always checks.
     """
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    mode = check_encoded_logits(teacher, student_logits.shape)
+    plain = chunk_size is None and not isinstance(student_logits, DTensor)
+    mode = check_encoded_logits(teacher, student_logits.shape, check_indices=check_indices or plain)
     check_divergence(divergence, jsd_beta, mode)
     if mode != "topk":
         return kd_loss(

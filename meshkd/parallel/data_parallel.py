@@ -13,7 +13,6 @@ student is laid out by `meshkd.parallel.student_pipeline` with the same pieces.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 
 import torch
@@ -213,8 +212,10 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dic
 
 
 def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.ProcessGroup | None = None,
-                   uncounted=()) -> float:
-    """Clip gradients to a total norm of `max_norm` (None: only measure); returns the total norm.
+                   uncounted=()) -> torch.Tensor:
+    """Clip gradients to a total norm of `max_norm` (None: only measure); returns the total norm, a 0-dim float64
+    tensor on the gradients' device (0 on the CPU without any), so that the caller reads it when it reads the
+    step's other figures: measuring and clipping wait for nothing on the host.
 
     Under pipeline parallel each rank holds one stage's parameters: `stages_group` (the pp group) adds up
     the stages' squared norms so that every stage clips by the same total. `uncounted` parameters are
@@ -222,7 +223,7 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
 
     Gradients may mix plain tensors (e.g. replicated norms under TP without FSDP) and DTensors on different
     meshes and placements, which torch's clip_grad_norm_ cannot combine; so each (mesh, placements) group
-    gets its own norm, in the same order on every rank, and the groups are combined as plain numbers.
+    gets its own norm, in the same order on every rank, and the groups' squares are added in float64.
     """
     groups: dict = {}
     for parameter in parameters:
@@ -231,7 +232,7 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             groups.setdefault(key, []).append(grad)
     skipped = {id(parameter.grad) for parameter in uncounted if parameter.grad is not None}
-    squares = 0.0
+    squares = None
     for grads in groups.values():
         grads_counted = [grad for grad in grads if id(grad) not in skipped]
         if not grads_counted:
@@ -239,14 +240,19 @@ def clip_grad_norm(parameters, max_norm: float | None, *, stages_group: dist.Pro
         norm = torch.nn.utils.get_total_norm(grads_counted)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares += float(norm) ** 2
+        square = norm.double().square()
+        squares = square if squares is None else squares + square
     if stages_group is not None:
-        summed = torch.tensor([squares], dtype=torch.float64, device=group_device(stages_group))
+        device = group_device(stages_group)
+        summed = torch.zeros((), dtype=torch.float64, device=device) if squares is None else squares.to(device)
         dist.all_reduce(summed, group=stages_group)
-        squares = float(summed.item())
-    total = math.sqrt(squares)
-    if max_norm is not None and total > max_norm:
-        scale = max_norm / (total + 1e-6)
+        squares = summed
+    if squares is None:
+        return torch.zeros((), dtype=torch.float64)
+    total = squares.sqrt()
+    if max_norm is not None:
+        # The factor where the norm exceeds max_norm, else 1 (an exact no-op), chosen on the device.
+        scale = torch.where(total > max_norm, max_norm / (total + 1e-6), 1.0).float()
         for grads in groups.values():
             for grad in grads:
                 grad.mul_(scale)

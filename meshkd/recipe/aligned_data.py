@@ -275,7 +275,7 @@ def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: f
 
 
 def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
-                  num_valid_tokens: float, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
+                  num_valid_tokens: float | torch.Tensor, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
     """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
     group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
     length, ignore = batch["input_ids"].shape[1], kd.ignore_index

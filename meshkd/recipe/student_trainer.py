@@ -204,7 +204,8 @@ class StudentTrainer:
                               router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
                               vocabulary_map=self._vocabulary_map,
                               teacher_weights=config.teacher_weights() if config.teachers else None,
-                              hidden_states=self.hidden_states)
+                              hidden_states=self.hidden_states, group=self.student_group,
+                              stop_requested=self._stop.requested)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         def evaluation(teacher: TeacherSource, view: KDRecipeConfig, role: str = "teacher") -> Evaluation:
@@ -347,18 +348,23 @@ class StudentTrainer:
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
     def _train_steps(self, next_step: NextStep) -> tuple[int, int]:
-        """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved)."""
+        """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved).
+
+        A stop is agreed once before the first step (a request during the first evaluation), then in each
+        step's own reduction of its figures (`TrainStep.stop_agreed`): no collective of its own per step, and
+        a request that comes after that reduction stops the run after the next step."""
         config, steps = self.config, self.config.step_scheduler
         progress = progress_bar(steps.max_steps, initial=self.start_step, desc="distill",
                                 enabled=config.logging.progress_bar)
         step = saved = self.start_step
         self.model.train()
-        while step < steps.max_steps:
+        with self.faults.watch(f"step {step + 1}", "student"):
+            stop = self._stop_agreed()
+        while step < steps.max_steps and not stop:
             with self.faults.watch(f"step {step + 1}", "student"):
-                if self._stop_agreed():
-                    break
                 started = time.perf_counter()
                 metrics = next_step(self.skipped_steps)
+                stop = self.step.stop_agreed
             step += 1
             self.skipped_steps += metrics["skipped"]
             elapsed = time.perf_counter() - started

@@ -46,6 +46,7 @@ from meshkd.core.logits_codec import (
     encode_teacher_rows,
     label_log_probs,
     split_label_log_probs,
+    topk_index_errors,
 )
 from meshkd.core.loss import kd_loss_encoded
 from meshkd.core.loss import top1_agreements as _top1_agreements
@@ -84,12 +85,17 @@ class EncodeContext:
 class LossContext:
     """What every answer's KD loss reads beside the student's logits: the objective's settings (`kd`), GOLD's
     vocabulary pairs, several teachers' normalized weights, and the student's cp size (rows answered are
-    counted once over the cp ranks' sum)."""
+    counted once over the cp ranks' sum).
+
+    `index_checks`: None, each top-k answer's index values are checked where its loss is computed (a host sync
+    each); a list, each top-k answer's check (`topk_index_errors`, a device flag) is appended to it instead, for
+    the caller to read with the step's other figures (`meshkd.recipe.train_step.TrainStep`)."""
 
     kd: KDConfig
     vocabulary_map: VocabularyMap | None = None
     teacher_weights: dict[str, float] | None = None
     cp_size: int = 1
+    index_checks: list[torch.Tensor] | None = None
 
 
 class TeacherAnswer:
@@ -119,7 +125,7 @@ class TeacherAnswer:
                            and value.ndim >= 2 else value for key, value in self.wire.items()})
 
     def kd_loss(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *,
-                norm: float) -> tuple[torch.Tensor, Figures]:
+                norm: float | torch.Tensor) -> tuple[torch.Tensor, Figures]:
         """(the KD term of the micro-batch, summed over its counted positions and divided by `norm`, the
         step's valid tokens; figures for the step's metrics). `logits`: the student's [rows, sequence, vocab]
         over the teacher's vocabulary."""
@@ -153,8 +159,10 @@ class Distribution(TeacherAnswer):
         kd = context.kd
         mode, with_labels, _ = transport.partition("+")
         distribution = logits if kd.cross_tokenizer is None else cls.projected(logits, batch, context)
-        # One host sync for the whole batch, not one per row.
-        seeds = [context.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()]
+        # Only tail samples read their seeds: one host sync for the whole batch then, not one per row.
+        sampled = mode == "topk" and kd.topk_tail_samples > 0
+        seeds = [context.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()] if sampled else (
+            [0] * batch["input_ids"].shape[0])
         wire = encode_teacher_rows(distribution, mode, seeds=seeds, k=min(kd.topk, distribution.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
         if with_labels:
@@ -185,7 +193,7 @@ class Distribution(TeacherAnswer):
         """The rows the answer covers (a routed teacher's: its own only)."""
         return next(value.shape[0] for value in self.wire.values() if isinstance(value, torch.Tensor))
 
-    def divergence(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *, norm: float,
+    def divergence(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *, norm: float | torch.Tensor,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """`kd.divergence` at the positions KD counts; `rows`: a bool [rows] mask, the others do not count (no
         indexing of a sharded vocabulary)."""
@@ -194,11 +202,16 @@ class Distribution(TeacherAnswer):
         if rows is not None:
             counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
-        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits).
-        return kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
+        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits). That kernel reads
+        # only indices in range, so a deferred check of their values still comes before any update.
+        deferred = context.index_checks is not None and self.wire["mode"] == "topk"
+        loss = kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
                                ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
-                               divergence=kd.divergence, jsd_beta=kd.jsd_beta)
+                               divergence=kd.divergence, jsd_beta=kd.jsd_beta, check_indices=not deferred)
+        if deferred:
+            context.index_checks.append(topk_index_errors(self.encoding, logits.shape[-1]))
+        return loss
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
         return self.divergence(logits, micro_batch, context, norm=norm), {}

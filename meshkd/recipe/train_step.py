@@ -8,10 +8,12 @@ trains, and returns the step's metrics. The data path of a micro-batch:
     shard (this cp rank's head-tail share of the batch and of the answer)
       -> the student's logits (the model, or `StudentPipeline`, whose schedule runs a whole step at once)
       -> micro_batch_loss -> backward (gradient sync on the step's last micro-batch only)
-    then, once per step: clip -> the non-finite rule -> optimizer and lr step -> metrics summed over ranks
+    then, once per step: clip -> one reduction of the step's figures -> the non-finite rule -> optimizer and
+    lr step -> metrics
 
 An item is `{"micro_batch": ..., "step_valid": ...}`: the micro-batch on the device and the local number of
-valid tokens of its whole step (all its micro-batches on this rank), known before its first backward.
+valid tokens of its whole step (all its micro-batches on this rank, a tensor on the device), known before its
+first backward.
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
@@ -19,8 +21,15 @@ average gradients over dp ranks, so the loss is multiplied by dp before backward
 into the sum the normalization asks for. The curve then equals a single-process run on the same global
 batch.
 
-The step's loss values stay on the device until the step ends: one all-reduce gathers them with the
-ranks' shares, so the step waits on the device only for the valid-token count and the gradient norm.
+Host syncs. Everything the step computes stays on the device until its end: the global valid-token count
+(summed over the dp ranks before the first backward, and divided by as a tensor), the loss values, the
+gradient norm (`clip_grad_norm` clips on the device too), the top-k index checks of the teacher's answers
+(`LossContext.index_checks`). One all-reduce over the student ranks then sums the loss values with the stop
+requests (`stop_requested`: SIGINT, SIGTERM, the stop file) and the index errors, and one `.tolist()` reads
+it all back, which the non-finite rule, the optimizer step and the metrics need: with the teacher on its own
+ranks the step's only host sync on the training thread (counted by `tests/gpu/test_train_nccl.py`'s
+`CountedStep`; a pipelined step also sends its loss values from the last stage through the host). The
+micro-batches reach a GPU from pinned memory, copied without waiting.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
+from meshkd.core.logits_codec import topk_index_message
 from meshkd.core.loss import cross_entropy_loss, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
 from meshkd.core.topology import DistributedSetup
@@ -64,12 +74,16 @@ def sum_over_ranks(values: list[float] | torch.Tensor, setup: DistributedSetup, 
 def build_optimizer(model: torch.nn.Module, config, extra: list[torch.nn.Parameter] = ()) -> tuple[
         torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The `optimizer` section's optimizer over the laid-out model's parameters (and `extra` ones trained with
-    them: `kd.hidden_states`' projections), and the `lr_scheduler`'s schedule."""
+    them: `kd.hidden_states`' projections), and the `lr_scheduler`'s schedule.
+
+    AdamW on CUDA is torch's fused kernel: a few launches for all parameters, its step counts kept on the
+    device. On the CPU it stays the per-tensor loop: torch's foreach ops run tensor by tensor there anyway."""
     opt = config.optimizer
     parameters = trainable_parameters(model) + list(extra)  # a LoRA student's: its adapters
     if opt.name == "adamw":
+        on_cuda = bool(parameters) and all(parameter.device.type == "cuda" for parameter in parameters)
         optimizer = torch.optim.AdamW(parameters, lr=opt.lr, weight_decay=opt.weight_decay,
-                                      betas=tuple(opt.betas), eps=opt.eps, foreach=False)
+                                      betas=tuple(opt.betas), eps=opt.eps, foreach=False, fused=on_cuda)
     else:
         optimizer = torch.optim.SGD(parameters, lr=opt.lr, weight_decay=opt.weight_decay)
     factor = config.lr_scheduler.factor(config.step_scheduler.max_steps)
@@ -88,8 +102,13 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def micro_batches(batch: dict, *, size: int, device: torch.device) -> list[dict]:
-    """A rank's batch cut into micro-batches of `size` rows, on `device`."""
-    return [{key: value[i : i + size].to(device) for key, value in batch.items()}
+    """A rank's batch cut into micro-batches of `size` rows, on `device`. A GPU gets them from pinned host
+    memory without the host waiting for the copies (torch's pinned-memory allocator keeps each buffer until
+    its copy has run; later work on the same stream runs after it)."""
+    pinned = device.type == "cuda"
+    if pinned:
+        batch = {key: value.pin_memory() if value.device.type == "cpu" else value for key, value in batch.items()}
+    return [{key: value[i : i + size].to(device, non_blocking=pinned) for key, value in batch.items()}
             for i in range(0, batch["input_ids"].shape[0], size)]
 
 
@@ -99,9 +118,9 @@ def step_items(step_micro_batches: list[dict], *, ignore_index: int) -> Iterator
     return ({"micro_batch": micro_batch, "step_valid": valid} for micro_batch in step_micro_batches)
 
 
-def valid_tokens(micro_batches: list[dict], *, ignore_index: int) -> int:
-    """The number of labels that count in the loss, over `micro_batches`."""
-    return int(sum((micro_batch["labels"] != ignore_index).sum() for micro_batch in micro_batches))
+def valid_tokens(micro_batches: list[dict], *, ignore_index: int) -> torch.Tensor:
+    """The number of labels that count in the loss, over `micro_batches`: a 0-dim int64 tensor on their device."""
+    return torch.stack([(micro_batch["labels"] != ignore_index).sum() for micro_batch in micro_batches]).sum()
 
 
 def shard_micro_batch(micro_batch: dict, setup: DistributedSetup, *, ignore_index: int) -> dict:
@@ -141,6 +160,9 @@ class TrainStep:
             `kd_loss/NAME` and `teacher_wait_s/NAME`.
         hidden_states: `kd.hidden_states`' student side (`meshkd.recipe.hidden_states.StudentHiddenStates`); its
             term is logged as `hidden_state_loss`.
+        group: every student rank (None: the world), over which the step's figures are reduced.
+        stop_requested: whether this rank was asked to stop; agreed over `group` in each step's reduction, and
+            `stop_agreed` tells the caller after the step (None: never asked).
     """
 
     def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
@@ -148,24 +170,34 @@ class TrainStep:
                  vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
                  router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
                  vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None,
-                 hidden_states: StudentHiddenStates | None = None) -> None:
+                 hidden_states: StudentHiddenStates | None = None, group: dist.ProcessGroup | None = None,
+                 stop_requested: Callable[[], bool] | None = None) -> None:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
         self.router_loss, self.watch, self.hidden_states = router_loss, watch, hidden_states
+        self.group, self.stop_requested = group, stop_requested or (lambda: False)
+        self.stop_agreed = False  # whether any student rank was asked to stop, as of the last step's reduction
         self.answer_context = LossContext(kd, vocabulary_map=vocabulary_map, teacher_weights=teacher_weights,
-                                          cp_size=setup.cp_size)
+                                          cp_size=setup.cp_size, index_checks=[])
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
+        self._dp_group = setup.dp_mesh.get_group()
+        # The loss values are the same on every tp rank and, once the last stage has sent them, every stage:
+        # one rank of each dp x cp share adds them to the step's reduction over all student ranks.
+        mesh = setup.device_mesh
+        self._adds_loss_values = all(mesh.get_local_rank(axis) == 0 for axis, size in
+                                     (("tp", setup.tp_size), ("pp", setup.pp_size)) if size > 1)
 
     def __call__(self, feed: Iterator[Pair], *, skipped_steps: int) -> dict[str, float]:
         """Train on the next `num_micro_batches` pairs of `feed`; `skipped_steps`: non-finite steps skipped
         so far (`kd.max_skipped_steps` bounds them). The metrics' "skipped" says whether this one was."""
         pairs = _StepPairs(feed, self)
+        self.answer_context.index_checks.clear()
         if self.pipeline is None:
             records = self._plain(pairs)
         else:
-            records = self._pipelined(list(pairs), norm=max(pairs.num_valid, 1.0))
-        metrics = self._finish(records, pairs.wait_s, pairs.num_valid, skipped_steps=skipped_steps)
+            records = self._pipelined(list(pairs), norm=pairs.norm)
+        metrics = self._finish(records, pairs, skipped_steps=skipped_steps)
         return {**metrics, **{f"teacher_wait_s/{name}": wait for name, wait in pairs.teacher_waits.items()}}
 
     def _plain(self, pairs: _StepPairs) -> list[dict[str, torch.Tensor]]:
@@ -181,13 +213,12 @@ class TrainStep:
                 if self.router_loss:  # under cp, this rank's share
                     statistics = self.router_loss.statistics(micro_batch["attention_mask"])
                     router = self.router_loss.local_loss(statistics, group=self._cp_group)
-                loss, values = self.micro_batch_loss(logits, micro_batch, answer, max(pairs.num_valid, 1.0), router,
-                                                     hidden)
+                loss, values = self.micro_batch_loss(logits, micro_batch, answer, pairs.norm, router, hidden)
                 loss.backward()
             records.append(values)
         return records
 
-    def _pipelined(self, pairs: list[Pair], *, norm: float) -> list[dict]:
+    def _pipelined(self, pairs: list[Pair], *, norm: torch.Tensor) -> list[dict]:
         """The schedule runs every micro-batch of the step at once; only the last stage computes losses, and
         every stage gets their values from it, so all log, clip and checkpoint alike."""
         micro_batches, answers = zip(*pairs)
@@ -201,15 +232,16 @@ class TrainStep:
         return broadcast_loss_metrics_from_last_stage(
             [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
 
-    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None, norm: float,
-                         router: torch.Tensor | None = None, hidden: list[torch.Tensor] | None = None,
-                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
+                         norm: float | torch.Tensor, router: torch.Tensor | None = None,
+                         hidden: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
-        `norm`: the step's global number of valid tokens. `router`: an MoE student's load-balancing loss of
-        this micro-batch (under cp this rank's share); the objective adds `router_loss.coefficient` times
-        its mean over the step's micro-batches on every dp rank. `hidden`: the student's outputs of
-        `kd.hidden_states`' paired layers; the objective adds `weight` times their term (`hidden_state_loss`)."""
+        `norm`: the step's global number of valid tokens, at least 1 (a 0-dim tensor in the step). `router`: an
+        MoE student's load-balancing loss of this micro-batch (under cp this rank's share); the objective adds
+        `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank. `hidden`: the
+        student's outputs of `kd.hidden_states`' paired layers; the objective adds `weight` times their term
+        (`hidden_state_loss`)."""
         kd = self.kd
         labels = micro_batch["labels"]
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
@@ -234,8 +266,9 @@ class TrainStep:
         # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
         return loss * student_loss_scale(self.setup), values
 
-    def _finish(self, records: list[dict], wait_s: float, num_valid: float, *, skipped_steps: int) -> dict:
-        """Clip, apply the non-finite rule, step the optimizer and the schedule; the metrics summed over dp and cp."""
+    def _finish(self, records: list[dict], pairs: _StepPairs, *, skipped_steps: int) -> dict:
+        """Clip, reduce the step's figures over the student ranks and read them (the step's one host sync), apply
+        the non-finite rule, step the optimizer and the schedule; the metrics, loss values summed over dp and cp."""
         stages = self.setup.pp_group if self.pipeline is not None else None
         copies = self.pipeline.tied_copies if self.pipeline is not None else ()
         scale_expert_gradients(self.model)
@@ -250,7 +283,19 @@ class TrainStep:
                                                                                                 "kd_loss"))
         totals = torch.stack([torch.stack([torch.as_tensor(record[key], dtype=torch.float64).to(self.device)
                                            for key in keys]) for record in records]).sum(0)
-        summed = sum_over_ranks(totals, self.setup, device=self.device, and_cp=True)
+        checks = self.answer_context.index_checks
+        reduced = torch.cat([totals if self._adds_loss_values else torch.zeros_like(totals),
+                             torch.full((1,), float(self.stop_requested()), dtype=torch.float64, device=self.device),
+                             torch.stack(checks).sum().double().view(1).to(self.device) if checks else
+                             torch.zeros(1, dtype=torch.float64, device=self.device)])
+        dist.all_reduce(reduced, group=self.group)
+        # The valid-token count and the gradient norm are the same on every rank already: read with the rest.
+        *summed, stops, index_errors, num_valid, grad_norm = torch.cat(
+            [reduced, pairs.num_valid.view(1), grad_norm.to(self.device).view(1)]).tolist()
+        self.stop_agreed = stops > 0
+        if index_errors:  # the loss read only the indices in range; no update is taken from it
+            raise ValueError(f"step {self.scheduler.last_epoch + 1}: a top-k teacher answer is malformed: "
+                             f"{topk_index_message(self.vocab_size)}")
         finite = all(math.isfinite(value) for value in (*summed, grad_norm))
         if finite:
             self.optimizer.step()
@@ -262,7 +307,7 @@ class TrainStep:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return {**_routed_means(dict(zip(keys, summed)), norm=max(num_valid, 1.0)), "lr": lr, "grad_norm": grad_norm,
-                "num_tokens": num_valid, "teacher_wait_s": wait_s, "skipped": not finite}
+                "num_tokens": num_valid, "teacher_wait_s": pairs.wait_s, "skipped": not finite}
 
 
 def _routed_means(metrics: dict[str, float], *, norm: float) -> dict[str, float]:
@@ -280,12 +325,14 @@ def _routed_means(metrics: dict[str, float], *, norm: float) -> dict[str, float]
 class _StepPairs:
     """The step's (micro-batch, answer) pairs drawn from a feed as the step asks for them, cp-sharded.
 
-    Drawing the first also sums its step's valid tokens over the dp ranks (`num_valid`), which every
-    micro-batch's loss divides by; `wait_s` adds up the time spent waiting for the teacher."""
+    Drawing the first also sums its step's valid tokens over the dp ranks (`num_valid`, a float64 tensor on
+    the device: nothing waits for it), which every micro-batch's loss divides by (`norm`: at least 1); `wait_s`
+    adds up the time spent waiting for the teacher."""
 
     def __init__(self, feed: Iterator[Pair], step: TrainStep) -> None:
         self._feed, self._step = feed, step
-        self.wait_s, self.num_valid = 0.0, 0.0
+        self.wait_s = 0.0
+        self.num_valid = self.norm = torch.zeros((), dtype=torch.float64, device=step.device)
         self.teacher_waits: dict[str, float] = {}  # several teachers: each one's wait, by name
 
     def __iter__(self) -> Iterator[Pair]:
@@ -296,7 +343,9 @@ class _StepPairs:
                 item, answer = next(self._feed)
             self.wait_s += time.perf_counter() - started
             if index == 0:
-                (self.num_valid,) = sum_over_ranks([item["step_valid"]], step.setup, device=step.device)
+                self.num_valid = torch.as_tensor(item["step_valid"], device=step.device).to(torch.float64, copy=True)
+                dist.all_reduce(self.num_valid, group=step._dp_group)
+                self.norm = self.num_valid.clamp_min(1.0)
             answer = answer_of(answer)
             for name, wait in (answer.wait_s if answer is not None else {}).items():
                 self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait

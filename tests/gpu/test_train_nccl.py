@@ -6,10 +6,13 @@ is a real `meshkd train` (torch's launcher, one worker, NCCL on cuda:0). A last 
 each training step (torch.cuda's sync debug mode) and prints where they come from (`-s` shows it).
 """
 
+import contextlib
+import functools
 import json
 import math
 import subprocess
 import sys
+import threading
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -83,9 +86,61 @@ def test_the_fp32_curve_on_the_gpu_is_the_cpus(tmp_path):
     torch.testing.assert_close(losses(on_gpu), losses(on_cpu), rtol=5e-3, atol=1e-4)
 
 
+# The Tensor methods that copy a value to the host: on a GPU each waits for the device (a host sync).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+@contextlib.contextmanager
+def counted_host_reads(counts: Counter):
+    """Count each call of a `HOST_READS` method by its caller's file:line while the block runs: the CPU's
+    stand-in for torch.cuda's sync debug mode, where every tensor is a host tensor. A call made inside another
+    (tolist's own item, say) counts once. Two kinds of call are counted under a tag of their own, since they
+    do not hold up training on a GPU: one on another thread (" [its name]": the teacher prefetcher's, on its
+    own CUDA stream) and one from torch's own code (" (torch)": the reads of what torch keeps in host memory,
+    the per-tensor AdamW's step counts on the CPU, say); `training_syncs` leaves them out."""
+    step_thread, inside = threading.get_ident(), threading.local()
+
+    def counted(method):
+        @functools.wraps(method)
+        def call(tensor, *args, **kwargs):
+            if getattr(inside, "depth", 0):
+                return method(tensor, *args, **kwargs)
+            caller = sys._getframe(1)
+            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+            if caller.f_code.co_filename.startswith(TORCH_DIR):
+                where += " (torch)"
+            if threading.get_ident() != step_thread:
+                where += f" [{threading.current_thread().name}]"
+            counts[where] += 1
+            inside.depth = 1
+            try:
+                return method(tensor, *args, **kwargs)
+            finally:
+                inside.depth = 0
+        return call
+
+    originals = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            if original is None:
+                delattr(torch.Tensor, name)  # it was TensorBase's, found through the class
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+def training_syncs(counts: dict[str, int]) -> int:
+    """The host syncs that hold up the training thread, of `counted_host_reads`' counts."""
+    return sum(count for where, count in counts.items() if not where.endswith((")", "]")))
+
+
 class CountedStep:
-    """The recipe's training step with each call's host syncs counted by source line (torch.cuda's sync debug
-    mode; on the CPU, where there is none, each call counts nothing).
+    """The recipe's training step with each call's host syncs counted by source line: torch.cuda's sync debug
+    mode on a GPU, `counted_host_reads` on the CPU.
 
     It stands in for the `TrainStep` in `recipe.role.step` and hands every other attribute to it: the loop
     reads the step's layout (`pipeline`, `num_micro_batches`, `scheduler`) as well as calling it.
@@ -99,8 +154,12 @@ class CountedStep:
 
     def __call__(self, feed, **kwargs) -> dict[str, float]:
         if not torch.cuda.is_available():
-            self.per_step.append(Counter())
-            return self.step(feed, **kwargs)
+            counts = Counter()
+            try:
+                with counted_host_reads(counts):
+                    return self.step(feed, **kwargs)
+            finally:
+                self.per_step.append(counts)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -113,17 +172,22 @@ class CountedStep:
 
 
 def count_host_syncs(rank: int, config: dict, out: str) -> None:
-    """Train `config` on this one-rank world, counting each training step's host syncs by source line."""
+    """Train `config` on this world, counting each training step's host syncs by source line on every student
+    rank; the first student rank writes its counts to `out`."""
     from meshkd.recipe.run import KDRecipe
+    from meshkd.recipe.student_trainer import StudentTrainer
 
     recipe, per_step = KDRecipe(config_from_dict(config)), []
     try:
         recipe.setup()
-        recipe.role.step = CountedStep(recipe.role.step, per_step)
+        is_student = isinstance(recipe.role, StudentTrainer)
+        if is_student:
+            recipe.role.step = CountedStep(recipe.role.step, per_step)
         recipe.train()
     finally:
         recipe.cleanup()
-    Path(out).write_text(json.dumps([dict(counts) for counts in per_step]))
+    if is_student and rank == recipe.setups.student.ranks[0]:
+        Path(out).write_text(json.dumps([dict(counts) for counts in per_step]))
 
 
 def test_host_syncs_per_training_step_are_counted(tmp_path):

@@ -118,7 +118,7 @@ def run_student_cp(section: dict, *, tie: bool = False, setup=None) -> None:
     from meshkd.parallel.data_parallel import clip_grad_norm
 
     ref_norm = torch.nn.utils.get_total_norm([param.grad for param in reference.parameters()])
-    errors["grad norm"] = abs(clip_grad_norm(model.parameters(), None) - float(ref_norm))
+    errors["grad norm"] = abs(float(clip_grad_norm(model.parameters(), None)) - float(ref_norm))
     assert errors["grad norm"] <= GRAD_ATOL, f"gradient norm differs by {errors['grad norm']:.3g}"
 
     # (d) SGD is linear in the gradient, so one step inherits the gradients' tolerance.

@@ -148,7 +148,7 @@ def run_pipeline(setup: DistributedSetup, schedule: str, *, tie: bool = False) -
     # (b) every gradient, and the gradient norm once its squares are summed over the pipeline.
     errors["grad"] = compare_gradients(pipe, reference, "step 1")
     own_norm = clip_grad_norm(pipe.stage_model.parameters(), None, uncounted=pipe.tied_copies)
-    squares = torch.tensor(own_norm**2, dtype=torch.float64)
+    squares = own_norm.square()  # float64 on the stage's device
     dist.all_reduce(squares, group=pipe.pp_group)
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.model.parameters()])
     errors["grad norm"] = assert_close(squares.sqrt(), ref_norm.double(), "grad norm")

@@ -78,18 +78,31 @@ def test_the_vocabulary_sizes_are_all_reduced_on_the_role_device(tmp_path):
 
 
 @pytest.mark.world
-def test_the_gpu_suites_step_counter_trains_every_step_on_the_cpu(tmp_path):
-    """The GPU suite's host-sync count, through its own code path in a one-rank gloo world: the counter it puts
-    in place of the training step must be a step the loop can read and call."""
+@pytest.mark.parametrize("layout", ["separate", "shared"])
+def test_the_gpu_suites_step_counter_counts_the_host_syncs_of_every_step_on_the_cpu(tmp_path, layout):
+    """The GPU suite's host-sync count, through its own code path in a gloo world: the counter it puts in place
+    of the training step must be a step the loop can read and call, and on the CPU it counts the step's reads
+    of tensor values by source line. With the teacher on its own rank the training thread reads once per step
+    (the step's one reduction); printed with `-s` for both layouts."""
     import json
+    from collections import Counter
 
     from meshkd.core.local_world import spawn_world
-    from tests.gpu.test_train_nccl import count_host_syncs, one_gpu
+    from tests.gpu.test_train_nccl import count_host_syncs, one_gpu, training_syncs
+    from tests.tiny import with_layout
 
     config = one_gpu(tmp_path, "syncs", dtype="float32", device="cpu")
+    if layout == "separate":  # student and teacher one rank each
+        config = with_layout(config, {"dp_size": 1}, {"dp_size": 1})
     out = tmp_path / "syncs.json"
-    assert spawn_world(1, count_host_syncs, (config, str(out)), timeout_s=60, deadline_s=300) is None
-    assert json.loads(out.read_text()) == [{}] * config["step_scheduler"]["max_steps"]
+    world = 2 if layout == "separate" else 1
+    assert spawn_world(world, count_host_syncs, (config, str(out)), timeout_s=60, deadline_s=300) is None
+    per_step = json.loads(out.read_text())
+    assert len(per_step) == config["step_scheduler"]["max_steps"]
+    print(f"{layout}: host syncs of the training thread per step {[training_syncs(c) for c in per_step]}; "
+          f"all reads, by source: {sum(map(Counter, per_step), Counter()).most_common()}")
+    if layout == "separate":
+        assert all(0 < training_syncs(counts) <= 2 for counts in per_step), per_step
 
 
 def train_with_a_busy_student(rank: int, config: dict, pause_s: float) -> None:

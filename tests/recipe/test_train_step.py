@@ -4,7 +4,8 @@ What a user relies on: a step of several micro-batches on dp 2, with DDP or FSDP
 as one process does on the whole global batch, reports that batch's loss, and the ranks reduce their
 gradients once per step, not once per micro-batch (the traffic does not grow with gradient accumulation).
 With `model.activation_checkpointing` each decoder layer runs again in backward, and training follows
-the same curve.
+the same curve. A top-k teacher answer with a bad index, and a stop asked on one rank, are read with the
+step's figures at its end: the bad index stops the step on every rank before the update, the stop is agreed.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student
@@ -73,17 +76,25 @@ def counted_gradient_reductions(model: torch.nn.Module):
         dist.reduce_scatter_single = original
 
 
-def one_step(model, setup, rows: dict, *, num_micro_batches: int) -> dict:
-    """One `TrainStep` of this rank's `rows` in `num_micro_batches` micro-batches, plain cross-entropy, SGD."""
+def a_step(model, setup, *, num_micro_batches: int, kd: KDConfig | None = None, stop_requested=None) -> TrainStep:
+    """A `TrainStep` of `num_micro_batches` micro-batches, plain cross-entropy unless `kd`, SGD."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    step = TrainStep(model=model, pipeline=None, optimizer=optimizer,
+    return TrainStep(model=model, pipeline=None, optimizer=optimizer,
                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), setup=setup,
-                     kd=dataclasses.replace(KDConfig(), kd_ratio=0.0), vocab_size=VOCAB,
+                     kd=kd or dataclasses.replace(KDConfig(), kd_ratio=0.0), vocab_size=VOCAB,
                      num_micro_batches=num_micro_batches, max_grad_norm=None, router_loss=None,
-                     watch=lambda *_: contextlib.nullcontext(), device=torch.device("cpu"))
+                     watch=lambda *_: contextlib.nullcontext(), device=torch.device("cpu"),
+                     stop_requested=stop_requested)
+
+
+def one_step(model, setup, rows: dict, *, num_micro_batches: int, step: TrainStep | None = None,
+             answers: list[dict] | None = None) -> dict:
+    """One `TrainStep` (default: `a_step`'s) of this rank's `rows` in `num_micro_batches` micro-batches, each
+    with its teacher answer of `answers` (None: no teacher)."""
+    step = step or a_step(model, setup, num_micro_batches=num_micro_batches)
     size = rows["input_ids"].shape[0] // num_micro_batches
     items = step_items(micro_batches(rows, size=size, device=torch.device("cpu")), ignore_index=-100)
-    return step(((item, None) for item in items), skipped_steps=0)
+    return step(zip(items, answers or [None] * num_micro_batches), skipped_steps=0)
 
 
 def check_micro_batched_steps_equal_one_process_and_reduce_once() -> None:
@@ -133,6 +144,40 @@ def check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update() 
         torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=0, msg=name)
 
 
+def check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures() -> None:
+    """The top-k index check and the stop request travel in the step's one reduction: a bad index in one
+    rank's answer stops the step on every rank with the codec's message, before any update; a stop asked on
+    one rank is agreed on all."""
+    batch = global_batch()
+    rank = dist.get_rank()
+    local = {key: value[rank * ROWS // WORLD : (rank + 1) * ROWS // WORLD] for key, value in batch.items()}
+    setup = create_kd_distributed_setups({"distributed": {"dp_size": WORLD, "strategy": "ddp"}}, WORLD).student
+    model = parallelize_student(tiny_llama_model(vocab=VOCAB, seed=0), setup)
+    kd = dataclasses.replace(KDConfig(), kd_ratio=0.5, logits_transport="topk", topk=4)
+    generator = torch.Generator().manual_seed(5 + rank)
+
+    def answers(bad_rank: int | None) -> list[dict]:
+        made = [encode_teacher_logits(torch.randn(2, LENGTH, VOCAB, generator=generator), "topk", k=kd.topk,
+                                      temperature=kd.temperature) for _ in range(2)]
+        if rank == bad_rank:
+            made[1]["indices"][0, 3, 1] = VOCAB + 2  # past the vocabulary: the loss reads no entry there
+        return made
+
+    step = a_step(model, setup, num_micro_batches=2, kd=kd, stop_requested=lambda: rank == 1)
+    metrics = one_step(model, setup, local, num_micro_batches=2, step=step, answers=answers(None))
+    assert math.isfinite(metrics["kd_loss"]) and metrics["kd_loss"] > 0
+    assert step.stop_agreed  # rank 1 asked; rank 0 agrees in the same reduction
+    before = {name: value.clone() for name, value in model.module.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"step 2: a top-k teacher answer is malformed: encoded topk indices "
+                                         rf"must be distinct per token and lie in \[0, {VOCAB}\)"):
+        one_step(model, setup, local, num_micro_batches=2, step=step, answers=answers(bad_rank=0))
+    for name, value in model.module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    quiet = a_step(model, setup, num_micro_batches=2)
+    one_step(model, setup, local, num_micro_batches=2, step=quiet)
+    assert not quiet.stop_agreed
+
+
 class Train:
     """A check that trains `config` with the recipe; rank 0 writes whether its decoder layers checkpoint."""
 
@@ -164,13 +209,15 @@ def train_step_world(tmp_path_factory):
         config["logging"]["run_dir"] = str(root / name)
         runs.append(Train(name, config))
     checks = [check_micro_batched_steps_equal_one_process_and_reduce_once,
-              check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update, *runs]
+              check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update,
+              check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures, *runs]
     return root, run_world(WORLD, checks, timeout_s=60, deadline_s=300)
 
 
 @pytest.mark.world
 @pytest.mark.parametrize("check", ["check_micro_batched_steps_equal_one_process_and_reduce_once",
-                                   "check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update"])
+                                   "check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update",
+                                   "check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures"])
 def test_train_step(check, train_step_world):
     train_step_world[1].check(check)
 
