@@ -159,10 +159,10 @@ def hidden_state_loss(student: list[torch.Tensor], teacher: torch.Tensor, counte
     """
     terms = []
     for index, hidden in enumerate(student):
-        ours = hidden[counted].to(torch.promote_types(hidden.dtype, torch.float32))
+        ours = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
         if projections is not None:
             ours = projections(index, ours)
-        theirs = teacher[:, :, index][counted].to(ours.dtype)
+        theirs = teacher[:, :, index].to(ours.dtype)
         if ours.shape[-1] != theirs.shape[-1]:
             raise ValueError(f"kd.hidden_states.pairs[{index}]: the student's width {ours.shape[-1]} differs from "
                              f"the teacher's {theirs.shape[-1]} and no projection maps it")
@@ -170,5 +170,6 @@ def hidden_state_loss(student: list[torch.Tensor], teacher: torch.Tensor, counte
             per_position = (ours - theirs).pow(2).mean(-1)
         else:
             per_position = 1 - nn.functional.cosine_similarity(ours, theirs, dim=-1)
-        terms.append(per_position.sum())
+        # Masked by multiplying, not by indexing: a boolean index would wait for the device to count its entries.
+        terms.append((per_position * counted).sum())
     return torch.stack(terms).mean() / norm
