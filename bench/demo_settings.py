@@ -23,6 +23,7 @@ from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe import data, layer_selection, models
 from meshkd.recipe.batches import iterate_batches, training_rows
 from meshkd.recipe.config import load_config
+from meshkd.recipe.train_step import lr_factor
 
 # name: (steps, rows a step, peak lr, kd_ratio); the demo config's optimizer and schedule otherwise.
 SETTINGS = {
@@ -60,7 +61,7 @@ def _heal(config, keep: list[int], train, val, teacher: dict[int, torch.Tensor],
         student = prune_layers(models.load_causal_lm(path=config.model.path), keep).train()
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, betas=tuple(config.optimizer.betas),
                                   weight_decay=config.optimizer.weight_decay, eps=config.optimizer.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_scheduler.factor(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.lr_scheduler, steps))
     batches = iterate_batches(train, global_batch_size=rows, dp_rank=0, dp_size=1, seed=config.dataset.seed)
     for _, batch in zip(range(steps), batches):
         logits, labels = _logits(student, batch), batch["labels"]

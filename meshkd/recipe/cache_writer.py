@@ -36,6 +36,7 @@ from meshkd.recipe.aligned_data import rendering_teacher, run_packing
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch, StopRequest
 from meshkd.recipe.files import file_sha256, write_atomically
+from meshkd.recipe.hidden_states import paired_layers
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
@@ -202,7 +203,7 @@ class CacheWriter:
         output = dist.get_rank() == replicas[mine].output_rank
         forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output,
                                  vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
-                                 hidden_layers=config.hidden_state_layers("teacher"))
+                                 hidden_layers=paired_layers(config, "teacher"))
         progress = None
         if is_logging_rank() and config.logging.progress_bar:
             from tqdm import tqdm

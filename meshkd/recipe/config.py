@@ -3,7 +3,6 @@ and checked once at load (`config_checks`). A value derived from keys is a prope
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -194,21 +193,7 @@ class LRSchedulerConfig:
     warmup_steps: int = 0  # steps of linear warmup from 1 / warmup_steps of the peak
     decay: str = "cosine"  # cosine | linear | constant
     total_steps: int | None = None  # length of the schedule; None: step_scheduler.max_steps
-    min_lr_ratio: float = 0.1  # the factor at the schedule's end
-
-    def factor(self, max_steps: int):
-        """step -> learning-rate factor: linear warmup, then constant, linear or cosine decay to min_lr_ratio."""
-        total = self.total_steps or max_steps
-
-        def factor(step: int) -> float:
-            if step < self.warmup_steps:
-                return (step + 1) / self.warmup_steps
-            if self.decay == "constant":
-                return 1.0
-            progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
-            shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1 - progress
-            return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
-        return factor
+    min_lr_ratio: float = 0.1  # the factor at the schedule's end (`meshkd.recipe.train_step.lr_factor`)
 
 
 @dataclass
@@ -294,14 +279,6 @@ class KDRecipeConfig:
             self, teachers=None, teacher_model=teacher.model, teacher_distributed=teacher.distributed,
             separate_meshes=teacher.distributed is not None, kd=replace(self.kd, teacher_cache=teacher.cache,
             logits_transport=teacher.logits_transport or self.kd.logits_transport)) for teacher in self.teachers}
-
-    def hidden_state_layers(self, side: str) -> list[int]:
-        """Derived: the `side` ("student" or "teacher") layers of `kd.hidden_states`' pairs, in order; [] without."""
-        if self.kd.hidden_states is None:
-            return []
-        from meshkd.recipe.hidden_states import pairs_of
-
-        return [pair[side == "teacher"] for pair in pairs_of(self.kd.hidden_states, self.model.keep_layers)]
 
     def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
         """Several teachers: name -> the layout of its own ranks in training; None: the student's, or its cache."""

@@ -57,6 +57,13 @@ def pairs_of(hidden_states, keep_layers) -> list[tuple[int, int]]:
     return [tuple(pair) for pair in hidden_states.pairs]
 
 
+def paired_layers(config, side: str) -> list[int]:
+    """The `side` ("student" or "teacher") layers of a run's `kd.hidden_states` pairs, in order; [] without."""
+    if config.kd.hidden_states is None:
+        return []
+    return [pair[side == "teacher"] for pair in pairs_of(config.kd.hidden_states, config.model.keep_layers)]
+
+
 def check_pairs(pairs: list[tuple[int, int]], *, student_layers: int, teacher_layers: int | None) -> None:
     """ValueError naming `kd.hidden_states.pairs` for a layer outside either model's decoder layers (the teacher's
     unchecked when `teacher_layers` is None: a cache's answers hold the pairs its key records)."""

@@ -41,7 +41,7 @@ from meshkd.recipe.aligned_data import completion_aligner
 from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.faults import FaultWatch, PeerLostError, StopRequest
-from meshkd.recipe.hidden_states import HiddenStateProjections, LayerTap, StudentHiddenStates
+from meshkd.recipe.hidden_states import HiddenStateProjections, LayerTap, StudentHiddenStates, paired_layers
 from meshkd.recipe.loaders import load_section_model, load_section_model_for_layout
 from meshkd.recipe.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
 from meshkd.recipe.models import resolve_dtype
@@ -161,7 +161,7 @@ class StudentTrainer:
                 runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
                 sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
                                                             seed=config.seed, vocabulary_map=self._vocabulary_map,
-                                                            hidden_layers=view.hidden_state_layers("teacher")))
+                                                            hidden_layers=paired_layers(view, "teacher")))
         if not config.teachers:
             return sources["teacher"]
         return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},
@@ -227,7 +227,7 @@ class StudentTrainer:
     def _student_hidden_states(self) -> StudentHiddenStates | None:
         """`kd.hidden_states`' student side: a tap on the laid-out student's paired layers, and projections onto
         the teacher's width where it differs from the student's."""
-        hidden_states, layers = self.config.kd.hidden_states, self.config.hidden_state_layers("student")
+        hidden_states, layers = self.config.kd.hidden_states, paired_layers(self.config, "student")
         if hidden_states is None:
             return None
         model = getattr(self.model, "module", self.model)  # DDP's

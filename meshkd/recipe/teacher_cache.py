@@ -53,6 +53,7 @@ from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.batches import training_rows
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.files import file_sha256, write_atomically
+from meshkd.recipe.hidden_states import paired_layers
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
@@ -107,7 +108,7 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
     if kd.logits_transport == "topk":  # full encodings do not depend on the temperature: the loss applies it
         key.update({"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature})
     if kd.hidden_states is not None:  # the teacher layers whose outputs the answers hold, in order
-        key["kd.hidden_states.pairs (teacher layers)"] = config.hidden_state_layers("teacher")
+        key["kd.hidden_states.pairs (teacher layers)"] = paired_layers(config, "teacher")
     if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
         key.update({"kd.cross_tokenizer": {"loss": kd.cross_tokenizer.loss,
                                            "teacher_sequence_length": config.teacher_sequence_length},

@@ -29,7 +29,7 @@ from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.faults import FaultWatch
-from meshkd.recipe.hidden_states import LayerTap
+from meshkd.recipe.hidden_states import LayerTap, paired_layers
 from meshkd.recipe.loaders import load_section_model_for_layout
 from meshkd.recipe.preflight import about
 from meshkd.recipe.teacher_answers import EncodeContext, answer_type, with_hidden_states
@@ -129,7 +129,7 @@ class TeacherWorker:
         self.server = TeacherServer(bridges[self.name])
         self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
                                       encodes=self.server.is_output, vocabulary_map=self.vocabulary_map,
-                                      hidden_layers=self.config.hidden_state_layers("teacher"))
+                                      hidden_layers=paired_layers(self.config, "teacher"))
 
     def resume(self, resume: bool) -> None:
         """Nothing to restore: the teacher is frozen."""

@@ -86,8 +86,24 @@ def build_optimizer(model: torch.nn.Module, config, extra: list[torch.nn.Paramet
                                       betas=tuple(opt.betas), eps=opt.eps, foreach=False, fused=on_cuda)
     else:
         optimizer = torch.optim.SGD(parameters, lr=opt.lr, weight_decay=opt.weight_decay)
-    factor = config.lr_scheduler.factor(config.step_scheduler.max_steps)
+    factor = lr_factor(config.lr_scheduler, config.step_scheduler.max_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lr_factor(schedule, max_steps: int) -> Callable[[int], float]:
+    """step -> the `lr_scheduler` section's learning-rate factor: linear warmup, then constant, linear or cosine
+    decay to `min_lr_ratio` at `total_steps` (None: `max_steps`)."""
+    total = schedule.total_steps or max_steps
+
+    def factor(step: int) -> float:
+        if step < schedule.warmup_steps:
+            return (step + 1) / schedule.warmup_steps
+        if schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - schedule.warmup_steps) / max(1, total - schedule.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1 - progress
+        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+    return factor
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
