@@ -25,7 +25,7 @@ differs from the last one on that route, and one broadcast of all its tensor byt
 repeating, the header travels with the data (see `KDMeshBridge._broadcast_tree`), so steady-state
 batches and logits cost one transfer each. A sender with nothing valid to send broadcasts an error spec
 instead, so its receivers raise too rather than wait forever. On the CPU, transfer buffers are reused
-once released (`_BufferPool`).
+once released (`BufferPool`).
 
 What travels in a teacher request, and the loops on both sides, are `meshkd.core.teacher_protocol`'s.
 """
@@ -45,6 +45,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshkd.core import wire
 from meshkd.core.groups import waiting_group
+from meshkd.core.route_state import BufferPool, RouteState
 from meshkd.core.topology import KDDistributedSetups, Replica, last_stage_ranks, model_replicas
 
 RUN_TEACHER = 1
@@ -53,66 +54,7 @@ STOP_TEACHER = 0
 _INVALID_COMMAND = -1
 
 
-# Consecutive repeats of a route's spec after which the header and the data travel together (see
-# `KDMeshBridge._broadcast_tree`). Two, not one: a spec that alternates in pairs (A A B B) never pays for a
-# filler transfer, and a changed spec pays at most one filler per three calls.
-_SPECULATE_AFTER = 2
 _WORD_BYTES = 8  # an int64 header word appended to a packed buffer
-
-
-class _RouteState:
-    """What both ends of a route know about its last spec: the sender its JSON document, receivers the
-    decoded spec and leaves; both the data size and how many times in a row the spec has repeated."""
-
-    def __init__(self) -> None:
-        self.forget()
-
-    def forget(self) -> None:
-        self.document: bytes | None = None
-        self.spec: Any = None
-        self.leaves: list = []
-        self.nbytes = 0
-        self.repeats = 0
-        self.inband = False
-
-    def remember(self, document: bytes | None, spec: Any, nbytes: int, *, num_leaves: int) -> None:
-        self.document, self.spec, self.nbytes, self.repeats = document, spec, nbytes, 0
-        self.leaves = wire.leaf_specs(spec) if spec is not None else []
-        # Several leaves are packed by a copy anyway, so the header word can ride in the same buffer; a
-        # single leaf travels from its own memory, so the word goes alongside it instead.
-        self.inband = num_leaves > 1
-
-    @property
-    def speculating(self) -> bool:
-        return self.repeats >= _SPECULATE_AFTER and self.nbytes > 0
-
-
-class _BufferPool:
-    """Reusable CPU transfer buffers of one route.
-
-    Why: a fresh buffer of N bytes costs N / 4096 page faults and the kernel's zeroing on first touch, which
-    on the CPU is as slow as the transfer itself at large sizes. A receive buffer is handed out as the
-    storage of the received tensors, so it is reused only once the caller has dropped every tensor that
-    views it (the storage's reference count is 1: the pool's own). At most `capacity` buffers are kept (the
-    double-buffered loop holds two received values and receives a third). CUDA needs none of this: its
-    caching allocator reuses memory already.
-    """
-
-    def __init__(self, capacity: int = 3) -> None:
-        self.capacity = capacity
-        self._storages: list[torch.UntypedStorage] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 CPU tensor of `nbytes`, on a storage no one else references."""
-        # The storage's use count (torch's own cudagraph trees reuse outputs the same way): tensors and
-        # Python storage objects that refer to it each hold one reference; the pool's object is the one.
-        for storage in self._storages:
-            if storage.nbytes() == nbytes and torch._C._storage_Use_Count(storage._cdata) == 1:
-                break
-        else:
-            storage = torch.UntypedStorage(nbytes)
-            self._storages = [storage, *self._storages[: self.capacity - 1]]
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 @dataclass(frozen=True)
@@ -156,8 +98,8 @@ class KDMeshBridge:
         # The thread a TeacherPrefetcher drives the bridge from (set and cleared by the prefetcher), else None.
         self.owner_thread: int | None = None
         # Per route: the last spec and its repeat streak (`_broadcast_tree`), and CPU buffers to reuse.
-        self._pools: dict[tuple, _BufferPool] = {}
-        self._route_states: dict[tuple[int, tuple[int, ...]], _RouteState] = {}
+        self._pools: dict[tuple, BufferPool] = {}
+        self._route_states: dict[tuple[int, tuple[int, ...]], RouteState] = {}
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # Its own group, whatever the routes' ranks: its timeout is a teacher rank's patience (a per-rank setting).
         patience = command_timeout if self.is_teacher and command_timeout is not None else timeout
@@ -351,19 +293,19 @@ class KDMeshBridge:
         1. a one-word header: the spec's length, or SAME_SPEC when it repeats the route's last spec;
         2. the spec, only when it changed (or the error document);
         3. the data buffer, when the value has tensor leaves.
-        Once a route's spec has repeated `_SPECULATE_AFTER` times in a row, receivers expect it again and
-        post the data buffer of the cached size together with the header: a value of several leaves
+        Once a route's spec has repeated a few times in a row (`RouteState.speculating`), receivers expect it
+        again and post the data buffer of the cached size together with the header: a value of several leaves
         (packed by a copy anyway) carries the header word at the end of its buffer, one collective in
         all; a single leaf, sent from its own memory, has the word broadcast alongside it asynchronously.
         If the spec changed after all, that buffer travels as filler, and the header's new length is
         followed by 2 and 3 as usual.
-        Both ends keep the same per-route state (`_RouteState`), updated by the same events (a repeat
+        Both ends keep the same per-route state (`RouteState`), updated by the same events (a repeat
         extends the streak; a new spec, an error or a failure clears it), so they always agree on which
         collectives come next.
         """
         if self.rank not in route.ranks:
             return None
-        state = self._route_states.setdefault((route.src, route.ranks), _RouteState())
+        state = self._route_states.setdefault((route.src, route.ranks), RouteState())
         try:
             if self.rank == route.src:
                 return self._send_tree(value, route, state, error)
@@ -372,7 +314,7 @@ class KDMeshBridge:
             state.forget()
             raise
 
-    def _send_tree(self, value: Any, route: Route, state: _RouteState, error: str | None) -> Any:
+    def _send_tree(self, value: Any, route: Route, state: RouteState, error: str | None) -> Any:
         tensors: list[torch.Tensor] = []
         document = None
         if not error:
@@ -411,7 +353,7 @@ class KDMeshBridge:
             dist.broadcast(self._pack(tensors, route), src=route.src, group=route.group)
         return value
 
-    def _receive_tree(self, route: Route, state: _RouteState) -> Any:
+    def _receive_tree(self, route: Route, state: RouteState) -> Any:
         word = torch.empty(1, dtype=torch.int64, device=self.device)
         if state.speculating:
             if state.inband:
@@ -472,8 +414,8 @@ class KDMeshBridge:
             return self._pool(route, "receive").take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _pool(self, route: Route, direction: str) -> _BufferPool:
-        return self._pools.setdefault((direction, route.src, route.ranks), _BufferPool())
+    def _pool(self, route: Route, direction: str) -> BufferPool:
+        return self._pools.setdefault((direction, route.src, route.ranks), BufferPool())
 
     @staticmethod
     def match_student_vocab_shard(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
