@@ -266,11 +266,10 @@ def check_hidden_states(config: KDRecipeConfig) -> None:
     if config.kd.cross_tokenizer is not None:
         raise ConfigError("kd.hidden_states with kd.cross_tokenizer: the teacher's positions are its own tokens, "
                           "not the student's; pair hidden states with a teacher of the student's tokenizer")
-    teacher_key = "teacher_distributed" if config.separate_meshes else "distributed"
-    for key, layout in (("distributed", config.distributed), (teacher_key, config.teacher_layout)):
-        if layout is not None and layout.pp_size > 1:
-            raise ConfigError(f"kd.hidden_states with {key}.pp_size({layout.pp_size}) > 1 is not supported: a "
-                              "pipeline stage holds only some of the paired layers; use dp, tp or cp for it")
+    if config.distributed.pp_size > 1:
+        raise ConfigError(f"kd.hidden_states with distributed.pp_size({config.distributed.pp_size}) > 1 is not "
+                          "supported: the student's pipeline computes its loss on the last stage, which holds only "
+                          "some of the paired layers; use dp, tp or cp for the student")
 
 
 # ------------------------------------------------------------------------------------------- teachers (several at once)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshkd.parallel.stages import decoder_of
+from meshkd.parallel.stages import decoder_of, is_pass_through
 
 HIDDEN_STATES = "hidden_states"  # the answer's key
 LOSSES = ("mse", "cosine")
@@ -78,15 +78,17 @@ def check_pairs(pairs: list[tuple[int, int]], *, student_layers: int, teacher_la
 
 class LayerTap:
     """Keeps the outputs of some decoder layers of `model` while `on()`; `take()` hands them over in `layers`'
-    order (a layer given twice, twice). Off, as in backward's recomputation, it keeps nothing."""
+    order (a layer given twice, twice). Off, as in backward's recomputation, it keeps nothing. On a pipeline
+    stage only the layers the stage holds are kept (`held`; `take_held`)."""
 
     def __init__(self, model: nn.Module, layers: list[int]) -> None:
         self.layers = list(layers)
         self._outputs: dict[int, torch.Tensor] = {}
         self._keeping = False
         decoder_layers = decoder_of(model).layers
+        self.held = sorted(index for index in set(self.layers) if not is_pass_through(decoder_layers[index]))
         self._handles = [decoder_layers[index].register_forward_hook(functools.partial(self._keep, index))
-                         for index in sorted(set(self.layers))]
+                         for index in self.held]
 
     def _keep(self, index: int, module: nn.Module, args, output) -> None:
         if self._keeping:
@@ -102,12 +104,19 @@ class LayerTap:
             self._keeping = False
 
     def take(self) -> list[torch.Tensor]:
-        """The kept outputs [rows, sequence, width], whole (a DTensor's full tensor), and forget them."""
-        missing = [index for index in self.layers if index not in self._outputs]
+        """The kept outputs [rows, sequence, width] in `layers`' order, whole (a DTensor's full tensor), and
+        forget them."""
+        held = self.take_held()
+        missing = [index for index in self.layers if index not in held]
         if missing:
             raise RuntimeError(f"decoder layers {missing} did not run in this forward")
-        outputs, self._outputs = [self._outputs[index] for index in self.layers], {}
-        return [output.full_tensor() if isinstance(output, DTensor) else output for output in outputs]
+        return [held[index] for index in self.layers]
+
+    def take_held(self) -> dict[int, torch.Tensor]:
+        """The kept outputs of the layers this model holds, by layer, whole; and forget them."""
+        outputs, self._outputs = self._outputs, {}
+        return {index: output.full_tensor() if isinstance(output, DTensor) else output
+                for index, output in outputs.items()}
 
 
 class HiddenStateProjections(nn.Module):

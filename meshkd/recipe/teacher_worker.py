@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map
@@ -25,6 +26,7 @@ from meshkd.core.logits import materialize_teacher_logits
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
+from meshkd.parallel.stages import decoder_of, stage_layers
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.aligned_data import teacher_side
 from meshkd.recipe.config import KDConfig, KDRecipeConfig
@@ -59,12 +61,38 @@ class TeacherForward:
         else:
             with self.tap.on() if self.tap else contextlib.nullcontext():
                 logits = self.runner.logits(teacher_side(batch))
-            if self.tap:  # gathered over the teacher's tp and cp ranks as its logits are: all of them take part
-                hidden = [materialize_teacher_logits(output, self.runner.mesh, batch["input_ids"].shape[1])
-                          for output in self.tap.take()]
+            if self.tap:
+                hidden = self.paired_outputs(batch)
         if logits is None or not self.encodes:
             return None
         return self.encode(logits, batch, request.logits_transport, hidden)
+
+    def paired_outputs(self, batch: dict) -> list[torch.Tensor] | None:
+        """The teacher's outputs of the paired layers [rows, sequence, width], whole, in the pairs' order, on the
+        last pipeline stage (None on the stages before it); every rank of the replica takes part.
+
+        Each stage gathers the outputs of the layers it holds over its tp and cp ranks, as the logits are
+        (`materialize_teacher_logits`); a stage before the last sends its own to the last stage, pair by pair in
+        the pairs' order, which the last stage receives in that order (so no two wait on each other)."""
+        runner, rows, length = self.runner, *batch["input_ids"].shape
+        held = {index: materialize_teacher_logits(output, runner.mesh, length)
+                for index, output in self.tap.take_held().items()}
+        if runner.pp_size == 1:
+            return [held[index] for index in self.tap.layers]
+        owners = {index: stage for stage in range(runner.pp_size)
+                  for index in stage_layers(len(decoder_of(runner.model).layers), runner.pp_size, stage)}
+        last, outputs = runner.pp_size - 1, []
+        width = runner.model.config.get_text_config().hidden_size
+        for index in self.tap.layers:
+            owner = owners[index]
+            if runner.pp_rank == owner and owner != last:
+                dist.send(held[index].contiguous(), group_dst=last, group=runner.pp_group)
+            elif runner.is_last:
+                if owner != last:
+                    held[index] = torch.empty(rows, length, width, dtype=runner.dtype, device=runner.device)
+                    dist.recv(held[index], group_src=owner, group=runner.pp_group)
+                outputs.append(held[index])
+        return outputs if runner.is_last else None
 
     def encode(self, logits: torch.Tensor, batch: dict, transport: str,
                hidden: list[torch.Tensor] | None = None) -> Encoded:

@@ -83,7 +83,9 @@ LAYOUTS = {"shared_dp2": ({"dp_size": 2}, None), "shared_tp2": ({"dp_size": 1, "
            "shared_cp2": ({"dp_size": 1, "cp_size": 2}, None), "ddp_dp2": ({"dp_size": 2, "strategy": "ddp"}, None),
            "separate": ({"dp_size": 1}, {"dp_size": 1}),
            "separate_teacher_tp2": ({"dp_size": 1}, {"dp_size": 1, "tp_size": 2}),
-           "separate_teacher_cp2": ({"dp_size": 1}, {"dp_size": 1, "cp_size": 2})}
+           "separate_teacher_cp2": ({"dp_size": 1}, {"dp_size": 1, "cp_size": 2}),
+           # Teacher layer 1 on the first stage, sent to the last; layer 2 on the last.
+           "separate_teacher_pp2": ({"dp_size": 1}, {"dp_size": 1, "pp_size": 2})}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def laid_out(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hidden_layouts")
     runs = {name: hidden_config(root, name, hidden={"pairs": PAIRS}, student=student, teacher=teacher,
                                 model=wider_student()) for name, (student, teacher) in LAYOUTS.items()}
-    three = ("separate_teacher_tp2", "separate_teacher_cp2")
+    three = ("separate_teacher_tp2", "separate_teacher_cp2", "separate_teacher_pp2")
     run_all(2, {name: config for name, config in runs.items() if name not in three})
     run_all(3, {name: runs[name] for name in three})
     return runs
@@ -219,9 +221,6 @@ def test_the_term_counts_the_positions_kd_counts():
                                                                              r"cross_tokenizer"),
     ({"kd": {"hidden_states": {"pairs": [[0, 0]]}}, "distributed": {"dp_size": 1, "pp_size": 2}},
      r"kd\.hidden_states with distributed\.pp_size\(2\) > 1 is not supported"),
-    ({"kd": {"hidden_states": {"pairs": [[0, 0]]}}, "separate_meshes": True, "distributed": {"dp_size": 1},
-      "teacher_distributed": {"dp_size": 1, "pp_size": 3}},
-     r"kd\.hidden_states with teacher_distributed\.pp_size\(3\) > 1 is not supported"),
     ({"kd": {"hidden_states": {"pairs": [[0, 0]]}}, "teacher_model": None,
       "teachers": [{"name": "a", "model": tiny_llama(3, seed=2)}, {"name": "b", "model": tiny_llama(3, seed=3)}]},
      r"kd\.hidden_states does not yet work with several teachers"),
