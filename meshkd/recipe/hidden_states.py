@@ -8,15 +8,16 @@ residual stream a layer hands the next, before any final norm on either side. `p
   the decoder's layers, `meshkd.parallel.stages.decoder_of`) while it is on.
 - The teacher sends them in its training answers, stacked [rows, sequence, pairs, width] under
   "hidden_states" (`meshkd.recipe.teacher_answers.with_hidden_states`): float32 with logits_transport full,
-  bfloat16 otherwise; under teacher tp / cp gathered as its logits are; cut for the student's cp like them.
+  bfloat16 otherwise; under teacher tp / cp gathered as its logits are, under its pp sent to the last stage
+  (`meshkd.recipe.teacher_worker.TeacherForward.paired_outputs`); cut for the student's cp like the logits.
   The teacher cache stores them with the rest of the answer (its key records the pairs).
 - The student's term (`hidden_state_loss`): at the positions logit KD counts, per pair the mean squared
   difference over the width (`mse`) or 1 - the cosine similarity (`cosine`), summed over the positions,
   averaged over the pairs and divided by the step's valid tokens; the objective adds `weight` times it.
   Where the widths differ a learned projection maps the student's width onto the teacher's
   (`HiddenStateProjections`): float32, trained with the student, saved in checkpoints, not exported.
-Refused, naming the key: a pipelined student or teacher (a stage holds only some layers), several teachers,
-a teacher with another tokenizer (its positions are not the student's).
+Refused, naming the key: a pipelined student (its schedule computes the loss on the last stage, which holds
+only some layers), several teachers, a teacher with another tokenizer (its positions are not the student's).
 """
 
 from __future__ import annotations
