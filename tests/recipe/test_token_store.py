@@ -311,3 +311,29 @@ def test_a_damaged_prompt_store_is_refused_naming_the_file(tmp_path):
     offsets.write_bytes(offsets.read_bytes()[:-8])
     with pytest.raises(ValueError, match=re.escape(str(offsets)) + r" holds \d+ bytes, its manifest says \d+"):
         build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+
+
+def test_prepare_data_writes_the_stores_of_the_rows_and_of_the_on_policy_prompts(tmp_path, capsys):
+    """`meshkd prepare-data` on an on-policy config of chat rows writes both stores; the run then tokenizes
+    nothing (its rows and prompts are read back)."""
+    import yaml
+
+    from meshkd.commands import prepare_data_command
+    from meshkd.recipe.config import config_from_dict
+    from meshkd.recipe.step_data import run_datasets
+    from tests.recipe.test_cross_tokenizer_chat import chat_rows as short_chat_rows
+    from tests.tiny import base_config
+
+    config = base_config(tmp_path)
+    config["dataset"] = {"paths": [write_jsonl(tmp_path / "chat.jsonl", short_chat_rows(30))], "records": "chat",
+                         "val_fraction": 0.1, "token_store": str(tmp_path / "store")}
+    config["step_scheduler"]["sequence_length"] = 256
+    config["kd"].update(mode="on_policy", generation={"max_new_tokens": 8})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert prepare_data_command(str(path), []) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"store/\w+: on-policy prompts, training 27, validation 3\n", captured.out), captured.out
+    assert captured.err.count("once into") == 2
+    train, val, train_prompts, val_prompts = run_datasets(config_from_dict(config), TOKENIZER, None)
+    assert (len(train_prompts), len(val_prompts)) == (27, 3) and "once into" not in capsys.readouterr().err
