@@ -150,28 +150,26 @@ def plot_command(run_dirs: list[str], out: str | None, labels: list[str] | None)
 
 
 def prepare_data_command(config_path: str, overrides: list[str]) -> int:
-    """`meshkd prepare-data`: the token store of the config's corpus and its packing, written here."""
+    """`meshkd prepare-data`: the token store of the config's corpus and its packing, written here; and that of
+    its whole on-policy prompts when the run completes them (`DatasetConfig.whole_prompts`)."""
     config = load_config(config_path, overrides)
     if config.dataset.token_store is None:
         raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
-    from meshkd.recipe import data
-    from meshkd.recipe.aligned_data import rendering_teacher, run_packing
     from meshkd.recipe.loaders import load_section_tokenizer
-    from meshkd.recipe.routing import route_names
+    from meshkd.recipe.step_data import run_datasets
 
     tokenizer = load_section_tokenizer(config.model)
     teacher_tokenizer = None  # with kd.cross_tokenizer the store holds the teacher's tokens too
     if config.kd.cross_tokenizer is not None:
         teacher_tokenizer = load_section_tokenizer(config.teacher_model)
-    train, val = data.build_run_datasets(tokenizer, config.dataset,
-                                         sequence_length=config.step_scheduler.sequence_length,
-                                         routes=route_names(config), store_wait_s=config.setup_timeout_s,
-                                         pack_texts=run_packing(config, tokenizer, teacher_tokenizer),
-                                         teacher_tokenizer=rendering_teacher(config, teacher_tokenizer))
+    train, val, train_prompts, val_prompts = run_datasets(config, tokenizer, teacher_tokenizer)
     manifest = train.store.manifest
     teacher = (f", the teacher's {manifest['teacher_tokens']} ({manifest['teacher_token_dtype']}) in "
                f"{manifest['groups']} group bounds" if "teacher_tokens" in manifest else "")
     print(f"meshkd prepare-data: {train.store.directory}: {manifest['documents']} documents, "
           f"{manifest['tokens']} tokens ({manifest['token_dtype']}){teacher}; training {len(train)} "
           f"rows, validation {len(val)} rows of {config.step_scheduler.sequence_length} tokens")
+    if train_prompts is not None:
+        print(f"meshkd prepare-data: {train_prompts.store.directory}: on-policy prompts, training "
+              f"{len(train_prompts)}, validation {len(val_prompts)}")
     return 0

@@ -39,7 +39,7 @@ import torch
 
 from meshkd.core.aligned_packing import pad_token_id
 from meshkd.recipe.documents import check_arguments, describe_patterns, iter_documents, match_files
-from meshkd.recipe.records import Document, record_reader, tokenize_documents
+from meshkd.recipe.records import Document, prompt_reader, record_reader, tokenize_documents
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -275,33 +275,26 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
 
     With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.token_store`,
     written first if there is none; `store_wait_s`: how long to wait for another process writing it), those of
-    a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both sides stored), unless
-    `text_key` / `prompts` ask for prompts."""
+    a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both sides stored), and prompts
+    (`text_key`, `prompts`) from a store of their own."""
     pack = dataset.packing if pack is None else pack
     aligned = getattr(pack_texts, "teacher_sequence_length", None) is not None  # both tokenizations, aligned
-    if dataset.token_store is not None and (pack_texts is None or aligned) and text_key is None and not prompts:
+    if text_key is not None:
+        dataset = dataclasses.replace(dataset, text_key=text_key)
+    if dataset.token_store is not None and (pack_texts is None or aligned):
         from meshkd.recipe.token_store import stored_datasets
 
         check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                         dataset.max_document_chars, "replace")
         return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
-                               routes=routes, aligned=pack_texts if aligned else None)
+                               routes=routes, aligned=pack_texts if aligned else None, prompts=prompts)
     if routes is not None:
         from meshkd.recipe.routing import routed_packing
 
         pack_texts = routed_packing(pack_texts or packer(tokenizer, sequence_length, pack=pack), routes)
-    if text_key is not None:
-        dataset = dataclasses.replace(dataset, text_key=text_key)
     arguments = reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
     if prompts:
-        read_row = arguments["read_record"]
-
-        def read_record(record: dict, where: str) -> Document | None:
-            document = read_row(record, where)
-            return document if document is None else document.prompt(where)
-
-        read_record.records, read_record.route_key = read_row.records, read_row.route_key
-        arguments["read_record"] = read_record
+        arguments["read_record"] = prompt_reader(arguments["read_record"])
     return build_datasets(tokenizer, **arguments, sequence_length=sequence_length, pack=pack, pack_texts=pack_texts)
 
 

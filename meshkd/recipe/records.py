@@ -123,6 +123,16 @@ def record_reader(dataset, tokenizer=None, teachers: list[str] | None = None,
     return read
 
 
+def prompt_reader(read_row: Callable[[dict, str], Document | None]) -> Callable[[dict, str], Document | None]:
+    """A reader of each row's on-policy prompt (`Document.prompt`) in place of the row `read_row` reads."""
+    def read(record: dict, where: str) -> Document | None:
+        document = read_row(record, where)
+        return document if document is None else document.prompt(where)
+
+    read.records, read.route_key = read_row.records, read_row.route_key
+    return read
+
+
 def _row_reader(dataset, tokenizer, tokenizer_key: str) -> Callable[[dict, str], Document]:
     """A chat or prompt / completion row's `Document` as `tokenizer` (the config's `tokenizer_key`) renders it."""
     records = dataset.records

@@ -21,6 +21,11 @@ Design:
 - A cross-tokenizer corpus (`kd.cross_tokenizer`) keeps the teacher's tokens beside the student's and each
   document's groups (`meshkd.core.token_alignment.Alignment` bounds); its plan is the in-memory aligned packing's
   (`plan_aligned`: pieces of whole groups, first fit on both sides), its rows `StoredAlignedRows`.
+- Whole on-policy prompts are a corpus of their own, stored and planned the same way (one per row, unpacked):
+  those of chat / prompt_completion rows (each row's text before its last answer, read by
+  `records.prompt_reader`) under the key of the rows plus `prompts`, those of text rows under
+  `dataset.prompt_key` as the corpus of that column. Tokenized as the in-memory path tokenizes them, not cut
+  from the rows' tokens: a prompt's tokens need not be a prefix of its row's (BPE merges across the boundary).
 - `StoredRows` is a split's rows: a batch is built on demand from the memory-mapped tokens, so a rank's resident
   memory does not grow with the corpus. Each MiB block is checked against its CRC-32 the first time this
   process reads it: damaged bytes are refused naming the file, never read silently.
@@ -495,21 +500,28 @@ def plan_routed(lengths: np.ndarray, starts: np.ndarray, routes: np.ndarray, num
 
 
 def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wait_s: float,
-                    routes: list[str] | None = None, progress: bool = True,
-                    aligned=None) -> tuple[StoredRows, StoredRows]:
+                    routes: list[str] | None = None, progress: bool = True, aligned=None,
+                    prompts: bool = False) -> tuple[StoredRows, StoredRows]:
     """(train, validation) rows of a recipe's `dataset` section read from its token store (`dataset.token_store`),
     which this process writes first when no store of these sources, tokenizer and settings exists yet; `routes`:
     the teachers' names rows routed by `dataset.teacher_key` give (their order: the teacher indices).
 
     `aligned` (`meshkd.recipe.aligned_data.AlignedPacking`, `kd.cross_tokenizer`): the store holds both sides'
-    tokens and each document's groups, and the rows are its packing's (`StoredAlignedRows`)."""
+    tokens and each document's groups, and the rows are its packing's (`StoredAlignedRows`).
+
+    `prompts`: the store holds each chat or prompt / completion row's on-policy prompt in place of the row
+    (`records.prompt_reader`), a corpus of its own under its own key. The on-policy prompts of text rows under
+    `dataset.prompt_key` need nothing more: they are the corpus of that column (`dataset.text_key` set to it)."""
     from meshkd.recipe import data
     from meshkd.recipe.config import expand_path
+    from meshkd.recipe.records import prompt_reader
 
     teacher = None if aligned is None else aligned.teacher_tokenizer
     rendering = teacher if dataset.records != "text" else None  # the teacher renders chat rows its own way
     arguments = data.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=rendering)
-    key = store_key(tokenizer, dataset, arguments) | {"routes": routes}
+    if prompts:
+        arguments["read_record"] = prompt_reader(arguments["read_record"])
+    key = store_key(tokenizer, dataset, arguments) | {"routes": routes} | ({"prompts": True} if prompts else {})
     if teacher is not None:
         from meshkd.recipe.teacher_cache import tokenizer_fingerprint
 
@@ -525,11 +537,13 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     with _host_lock(root / f"{directory.name}.lock", wait_s):
         if not (directory / "manifest.json").exists():
             others = [path.name for path in root.glob("*/manifest.json")]
-            print(f"meshkd: tokenizing the corpus once into {directory}" + (
+            what = "the on-policy prompts" if prompts else "the corpus"
+            print(f"meshkd: tokenizing {what} once into {directory}" + (
                 f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
                 file=sys.stderr, flush=True)
-            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes, aligned),
-                             len(tokenizer), masked=dataset.records != "text", routed=routes is not None,
+            TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes, aligned, prompts),
+                             len(tokenizer), masked=dataset.records != "text" and not prompts,
+                             routed=routes is not None,
                              progress=progress, teacher_vocabulary=None if teacher is None else len(teacher))
         store = TokenStore(directory)
         if not plans.exists():
@@ -556,12 +570,14 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     return train, val
 
 
-def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, aligned=None) -> Iterator[list]:
+def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, aligned=None,
+               prompts: bool = False) -> Iterator[list]:
     """Chunks of the corpus's tokenized documents, in corpus order: (ids, trains, route index) per document
     (`records.tokenize_documents`, empty ones kept; the index in `routes` of the teacher it names, None
     unless routed), and with `aligned` the teacher's ids and trains and the groups (`_tokenize_chunk`). With
     `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in order), the
-    rows are read here and turned into documents and tokens in worker processes, `imap` keeping the order."""
+    rows are read here and turned into documents and tokens in worker processes, `imap` keeping the order;
+    `prompts`: the workers read each row's on-policy prompt, as `arguments["read_record"]` does."""
     from meshkd.recipe import data, documents
 
     reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
@@ -577,7 +593,7 @@ def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, al
     # data guards its entry point, as multiprocessing requires (the meshkd commands do).
     context = multiprocessing.get_context("spawn")
     with context.Pool(dataset.tokenize_workers, initializer=_start_worker,
-                      initargs=(tokenizer, dataset, routes, aligned)) as pool:
+                      initargs=(tokenizer, dataset, routes, aligned, prompts)) as pool:
         yield from pool.imap(_tokenize_rows, _chunks(rows))
 
 
@@ -603,11 +619,12 @@ def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None, aligned=No
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None) -> None:
-    from meshkd.recipe.records import record_reader
+def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None, prompts: bool = False) -> None:
+    from meshkd.recipe.records import prompt_reader, record_reader
 
     rendering = None if aligned is None or dataset.records == "text" else aligned.teacher_tokenizer
-    _WORKER.update(tokenizer=tokenizer, read=record_reader(dataset, tokenizer, routes, rendering), routes=routes,
+    read = record_reader(dataset, tokenizer, routes, rendering)
+    _WORKER.update(tokenizer=tokenizer, read=prompt_reader(read) if prompts else read, routes=routes,
                    cut=dataset.max_document_chars, aligned=aligned)
 
 

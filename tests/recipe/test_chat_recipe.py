@@ -4,7 +4,7 @@ A one-process run on chat rows made from the standard library counts exactly the
 each step draws, and its held-out loss before training equals plain transformers' next-token loss over the
 answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, two
 identical teachers at 0.5 / 0.5 and rows read from the token store all train its curve. On-policy, the student
-completes the rows' own prompts.
+completes the rows' own prompts, read from the token store as they are in memory.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ def one_rank(tmp_path_factory) -> dict:
                         kd={"mode": "on_policy", "generation": {"max_new_tokens": 8}})
     on_policy["step_scheduler"]["max_steps"] = 2
     runs["on_policy"] = on_policy
+    on_policy_stored = copy.deepcopy(on_policy)
+    on_policy_stored["dataset"]["token_store"] = str(tmp / "on_policy_tokens")
+    on_policy_stored["logging"]["run_dir"] = str(tmp / "on_policy_stored")
+    runs["on_policy_stored"] = on_policy_stored
     return run_all(1, runs)
 
 
@@ -144,3 +148,17 @@ def test_on_policy_completes_the_rows_own_prompts(one_rank):
     for record in steps:
         assert record["on_policy_share"] == 1.0 and 0 < record["mean_completion_length"] <= 8
         assert record["num_tokens"] == record["generated_tokens"]  # only the completions count
+
+
+def test_on_policy_prompts_read_from_the_token_store_train_the_same_curve(one_rank):
+    """The on-policy run with its rows and prompts in the token store draws the same completions and trains the
+    in-memory run's curve; its evaluations score the same validation prompts' completions."""
+    reference, stored = (train_records(one_rank[name]) for name in ("on_policy", "on_policy_stored"))
+    assert curve(stored) == pytest.approx(curve(reference), abs=1e-6)
+    for key in ("generated_tokens", "num_tokens"):
+        assert [r[key] for r in stored if r["kind"] == "train"] == [r[key] for r in reference if r["kind"] == "train"]
+    evals = [[r["teacher_nll_of_samples"] for r in records if r["kind"] == "eval"] for records in (stored, reference)]
+    assert len(evals[0]) == 2 and evals[0] == pytest.approx(evals[1], abs=1e-6)
+    store = Path(one_rank["on_policy_stored"]["dataset"]["token_store"])
+    keys = [json.loads(manifest.read_text())["key"] for manifest in store.glob("*/manifest.json")]
+    assert sorted(key.get("prompts", False) for key in keys) == [False, True]  # the rows' store and the prompts'

@@ -4,6 +4,7 @@ token, rebuilt when a source or the tokenizer changes, refused when damaged, wri
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import os
 import re
@@ -216,3 +217,123 @@ def test_processes_starting_together_tokenize_once_and_read_the_same_rows(tmp_pa
         for key in data.BATCH_KEYS:
             assert torch.equal(result["rows"][key], results[0]["rows"][key])
     assert not [path for path in Path(tmp_path / "store").iterdir() if ".tmp-" in path.name]
+
+
+def _prompt_dataset(kind: str, tmp_path: Path) -> DatasetConfig:
+    """Rows whose on-policy prompts are whole: text rows with a `prompt_key` column, chat rows, prompt /
+    completion rows, and chat rows tokenized by two worker processes."""
+    if kind == "text_prompt_key":
+        lines = [{"prompt": f"def f{i}(x):\n    \"\"\"{'Return x. ' * (i % 4)}\"\"\"",
+                  "text": f"def f{i}(x):\n    return x + {i}\n"} for i in range(30)]
+        lines.insert(5, {"prompt": "   ", "text": "no prompt: skipped among the prompts"})
+        return DatasetConfig(paths=[write_jsonl(tmp_path / "code.jsonl", lines)], prompt_key="prompt",
+                             val_fraction=0.2, seed=3)
+    if kind.startswith("chat"):
+        from tests.recipe.test_cross_tokenizer_chat import MULTI_TURN
+        from tests.recipe.test_cross_tokenizer_chat import chat_rows as short_chat_rows
+
+        rows = [{"messages": MULTI_TURN}, *short_chat_rows(300 if kind == "chat_workers" else 30)]
+        return DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1,
+                             tokenize_workers=2 if kind == "chat_workers" else 1)
+    # A system message on every third row: the rendering of the prompt differs row by row.
+    rows = [{"prompt": f"Q{i}: what is {i} + {i}?", "completion": f"{2 * i}", "system": "Be brief." * (i % 3 == 0)}
+            for i in range(40)]
+    return DatasetConfig(paths=[write_jsonl(tmp_path / "pairs.jsonl", rows)], records="prompt_completion",
+                         system_key="system", val_fraction=0.1)
+
+
+@pytest.mark.parametrize("kind", ["text_prompt_key", "chat", "chat_bpe", "chat_workers", "prompt_completion"])
+def test_whole_prompts_read_from_the_store_equal_the_in_memory_ones_token_for_token(kind, tmp_path, capfd):
+    """Both splits' prompt sets (one prompt per row) read from the store equal the in-memory ones, every key of
+    every row and each prompt `prompts_of` takes from them; with a byte-level BPE and its own template too,
+    whose prompt tokens need not be a prefix of the row's. The prompts are a store of their own beside the
+    rows', and a prompt over the limit is refused as in memory."""
+    from meshkd.recipe.on_policy import build_prompt_set, prompts_of
+    from tests.recipe.test_cross_tokenizer_chat import teacher_tokenizer
+
+    tokenizer = teacher_tokenizer() if kind == "chat_bpe" else TOKENIZER
+    dataset = _prompt_dataset(kind, tmp_path)
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"))
+    in_memory = build_prompt_set(tokenizer, dataset, max_prompt_tokens=1024)
+    stored = build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=1024)
+    # The prompts of text rows are the corpus of the prompt column; those of chat rows, their prompts.
+    what = "the corpus" if kind == "text_prompt_key" else "the on-policy prompts"
+    assert capfd.readouterr().err.count(f"tokenizing {what} once") == 1
+    for got, expected in zip(stored, in_memory):
+        assert type(got).__name__ == "StoredRows" and len(expected) > 0
+        assert_same_rows(got, expected)
+        eos = tokenizer.eos_token_id
+        for mine, theirs in zip(prompts_of(got[:], limit=None, eos_token_id=eos),
+                                prompts_of(expected[:], limit=None, eos_token_id=eos), strict=True):
+            assert torch.equal(mine, theirs)
+    # The rows' own store is another, and leaves the prompts' as they are.
+    data.build_run_datasets(tokenizer, stored_dataset, sequence_length=256)
+    stores = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    assert sorted(json.loads((path / "manifest.json").read_text())["key"].get("prompts", False) for path in stores) == (
+        [False, kind != "text_prompt_key"])
+    for got, expected in zip(build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=1024), in_memory):
+        assert_same_rows(got, expected)
+    assert capfd.readouterr().err.count("once into") == 1  # the rows' store; the prompts' read back
+    longest = max(int(split[:]["attention_mask"].sum(1).max()) for split in in_memory)
+    with pytest.raises(ValueError, match=r"prompt piece\(s\) beyond the limit of \d+ tokens"):
+        build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=longest - 2)
+
+
+def test_first_document_prompts_of_stored_rows_equal_the_in_memory_ones(tmp_path):
+    """Without `prompt_key` a text row's prompt is its first document's first `prompt_tokens` tokens, taken from
+    the training rows themselves: from the store's rows the same as from the in-memory ones, both splits."""
+    from meshkd.recipe.on_policy import prompts_of
+
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3)
+    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=64)
+    stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
+                                     sequence_length=64)
+    for got, expected in zip(stored, in_memory):
+        mine, theirs = (prompts_of(split[:], limit=8, eos_token_id=TOKENIZER.eos_token_id) for split in (got, expected))
+        assert len(mine) == len(theirs) > 0
+        assert all(torch.equal(a, b) and len(a) == 8 for a, b in zip(mine, theirs))
+
+
+def test_a_damaged_prompt_store_is_refused_naming_the_file(tmp_path):
+    from meshkd.recipe.on_policy import build_prompt_set
+
+    dataset = dataclasses.replace(_prompt_dataset("chat", tmp_path), token_store=str(tmp_path / "store"))
+    build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    tokens = store / "tokens.bin"
+    damaged = bytearray(tokens.read_bytes())
+    damaged[len(damaged) // 3] ^= 0xFF
+    tokens.write_bytes(bytes(damaged))
+    train, val = build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r": block 0 .* does not match its checksum"):
+        train[0 : len(train)]
+    offsets = store / "documents.bin"
+    offsets.write_bytes(offsets.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=re.escape(str(offsets)) + r" holds \d+ bytes, its manifest says \d+"):
+        build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+
+
+def test_prepare_data_writes_the_stores_of_the_rows_and_of_the_on_policy_prompts(tmp_path, capsys):
+    """`meshkd prepare-data` on an on-policy config of chat rows writes both stores; the run then tokenizes
+    nothing (its rows and prompts are read back)."""
+    import yaml
+
+    from meshkd.commands import prepare_data_command
+    from meshkd.recipe.config import config_from_dict
+    from meshkd.recipe.step_data import run_datasets
+    from tests.recipe.test_cross_tokenizer_chat import chat_rows as short_chat_rows
+    from tests.tiny import base_config
+
+    config = base_config(tmp_path)
+    config["dataset"] = {"paths": [write_jsonl(tmp_path / "chat.jsonl", short_chat_rows(30))], "records": "chat",
+                         "val_fraction": 0.1, "token_store": str(tmp_path / "store")}
+    config["step_scheduler"]["sequence_length"] = 256
+    config["kd"].update(mode="on_policy", generation={"max_new_tokens": 8})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert prepare_data_command(str(path), []) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"store/\w+: on-policy prompts, training 27, validation 3\n", captured.out), captured.out
+    assert captured.err.count("once into") == 2
+    train, val, train_prompts, val_prompts = run_datasets(config_from_dict(config), TOKENIZER, None)
+    assert (len(train_prompts), len(val_prompts)) == (27, 3) and "once into" not in capsys.readouterr().err
