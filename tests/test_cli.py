@@ -133,11 +133,19 @@ def test_the_demo_reports_bits_per_byte_kl_and_top1_agreement_from_the_summaries
     kd = {"teacher_val_bits_per_byte": 0.9504, "val_bits_per_byte_before": 1.6414, "val_bits_per_byte_after": 1.2554,
           "val_kl_before": 1.9482, "val_kl_after": 1.0434, "val_top1_agreement_before": 0.363,
           "val_top1_agreement_after": 0.53}
-    figures_report(kd, {"val_bits_per_byte_after": 1.3})  # a run from a cache: no KL, no agreement
+    figures_report(kd, {"CE-only": {"val_bits_per_byte_after": 1.3}})  # a run from a cache: no KL, no agreement
     lines = capsys.readouterr().out.splitlines()
     rows = {line[:46].strip(): line[46:].split() for line in lines if line.startswith("  ") and line[:46].strip()}
     assert rows == {"teacher": ["0.9504"], "pruned student before healing": ["1.6414", "1.9482", "36.3%"],
                     "after KD healing": ["1.2554", "1.0434", "53.0%"], "after CE-only healing": ["1.3000", "-", "-"]}
+
+
+def test_the_hidden_states_demo_compares_with_the_text_demo_only(capsys):
+    from meshkd.cli import main
+
+    for flag in ("--on-policy", "--cross-tokenizer"):
+        assert main(["demo", "--hidden-states", flag]) == 2
+        assert "--hidden-states compares with the text demo's KD run" in capsys.readouterr().err
 
 
 def test_the_cross_tokenizer_demo_refuses_what_kd_cross_tokenizer_does_not_do(capsys):
