@@ -280,7 +280,7 @@ class StudentTrainer:
             raise
         with self.faults.watch("broadcast_command", "teacher"):
             self.teacher.close()
-        if self.config.logging.summary:
+        if self.config.logging.summary and is_logging_rank():  # it lists the run directory: once
             print0(run_report(self.summary, self._figures()))
         return self.summary
 
