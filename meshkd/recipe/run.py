@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.topology import TeacherSetups, create_kd_distributed_setups, create_teacher_setups
+from meshkd.core.topology import TeacherSetups, create_teacher_setups
 from meshkd.parallel.context_parallel import flatten_student_cp_axes
 from meshkd.recipe import models
 from meshkd.recipe.config import KDRecipeConfig
@@ -54,10 +54,10 @@ def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
     """The student's and each teacher's layouts (every rank builds them all: collective over the world); their
     mesh groups time out after `collective_timeout_s`."""
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-    if config.teachers:
-        return create_teacher_setups(config.distributed, config.teacher_layouts(), world_size, timeout=timeout)
-    pair = create_kd_distributed_setups(config, world_size, timeout=timeout)
-    return TeacherSetups(student=pair.student, teachers={"teacher": pair.teacher})
+    # One teacher is the list of one: its own layout on separate meshes, else the student's ranks (None).
+    layouts = config.teacher_layouts() if config.teachers else {
+        "teacher": config.teacher_distributed if config.teacher_has_own_ranks else None}
+    return create_teacher_setups(config.distributed, layouts, world_size, timeout=timeout)
 
 
 class KDRecipe:
