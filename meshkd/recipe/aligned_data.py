@@ -155,16 +155,9 @@ def encode_rows(tokenizer, texts: list[str]) -> tuple[list[TokenSpans], list[tor
     same tokenization's character offsets (`answer_tokens`: the EOS trains with the answer it ends)."""
     spans, offsets = encode_with_byte_spans_and_offsets(tokenizer, texts,
                                                         add_eos=[getattr(text, "eos", True) for text in texts])
-    trains = []
-    for text, tokens, offset in zip(texts, spans, offsets):
-        answers = getattr(text, "answers", None)
-        if answers is None:
-            trains.append(None)
-            continue
-        mask = answer_tokens(answers, offset)
-        closing = len(tokens) - len(mask)
-        mask = torch.cat([mask, mask[-1:].expand(closing) if len(mask) else torch.zeros(closing, dtype=torch.bool)])
-        trains.append(mask)
+    trains = [None if getattr(text, "answers", None) is None else
+              answer_tokens(text.answers, offset, closing=len(tokens) - len(offset))
+              for text, tokens, offset in zip(texts, spans, offsets)]
     return spans, trains
 
 

@@ -335,16 +335,17 @@ def tokenize_documents(tokenizer, texts: list[str], *,
             closing = eos if getattr(text, "eos", True) else []
             trains = None
             if getattr(text, "answers", None) is not None:
-                trains = answer_tokens(text.answers, encoded["offset_mapping"][index])
-                trains = torch.cat([trains, trains[-1:].expand(len(closing))])  # EOS trains with the answer it ends
+                trains = answer_tokens(text.answers, encoded["offset_mapping"][index], closing=len(closing))
             documents.append((torch.tensor(ids + closing, dtype=torch.int64), trains))
     return documents
 
 
-def answer_tokens(answers: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Which tokens train: those whose first character lies in an answer span (character offsets [start, end))."""
+def answer_tokens(answers: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]], *,
+                  closing: int = 0) -> torch.Tensor:
+    """Which tokens train: those whose first character lies in an answer span (character offsets [start, end)),
+    then `closing` tokens appended after the text (its EOS), which train with the answer they end."""
     starts = torch.tensor([start for start, _ in offsets], dtype=torch.int64)
     trains = torch.zeros(len(offsets), dtype=torch.bool)
     for begin, end in answers:
         trains |= (starts >= begin) & (starts < end)
-    return trains
+    return torch.cat([trains, trains[-1:].expand(closing) if len(trains) else torch.zeros(closing, dtype=torch.bool)])
