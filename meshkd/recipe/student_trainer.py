@@ -133,11 +133,11 @@ class StudentTrainer:
         self.teacher = self._setup_teacher_source()
         self.model, self.pipeline = self._setup_model()
         self.hidden_states = self._student_hidden_states()
-        # What checkpoints hold: the student, and beside it the hidden-state projections when there are some.
-        self.checkpointed = self.model if not self.hidden_states or not self.hidden_states.parameters() else \
-            torch.nn.ModuleDict({"student": self.model, "hidden_state_projections": self.hidden_states.projections})
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.config, self.hidden_states.parameters() if self.hidden_states else [])
+        # The hidden-state projections' weights (widths that differ): trained with the student, checkpointed beside it.
+        learned = self.hidden_states.parameters() if self.hidden_states else []
+        self.checkpointed = self.model if not learned else torch.nn.ModuleDict(
+            {"student": self.model, "hidden_state_projections": self.hidden_states.projections})
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.config, learned)
         self._setup_step()
         if self.config.model.pure_half_precision:
             warning = rounded_update_warning(self.model.parameters(), self.config.optimizer.lr,
@@ -226,7 +226,7 @@ class StudentTrainer:
 
     def _student_hidden_states(self) -> StudentHiddenStates | None:
         """`kd.hidden_states`' student side: a tap on the laid-out student's paired layers, and projections onto
-        the teacher's width where it differs from the student's."""
+        the teacher's width (the identity, without parameters, where the widths agree)."""
         hidden_states, layers = self.config.kd.hidden_states, paired_layers(self.config, "student")
         if hidden_states is None:
             return None
@@ -234,7 +234,7 @@ class StudentTrainer:
         width = model.config.get_text_config().hidden_size
         projections = HiddenStateProjections(layers, student_width=width, teacher_width=self._teacher_width)
         return StudentHiddenStates(LayerTap(model, layers), weight=hidden_states.weight,
-                                   projections=projections.to(self.device) if width != self._teacher_width else None)
+                                   projections=projections.to(self.device))
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.

@@ -52,6 +52,10 @@ class TeacherForward:
         self.encodes = encodes
         self.context = EncodeContext(kd, seed=seed, vocab_size=vocab_size, vocabulary_map=vocabulary_map)
         self.tap = LayerTap(runner.model, hidden_layers) if hidden_layers else None
+        # A pipelined teacher: the stage holding each decoder layer (its outputs go from there to the last).
+        num_layers = len(decoder_of(runner.model).layers)
+        self._stage_of = {index: stage for stage in range(runner.pp_size)
+                          for index in stage_layers(num_layers, runner.pp_size, stage)}
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
         batch = request.batch
@@ -79,16 +83,14 @@ class TeacherForward:
                 for index, output in self.tap.take_held().items()}
         if runner.pp_size == 1:
             return [held[index] for index in self.tap.layers]
-        owners = {index: stage for stage in range(runner.pp_size)
-                  for index in stage_layers(len(decoder_of(runner.model).layers), runner.pp_size, stage)}
         last, outputs = runner.pp_size - 1, []
-        width = runner.model.config.get_text_config().hidden_size
         for index in self.tap.layers:
-            owner = owners[index]
+            owner = self._stage_of[index]
             if runner.pp_rank == owner and owner != last:
                 dist.send(held[index].contiguous(), group_dst=last, group=runner.pp_group)
             elif runner.is_last:
                 if owner != last:
+                    width = runner.model.config.get_text_config().hidden_size
                     held[index] = torch.empty(rows, length, width, dtype=runner.dtype, device=runner.device)
                     dist.recv(held[index], group_src=owner, group=runner.pp_group)
                 outputs.append(held[index])

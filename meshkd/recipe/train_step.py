@@ -290,8 +290,7 @@ class TrainStep:
         scale_expert_gradients(self.model)
         parameters = list(self.model.parameters())
         if self.hidden_states is not None:  # its projections, replicated: reduced here, clipped with the model
-            self.hidden_states.reduce_gradients([self.setup.dp_mesh.get_group()] + ([self._cp_group]
-                                                                                     if self._cp_group else []))
+            self.hidden_states.reduce_gradients([self._dp_group] + ([self._cp_group] if self._cp_group else []))
             parameters += self.hidden_states.parameters()
         grad_norm = clip_grad_norm(parameters, self.max_grad_norm, stages_group=stages, uncounted=copies)
         # The rest (the router's loss, each teacher's divergence) in the records' order, the same on every rank.
