@@ -52,10 +52,11 @@ class TeacherForward:
         self.encodes = encodes
         self.context = EncodeContext(kd, seed=seed, vocab_size=vocab_size, vocabulary_map=vocabulary_map)
         self.tap = LayerTap(runner.model, hidden_layers) if hidden_layers else None
-        # A pipelined teacher: the stage holding each decoder layer (its outputs go from there to the last).
-        num_layers = len(decoder_of(runner.model).layers)
-        self._stage_of = {index: stage for stage in range(runner.pp_size)
-                          for index in stage_layers(num_layers, runner.pp_size, stage)}
+        # With the pairs, the stage holding each decoder layer (a pipelined teacher's outputs go from there to the
+        # last stage).
+        self._stage_of = {} if self.tap is None else {
+            index: stage for stage in range(runner.pp_size)
+            for index in stage_layers(len(decoder_of(runner.model).layers), runner.pp_size, stage)}
 
     def __call__(self, request: TeacherRequest) -> Encoded | None:
         batch = request.batch
