@@ -87,23 +87,23 @@ def train_command(config_path: str, overrides: list[str], nproc: int | None, res
 
 
 def cached_teacher(config, teacher: str | None):
-    """The one-teacher config whose cache `meshkd cache-teacher` writes: the config itself, or with several
+    """The one-teacher config whose cache `meshkd cache-teacher` writes: the only teacher's, or with several
     teachers (`teachers`) the view of the one named by `--teacher` (its `cache`, its `distributed` layout)."""
-    if not config.teachers:
-        if teacher is not None:
-            raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
-        return config
-    names = [entry.name for entry in config.teachers]
-    if teacher is None and len(names) > 1:
+    views = config.teacher_views()
+    if teacher is not None and config.teachers is None:
+        raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
+    if teacher is None and len(views) > 1:
         raise ConfigError(f"this config has several teachers: name the one whose cache to write with --teacher NAME "
-                          f"(one of {names})")
-    teacher = teacher or names[0]
-    if teacher not in names:
-        raise ConfigError(f"--teacher {teacher!r} is none of the teachers {names}")
-    view = config.teacher_views()[teacher]
-    if view.kd.teacher_cache is None:
-        raise ConfigError(f"teachers.{teacher}.cache: set it to the directory to write the cache to")
-    return view
+                          f"(one of {list(views)})")
+    teacher = teacher or next(iter(views))
+    if teacher not in views:
+        raise ConfigError(f"--teacher {teacher!r} is none of the teachers {list(views)}")
+    if views[teacher].kd.teacher_cache is None:
+        if config.teachers is not None:
+            raise ConfigError(f"teachers.{teacher}.cache: set it to the directory to write the cache to")
+        raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
+                          "(e.g. --set kd.teacher_cache=runs/teacher_cache)")
+    return views[teacher]
 
 
 def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None,
@@ -111,9 +111,6 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
     """`meshkd cache-teacher`: as `train_command`, with the teacher's ranks only."""
     overrides = _resolved(config_path, overrides)
     config = cached_teacher(load_config(config_path, overrides), teacher)
-    if config.kd.teacher_cache is None:
-        raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
-                          "(e.g. --set kd.teacher_cache=runs/teacher_cache)")
     if launcher.inside_torchrun():
         from meshkd.recipe.cache_writer import cache_teacher
 

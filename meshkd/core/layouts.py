@@ -228,30 +228,32 @@ def validate_kd_config(cfg: _ConfigLike, world_size: int) -> tuple[DistributedSe
     return student, teacher, True
 
 
-def validate_teacher_layouts(student_section: Any, teacher_sections: Mapping[str, Any],
-                             world_size: int) -> tuple[DistributedSetup, dict[str, DistributedSetup | None]]:
+def validate_teacher_layouts(student_section: Any, teacher_sections: Mapping[str, Any], world_size: int, *,
+                             labels: Mapping[str, str] | None = None,
+                             ) -> tuple[DistributedSetup, dict[str, DistributedSetup | None]]:
     """Check a student and several teachers' layouts without any process group; returns unbuilt setups.
 
     `teacher_sections`: name -> the teacher's own layout section, or None for a teacher on the student's ranks
-    (with the student's layout). Sections are labelled `teachers.NAME.distributed` in messages. A student
-    section without dp_size takes the ranks the teachers leave.
+    (with the student's layout). Messages name a teacher's section `teachers.NAME.distributed`, or as `labels`
+    gives it (name -> key: `teacher_distributed` for a recipe's one-teacher form). A student section without
+    dp_size takes the ranks the teachers leave.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     own = {name: section for name, section in teacher_sections.items() if section is not None}
+    label = {name: (labels or {}).get(name, f"teachers.{name}.distributed") for name in own}
     teachers = {}
     for name, section in own.items():
-        label = f"teachers.{name}.distributed"
-        teachers[name] = _resolve_section(section, label, world_size=None)
+        teachers[name] = _resolve_section(section, label[name], world_size=None)
         if teachers[name].strategy == "ddp":
-            raise ValueError(f"{label}.strategy 'ddp' is not supported for a teacher on its own ranks; use fsdp2")
+            raise ValueError(f"{label[name]}.strategy 'ddp' is not supported for a teacher on its own ranks; use fsdp2")
     teacher_ranks = sum(_num_ranks(setup) for setup in teachers.values())
     student = _resolve_section(student_section, "distributed", world_size=world_size - teacher_ranks)
     if own and student.strategy == "ddp":
         raise ValueError("distributed.strategy 'ddp' is not supported beside teachers on their own ranks; use fsdp2")
     if _num_ranks(student) + teacher_ranks != world_size:
         parts = [_size_product(student, "distributed")] + [
-            _size_product(setup, f"teachers.{name}.distributed") for name, setup in teachers.items()]
+            _size_product(setup, label[name]) for name, setup in teachers.items()]
         raise ValueError(f"the student's and the teachers' ranks must fill the world: {', '.join(parts)}; "
                          f"{_num_ranks(student) + teacher_ranks} != world size {world_size}")
     student = dataclasses.replace(student, ranks=tuple(range(_num_ranks(student))))

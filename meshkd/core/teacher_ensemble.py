@@ -85,6 +85,14 @@ class TeacherEnsemble:
         self.route = route
         self._watch = watch or (lambda operation, role: contextlib.nullcontext())
 
+    @classmethod
+    def of(cls, sources: dict[str, TeacherSource], **settings: Any) -> TeacherSource:
+        """The run's one teacher source: a single teacher's own (one teacher is the list of one: its answers
+        and figures are its own, no ensemble's), several as one `TeacherEnsemble(sources, **settings)`."""
+        if len(sources) == 1:
+            return next(iter(sources.values()))
+        return cls(sources, **settings)
+
     def _member_request(self, index: int, name: str, request: TeacherRequest) -> TeacherRequest:
         """What member `name` (`index`-th) is asked: its own transport; with `route` only its rows."""
         batch = request.batch

@@ -4,7 +4,6 @@ and checked once at load (`config_checks`). A value derived from keys is a prope
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 from meshkd.recipe.config_checks import required_world_size
 from meshkd.recipe.config_loading import config_from_dict, expand_path, load_config
@@ -227,7 +226,7 @@ class KDRecipeConfig:
     """A whole run: the student, its teacher(s) and their ranks, the objective, the data and the schedule."""
     model: ModelConfig = field(default_factory=ModelConfig)  # the student
     teacher_model: ModelConfig = field(default_factory=ModelConfig)  # the teacher (optional with kd.teacher_cache)
-    separate_meshes: bool = False  # the teacher on ranks of its own (see `teacher_has_own_ranks`)
+    separate_meshes: bool = False  # the teacher on ranks of its own, `teacher_distributed` (not with kd.teacher_cache)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # the student's layout
     teacher_distributed: DistributedConfig | None = None  # the teacher's own layout, with separate_meshes
     teachers: list[TeacherConfig] | None = None  # several teachers, in place of the three keys above
@@ -247,18 +246,6 @@ class KDRecipeConfig:
     setup_timeout_s: float = 3600.0
 
     @property
-    def teacher_has_own_ranks(self) -> bool:
-        """Derived: whether training runs the teacher on ranks of its own: `separate_meshes`, but never with
-        `kd.teacher_cache` (no teacher runs; `meshkd cache-teacher` lays its ranks out by `teacher_layout`)."""
-        return self.separate_meshes if self.kd.teacher_cache is None else False
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The topology's view (`_ConfigLike`): the keys as given, but `separate_meshes` is `teacher_has_own_ranks`."""
-        if key == "teacher_distributed" and self.kd.teacher_cache is not None:
-            return None  # a run from a teacher cache runs no teacher ranks
-        return self.teacher_has_own_ranks if key == "separate_meshes" else getattr(self, key, default)
-
-    @property
     def teacher_layout(self) -> DistributedConfig:
         """Derived: the teacher's own layout: `teacher_distributed` on separate meshes, else the student's."""
         return self.teacher_distributed if self.separate_meshes and self.teacher_distributed else self.distributed
@@ -271,9 +258,17 @@ class KDRecipeConfig:
             return cross.teacher_sequence_length
         return self.step_scheduler.sequence_length
 
+    def teacher_list(self) -> list[TeacherConfig]:
+        """Derived: the teachers as one list. The one-teacher keys are the list of one, named `teacher`: ranks of
+        its own (`teacher_distributed`) with `separate_meshes`, its answers from `kd.teacher_cache` if set."""
+        if self.teachers is not None:
+            return self.teachers
+        return [TeacherConfig(name="teacher", model=self.teacher_model, cache=self.kd.teacher_cache,
+                              distributed=self.teacher_distributed if self.separate_meshes else None)]
+
     def teacher_views(self) -> dict[str, KDRecipeConfig]:
-        """Derived: teacher name -> its one-teacher config (the one-teacher form: {"teacher": this config})."""
-        if not self.teachers:
+        """Derived: teacher name -> its one-teacher config (the one-teacher form's is the config itself)."""
+        if self.teachers is None:
             return {"teacher": self}
         return {teacher.name: replace(
             self, teachers=None, teacher_model=teacher.model, teacher_distributed=teacher.distributed,
@@ -281,12 +276,12 @@ class KDRecipeConfig:
             logits_transport=teacher.logits_transport or self.kd.logits_transport)) for teacher in self.teachers}
 
     def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
-        """Several teachers: name -> the layout of its own ranks in training; None: the student's, or its cache."""
-        return {teacher.name: teacher.distributed if teacher.cache is None else None for teacher in self.teachers}
+        """Derived: teacher name -> the layout of its own ranks in training; None: the student's, or its cache."""
+        return {teacher.name: teacher.distributed if teacher.cache is None else None for teacher in self.teacher_list()}
 
     def teacher_weights(self) -> dict[str, float]:
-        """Teacher name -> its weight, normalized to sum to 1."""
-        weights = {teacher.name: teacher.weight for teacher in self.teachers} if self.teachers else {"teacher": 1.0}
+        """Derived: teacher name -> its weight, normalized to sum to 1."""
+        weights = {teacher.name: teacher.weight for teacher in self.teacher_list()}
         total = sum(weights.values())
         return {name: weight / total for name, weight in weights.items()}
 

@@ -11,11 +11,10 @@ then each teacher's one-teacher view as above, its errors prefixed `teachers.NAM
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshkd.core.loss import check_divergence
-from meshkd.core.topology import validate_kd_config, validate_teacher_layouts
+from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.records import RECORD_FORMATS, TRAIN_ON
 from meshkd.recipe.typed_yaml import ConfigError
 
@@ -27,37 +26,44 @@ MAX_WORLD_SIZE = 1 << 20
 
 
 def validate(config: KDRecipeConfig) -> None:
-    """Cross-field checks that need no process group; raises ConfigError naming the key."""
+    """Cross-field checks that need no process group; raises ConfigError naming the key.
+
+    One teacher is the list of one (`KDRecipeConfig.teacher_list`): the keys that spell it are checked, then
+    each teacher's one-teacher view (errors of one of several named `teachers.NAME:`), then the layout of
+    the student and every teacher against the world it needs."""
     if config.peft is not None:
         check_peft(config)
-    if config.teachers is not None:
+    if config.teachers is None:
+        check_one_teacher(config)
+    else:
         check_teachers(config)
-        for name, view in config.teacher_views().items():
-            try:
-                _validate_one(view, with_world=False)
-            except ConfigError as error:
-                raise ConfigError(f"teachers.{name}: {error}") from None
-        check_world(config, lambda world_size: validate_teacher_layouts(
-            config.distributed, config.teacher_layouts(), world_size), "distributed and teachers[i].distributed")
-        return
-    if config.dataset.teacher_key is not None:
-        raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
-                          "(with kd.combine route), or leave the key out")
-    _validate_one(config, with_world=True)
-
-
-def _validate_one(config: KDRecipeConfig, *, with_world: bool) -> None:
-    """`validate` of a one-teacher config; `with_world`: also the layout against the world it needs."""
-    check_models(config)
-    check_kd(config)
+    for name, view in config.teacher_views().items():
+        try:
+            check_models(view)
+            check_kd(view)
+        except ConfigError as error:
+            raise error if config.teachers is None else ConfigError(f"teachers.{name}: {error}") from None
     check_dataset(config)
     check_step_scheduler(config)
     check_optimizer(config.optimizer)
     check_lr_scheduler(config)
     check_run(config)
-    if with_world:
-        check_world(config, lambda world_size: validate_kd_config(config, world_size),
-                    "distributed and teacher_distributed")
+    check_world(config)
+
+
+def check_one_teacher(config: KDRecipeConfig) -> None:
+    """The one-teacher keys: the teacher's own ranks need `separate_meshes` and its layout together (a run from
+    `kd.teacher_cache` runs no teacher: the layout is the one `meshkd cache-teacher` uses)."""
+    if config.dataset.teacher_key is not None:
+        raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
+                          "(with kd.combine route), or leave the key out")
+    if config.kd.teacher_cache is not None:
+        return
+    if not config.separate_meshes and config.teacher_distributed is not None:
+        raise ConfigError("teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses "
+                          "the 'distributed' section; set separate_meshes: true to give the teacher its own ranks")
+    if config.separate_meshes and config.teacher_distributed is None:
+        raise ConfigError("separate_meshes is true but teacher_distributed is missing: give the teacher its own layout")
 
 
 # ------------------------------------------------------------------------------------------------- model, teacher_model
@@ -323,6 +329,9 @@ def check_teachers(config: KDRecipeConfig) -> None:
 
 def check_routing(config: KDRecipeConfig) -> None:
     """`kd.combine: route`: what routing each row to one teacher cannot do yet, or makes meaningless."""
+    if len(config.teachers) < 2:
+        raise ConfigError("kd.combine route sends each row to one of several teachers: give at least two in "
+                          "teachers, or leave kd.combine and dataset.teacher_key out")
     cached = [teacher.name for teacher in config.teachers if teacher.cache is not None]
     if cached:
         raise ConfigError(f"teachers.{cached[0]}.cache does not yet work with kd.combine route (a cache holds "
@@ -428,28 +437,24 @@ def required_world_size(config: KDRecipeConfig) -> int | None:
         return section.dp_size * section.tp_size * section.cp_size * section.pp_size
 
     student = ranks(config.distributed)
-    if config.teachers:
-        own = [ranks(layout) for layout in config.teacher_layouts().values() if layout is not None]
-        if not own:
-            return student
-        return None if student is None or None in own else student + sum(own)
-    if not config.teacher_has_own_ranks or config.teacher_distributed is None:
+    own = [ranks(layout) for layout in config.teacher_layouts().values() if layout is not None]
+    if not own:
         return student
-    teacher = ranks(config.teacher_distributed)
-    return None if student is None or teacher is None else student + teacher
+    return None if student is None or None in own else student + sum(own)
 
 
-def check_world(config: KDRecipeConfig, check_layout: Callable[[int], Any], sections: str) -> None:
-    """The world the layout needs (when it says): not absurdly large, laid out by `check_layout` (ValueError
-    naming the key), its student's batches divisible by its data-parallel size."""
+def check_world(config: KDRecipeConfig) -> None:
+    """The world the layout needs (when it says): not absurdly large, the student's and every teacher's ranks
+    laid out (`validate_teacher_layouts`), the student's batches divisible by its data-parallel size."""
     world_size = required_world_size(config)
     if world_size is None:
         return
+    labels = {"teacher": "teacher_distributed"} if config.teachers is None else {}
     if world_size > MAX_WORLD_SIZE:
         raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
-                          f"the *_size keys of {sections}")
+                          f"the *_size keys of distributed and {labels.get('teacher', 'teachers[i].distributed')}")
     try:
-        check_layout(world_size)
+        validate_teacher_layouts(config.distributed, config.teacher_layouts(), world_size, labels=labels)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     steps, student_dp = config.step_scheduler, config.distributed.dp_size

@@ -61,7 +61,6 @@ from meshkd.recipe.config import KDRecipeConfig
 from meshkd.recipe.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.on_policy import StudentCompletions
 from meshkd.recipe.teacher_answers import Distribution, TeacherAnswer, answer_class, answer_of
-from meshkd.recipe.teacher_cache import CachedTeacher
 from meshkd.recipe.train_step import shard_micro_batch, student_logits, sum_over_ranks
 
 
@@ -101,6 +100,8 @@ class Evaluation:
         teacher_byte_lengths: the same of the teacher's vocabulary (None: one tokenizer, `byte_lengths`).
         vocab_size: the vocabulary the teacher's answers cover (the student's logits are cut to it).
         teacher_role: how a lost teacher is named (one of several: `TeacherSetups.role`).
+        validation_answer: the one encoding the teacher answers validation rows in (a teacher cache's), where
+            it cannot answer in others; None: the one asked.
     """
 
     def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, model: torch.nn.Module,
@@ -108,7 +109,7 @@ class Evaluation:
                  completions: Callable[[], StudentCompletions], watch: Callable[[str, str], Any],
                  group: dist.ProcessGroup | None, device: torch.device, byte_lengths: torch.Tensor,
                  vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None,
-                 teacher_role: str = "teacher") -> None:
+                 teacher_role: str = "teacher", validation_answer: str | None = None) -> None:
         self.config, self.setup, self.model, self.pipeline, self.teacher = config, setup, model, pipeline, teacher
         self.val_set, self.val_prompts, self.completions = val_set, val_prompts, completions
         self.watch, self.group, self.device, self.teacher_role = watch, group, device, teacher_role
@@ -118,8 +119,7 @@ class Evaluation:
         self.dp_rank = setup.dp_mesh.get_local_rank()
         self.without_distribution = None
         """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
-        if isinstance(teacher, CachedTeacher) and not issubclass(answer_class(teacher.answer_mode("validation")),
-                                                                  Distribution):
+        if validation_answer is not None and not issubclass(answer_class(validation_answer), Distribution):
             self.without_distribution = ("kd.teacher_cache holds only each label's log-probability for validation "
                                          "rows, not the teacher's distribution")
         if config.kd.cross_tokenizer is not None:
@@ -271,6 +271,12 @@ class TeachersEvaluation:
     def __init__(self, members: dict[str, Evaluation], *, weights: dict[str, float]) -> None:
         self.members, self.weights = members, weights
         self.group = next(iter(members.values())).group
+
+    @classmethod
+    def of(cls, members: dict[str, Evaluation], *, weights: dict[str, float]) -> Evaluation | TeachersEvaluation:
+        """The run's evaluation: one teacher's own `Evaluation` (its figures under their plain keys), several
+        merged."""
+        return next(iter(members.values())) if len(members) == 1 else cls(members, weights=weights)
 
     def _merged(self, figures: dict[str, dict[str, float]]) -> dict[str, float]:
         """The student's figures once; each teacher's under KEY/NAME; their weighted mean under KEY where every

@@ -59,12 +59,10 @@ class Preflight:
 def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
     """Teacher name -> `preflight` of its one-teacher config (`KDRecipeConfig.teacher_views`); errors about one
     of several teachers name it (teachers.NAME)."""
-    views = config.teacher_views()
-    if not config.teachers:
-        return {"teacher": preflight(config)}
-    checked = {}
+    views, checked = config.teacher_views(), {}
     for index, (name, view) in enumerate(views.items()):
-        with about(f"teachers.{name}"):  # the data are the same for every teacher: read once
+        named = about(f"teachers.{name}") if config.teachers is not None else contextlib.nullcontext()
+        with named:  # the data are the same for every teacher: read once
             checked[name] = preflight(view, check_data=index == 0, teachers=list(views))
     return checked
 
@@ -104,11 +102,6 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     student_layout = config.distributed
     from_cache = config.kd.teacher_cache is not None and not writing_cache
     separate = config.separate_meshes and not from_cache
-    if not config.separate_meshes and config.teacher_distributed is not None:
-        raise ConfigError(
-            "teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses the "
-            "'distributed' section; set separate_meshes: true to give the teacher its own ranks"
-        )
     if student_layout.sequence_parallel:
         raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
     if student_layout.pp_size > 1 and student_layout.strategy == "ddp":

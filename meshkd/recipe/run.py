@@ -54,10 +54,7 @@ def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
     """The student's and each teacher's layouts (every rank builds them all: collective over the world); their
     mesh groups time out after `collective_timeout_s`."""
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-    # One teacher is the list of one: its own layout on separate meshes, else the student's ranks (None).
-    layouts = config.teacher_layouts() if config.teachers else {
-        "teacher": config.teacher_distributed if config.teacher_has_own_ranks else None}
-    return create_teacher_setups(config.distributed, layouts, world_size, timeout=timeout)
+    return create_teacher_setups(config.distributed, config.teacher_layouts(), world_size, timeout=timeout)
 
 
 class KDRecipe:

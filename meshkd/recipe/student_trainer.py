@@ -130,7 +130,12 @@ class StudentTrainer:
 
         `bridges`: to each teacher on ranks of its own, by name."""
         self.vocab_size, self.bridges = vocab_size, bridges
-        self.teacher = self._setup_teacher_source()
+        self.teacher_sources = self._teacher_sources()
+        # One teacher is the list of one: its own source; several are asked as one.
+        self.teacher = TeacherEnsemble.of(
+            self.teacher_sources, roles={name: TeacherSetups.role(name) for name in self.teacher_sources},
+            watch=self.faults.watch, transports={name: view.kd.logits_transport for name, view in self.views.items()},
+            route=self.config.kd.combine == "route")
         self.model, self.pipeline = self._setup_model()
         self.hidden_states = self._student_hidden_states()
         # The hidden-state projections' weights (widths that differ): trained with the student, checkpointed beside it.
@@ -145,8 +150,8 @@ class StudentTrainer:
             if warning:
                 warn0(warning)
 
-    def _setup_teacher_source(self) -> TeacherSource:
-        """Each teacher's: from its cache, on these ranks (laid out here) or on its own; several as one."""
+    def _teacher_sources(self) -> dict[str, TeacherSource]:
+        """Each teacher's source, by name: its cache, on these ranks (laid out here) or on ranks of its own."""
         config = self.config
         datasets = {"train": self.train_set, "validation": self.val_set}
         sources = {}
@@ -162,12 +167,7 @@ class StudentTrainer:
                 sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
                                                             seed=config.seed, vocabulary_map=self._vocabulary_map,
                                                             hidden_layers=paired_layers(view, "teacher")))
-        if not config.teachers:
-            return sources["teacher"]
-        return TeacherEnsemble(sources, roles={name: TeacherSetups.role(name) for name in sources},
-                               watch=self.faults.watch,
-                               transports={name: view.kd.logits_transport for name, view in self.views.items()},
-                               route=config.kd.combine == "route")
+        return sources
 
     def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
         """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""
@@ -203,26 +203,26 @@ class StudentTrainer:
                               num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
                               router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
                               vocabulary_map=self._vocabulary_map,
-                              teacher_weights=config.teacher_weights() if config.teachers else None,
+                              teacher_weights=config.teacher_weights(),
                               hidden_states=self.hidden_states, group=self.student_group,
                               stop_requested=self._stop.requested)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
-        def evaluation(teacher: TeacherSource, view: KDRecipeConfig, role: str = "teacher") -> Evaluation:
-            return Evaluation(view, self.setup, model=self.model, pipeline=self.pipeline, teacher=teacher,
+        def evaluation(name: str, teacher: TeacherSource) -> Evaluation:
+            cached = self._manifests.get(name)
+            return Evaluation(self.views[name], self.setup, model=self.model, pipeline=self.pipeline, teacher=teacher,
                               val_set=self.val_set, val_prompts=self.val_prompts,
                               completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
                               group=self.student_group, device=self.device,
                               byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
                               teacher_byte_lengths=token_byte_lengths(self.teacher_tokenizer)
-                              if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size, teacher_role=role)
+                              if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size,
+                              teacher_role=TeacherSetups.role(name),
+                              validation_answer=cached["splits"]["validation"]["answer"] if cached else None)
 
-        if isinstance(self.teacher, TeacherEnsemble):
-            self.evaluation = TeachersEvaluation(
-                {name: evaluation(source, self.views[name], TeacherSetups.role(name))
-                 for name, source in self.teacher.sources.items()}, weights=config.teacher_weights())
-        else:
-            self.evaluation = evaluation(self.teacher, config)
+        self.evaluation = TeachersEvaluation.of(
+            {name: evaluation(name, source) for name, source in self.teacher_sources.items()},
+            weights=config.teacher_weights())
 
     def _student_hidden_states(self) -> StudentHiddenStates | None:
         """`kd.hidden_states`' student side: a tap on the laid-out student's paired layers, and projections onto

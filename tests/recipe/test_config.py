@@ -20,7 +20,7 @@ def test_yaml_and_overrides_build_the_typed_config(tmp_path):
     assert config.step_scheduler.max_steps == 7 and config.kd.temperature == 1.5
     assert config.optimizer.betas == [0.8, 0.9] and config.teacher_distributed.tp_size == 2
     assert required_world_size(config) == 4
-    assert config.get("distributed").dp_size == 2  # the topology reads the typed section as it is
+    assert config.teacher_layouts() == {"teacher": config.teacher_distributed}  # one teacher: the list of one
 
 
 def test_numbers_in_exponent_form_are_numbers_in_files_and_overrides(tmp_path):

@@ -483,6 +483,9 @@ CONFIG_CASES = {
     "batch_not_divisible_by_dp": ({"distributed__dp_size": 3}, r"distributed\.dp_size\(3\)"),
     "shared_meshes_with_teacher_layout": ({"separate_meshes": False},
                                           r"teacher_distributed is set but separate_meshes is false"),
+    # Caught at load even where the layout leaves the world open (no dp_size to count ranks by).
+    "shared_meshes_with_teacher_layout_and_open_dp": ({"separate_meshes": False, "distributed": {}},
+                                                      r"teacher_distributed is set but separate_meshes is false"),
     "separate_without_teacher_layout": ({"teacher_distributed": _DELETE}, r"teacher_distributed is missing"),
     "expert_parallel_on_separate_meshes": ({"teacher_distributed__ep_size": 2}, r"teacher_distributed\.ep_size\(2\)"),
     "ddp_on_separate_meshes": ({"distributed__strategy": "ddp"}, r"distributed\.strategy 'ddp'"),
@@ -643,8 +646,6 @@ def preflight_cases(tmp: Path) -> dict:
         "ddp_with_tp_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
                                           "distributed": {"strategy": "ddp", "dp_size": 1, "tp_size": 2}},
                                          ConfigError, r"distributed\.strategy 'ddp' with tp_size\(2\)"),
-        "teacher_layout_on_shared_meshes_with_open_dp": ({"separate_meshes": False, "distributed": {}}, ConfigError,
-                                                          r"teacher_distributed is set but separate_meshes is false"),
     }
 
 
@@ -657,7 +658,7 @@ PREFLIGHT_CASES = [
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
     "student_experts_over_dp_with_cp", "student_sequence_parallel",
-    "ddp_with_tp_on_shared_meshes", "teacher_layout_on_shared_meshes_with_open_dp", "negative_model_size",
+    "ddp_with_tp_on_shared_meshes", "negative_model_size",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json", "negative_head_count",
     "garbage_safetensors",
 ]
