@@ -54,6 +54,8 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     one = base_config(tmp / "one")
     one["distributed"] = ONE_PROCESS
     runs = {"one_teacher": (one, False)}
+    runs["list_of_one"] = (with_teachers(tmp / "list_of_one", ONE_PROCESS, [teacher("code", llama_teacher(), 1.0)]),
+                           False)
     twins = [teacher("a", llama_teacher(), 0.5), teacher("b", llama_teacher(), 0.5)]
     for combine in ("sum", "mixture"):
         runs[f"twins_{combine}"] = (with_teachers(tmp / f"twins_{combine}", ONE_PROCESS, twins, combine=combine),
@@ -198,6 +200,16 @@ def test_two_identical_teachers_at_half_weight_each_are_one_teacher(runs, combin
 
 
 @pytest.mark.world
+def test_one_teacher_given_as_a_list_of_one_is_the_one_teacher_run(runs):
+    def figures(records: list[dict]) -> list[dict]:  # all but the timings
+        return [{key: value for key, value in record.items() if not key.endswith(("_s", "per_second"))}
+                for record in records]
+
+    one, listed = runs.records("one_teacher"), runs.records("list_of_one")
+    assert figures(listed) == figures(one)  # the same figures under the same keys: no per-teacher keys
+
+
+@pytest.mark.world
 @pytest.mark.parametrize("combine", ["sum", "mixture"])
 def test_a_teacher_of_weight_zero_drops_out(runs, combine):
     records = runs.records(f"weight_zero_{combine}")
@@ -266,6 +278,9 @@ CASES = {
                                                      [t.update(weight=1.0) for t in c["teachers"]],
                                                      c["teachers"][0].update(logits_transport="topk")),
                                           "give every teacher the same logits_transport"),
+    "routing to one teacher": (lambda c: (c.update(teachers=[{**c["teachers"][0], "weight": 1.0}]),
+                                          c["kd"].update(combine="route"), c["dataset"].update(teacher_key="teacher")),
+                               "kd.combine route sends each row to one of several teachers"),
     "a mixture of top-k answers": (lambda c: (c["kd"].update(combine="mixture"),
                                               c["teachers"][1].update(logits_transport="topk")),
                                    "teachers.prose.logits_transport"),
