@@ -69,6 +69,12 @@ def _median(records: list[dict], key: str) -> float:
     return statistics.median(values)
 
 
+def _each(records: list[dict], key: str, teachers: tuple[str, ...]) -> dict[str, float]:
+    """Each teacher's median of `key`: `key/NAME`, or the plain key for one teacher (a list of one is the one
+    teacher's run)."""
+    return {name: _median(records, f"{key}/{name}" if len(teachers) > 1 else key) for name in teachers}
+
+
 def run(*, repeats: int, steps: int, sizes: dict = SIZES) -> dict:
     """The section's figures: `repeats` runs of each side, alternating, of `steps` steps each."""
     from meshkd.recipe.transplant import train_byte_level_bpe
@@ -89,9 +95,8 @@ def run(*, repeats: int, steps: int, sizes: dict = SIZES) -> dict:
     for side, teachers in SIDES.items():
         result[f"step_time_{side}_s"] = _median(records[side], "step_time_s")
         result[f"teacher_wait_{side}_s"] = _median(records[side], "teacher_wait_s")
-        result[f"teacher_wait_per_teacher_{side}_s"] = {
-            name: _median(records[side], f"teacher_wait_s/{name}") for name in teachers}
-        result[f"kd_loss_per_teacher_{side}"] = {name: _median(records[side], f"kd_loss/{name}") for name in teachers}
+        result[f"teacher_wait_per_teacher_{side}_s"] = _each(records[side], "teacher_wait_s", teachers)
+        result[f"kd_loss_per_teacher_{side}"] = _each(records[side], "kd_loss", teachers)
     result["step_time_ratio_two_over_one"] = result["step_time_two_s"] / result["step_time_one_s"]
     return result
 
