@@ -39,6 +39,7 @@ from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.hidden_states import paired_layers
 from meshkd.recipe.metrics import is_logging_rank, print0
 from meshkd.recipe.preflight import about, preflight
+from meshkd.recipe.teacher_answers import Distribution
 from meshkd.recipe.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 from meshkd.recipe.world import close_world, init_world
 
@@ -65,11 +66,8 @@ def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
     kd, sequence = config.kd, config.step_scheduler.sequence_length
     if split == "validation":  # of the teacher's own tokens
         return 4 * config.teacher_sequence_length
-    # `full` keeps the teacher's dtype (`meshkd.core.logits_codec`).
-    full_bytes = 4 if config.teacher_model.dtype == "float32" else 2
-    per_token = {"full": full_bytes * vocab_size, "full_bf16": 2 * vocab_size,
-                 "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
-    return per_token * sequence
+    logits_bytes = 4 if config.teacher_model.dtype == "float32" else 2
+    return Distribution.nbytes_per_token(kd, vocab_size, logits_bytes=logits_bytes) * sequence
 
 
 def default_shard_rows(num_rows: int, row_bytes: int, num_replicas: int) -> int:

@@ -170,6 +170,21 @@ class Distribution(TeacherAnswer):
         return wire
 
     @staticmethod
+    def settings(kd: KDConfig) -> dict:
+        """The keys besides the logits that `kd.logits_transport`'s encoding depends on (what a teacher cache
+        records): top-k's size, tail samples and temperature; none for full logits (the loss applies T)."""
+        if kd.logits_transport != "topk":
+            return {}
+        return {"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature}
+
+    @staticmethod
+    def nbytes_per_token(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:
+        """Bytes of `kd.logits_transport`'s encoding of one position; `logits_bytes`: a full logit's (`full`
+        keeps the teacher's dtype, `meshkd.core.logits_codec`)."""
+        return {"full": logits_bytes * vocab_size, "full_bf16": 2 * vocab_size,
+                "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
+
+    @staticmethod
     def projected(logits: torch.Tensor, batch: dict, context: EncodeContext) -> torch.Tensor:
         """[rows, student sequence, student vocab]: at each student position KD counts (`kd_labels`), a
         cross-tokenizer teacher's distribution at the paired teacher position projected onto the student's

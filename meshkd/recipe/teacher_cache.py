@@ -54,6 +54,7 @@ from meshkd.recipe.batches import training_rows
 from meshkd.recipe.config import ConfigError, KDRecipeConfig, expand_path
 from meshkd.recipe.files import file_sha256, write_atomically
 from meshkd.recipe.hidden_states import paired_layers
+from meshkd.recipe.teacher_answers import Distribution
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
@@ -105,8 +106,7 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
         "kd.ignore_index": kd.ignore_index,
         "kd.logits_transport": kd.logits_transport,
     }
-    if kd.logits_transport == "topk":  # full encodings do not depend on the temperature: the loss applies it
-        key.update({"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature})
+    key.update(Distribution.settings(kd))
     if kd.hidden_states is not None:  # the teacher layers whose outputs the answers hold, in order
         key["kd.hidden_states.pairs (teacher layers)"] = paired_layers(config, "teacher")
     if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
