@@ -58,7 +58,7 @@ def run_setups(config: KDRecipeConfig, world_size: int) -> TeacherSetups:
 
 
 class KDRecipe:
-    """Distill `config.teacher_model` (or `config.teachers`) into `config.model`; `run()` does setup, train and
+    """Distill the teachers (`KDRecipeConfig.teacher_list`) into `config.model`; `run()` does setup, train and
     cleanup."""
 
     def __init__(self, config: KDRecipeConfig, *, resume: bool = False) -> None:
