@@ -229,7 +229,7 @@ class KDRecipeConfig:
     separate_meshes: bool = False  # the teacher on ranks of its own, `teacher_distributed` (not with kd.teacher_cache)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # the student's layout
     teacher_distributed: DistributedConfig | None = None  # the teacher's own layout, with separate_meshes
-    teachers: list[TeacherConfig] | None = None  # several teachers, in place of the three keys above
+    teachers: list[TeacherConfig] | None = None  # in place of the keys above, which are a list of one (teacher_list)
     kd: KDConfig = field(default_factory=KDConfig)  # the objective and the teacher's answers
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # the corpus and its rows
     step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)  # steps, batches, intervals
