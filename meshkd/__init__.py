@@ -9,8 +9,9 @@ Three layers, each a package:
 - `meshkd.parallel`: laying a transformers model out, one concern per module (`stages`,
   `tensor_parallel`, `context_parallel`, `data_parallel`, `sharded_loading`, `teacher_runner`,
   `student_pipeline`).
-- `meshkd.recipe`: the training recipe and its inputs (`config`, `data`, `models`, `preflight`,
-  `checkpoint`, `metrics`, `faults`, `student_trainer`, `teacher_worker`, `run`).
+- `meshkd.recipe`: the training recipe and its inputs, in layered sub-packages: `common` (`metrics`,
+  `faults`, `files`), `settings` (`config`), `corpus` (`data`), `modeling` (`models`, `checkpoint`),
+  `teacher` (`teacher_worker`), `student` (`train_step`), `lifecycle` (`preflight`, `student_trainer`, `run`).
 
 The documented API is re-exported by `meshkd.kd_utils` and `meshkd.pipeline_parallel`.
 """

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from meshkd import commands
-from meshkd.recipe.config import ConfigError
+from meshkd.recipe.settings.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

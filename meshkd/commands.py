@@ -5,7 +5,7 @@ the command line and calls them; `meshkd.demo` runs a sequence of them).
 or a missing file fails in seconds, before any process starts), then starts the local processes through
 torch's own launcher (`meshkd.launcher`: gloo on CPU, NCCL on CUDA). Inside an existing torchrun world it
 trains in that world directly. `cache_teacher_command` does the same with the teacher's ranks only, writing
-the teacher's answers to `kd.teacher_cache` (`meshkd.recipe.cache_writer`). Each returns the exit status;
+the teacher's answers to `kd.teacher_cache` (`meshkd.recipe.lifecycle.cache_writer`). Each returns the exit status;
 a bad config or input raises `ConfigError` / `ValueError` / `OSError` for the caller to print.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from meshkd import launcher
-from meshkd.recipe.config import ConfigError, load_config, required_world_size
+from meshkd.recipe.settings.config import ConfigError, load_config, required_world_size
 
 
 def _world_size(needed: int | None, nproc: int | None, dp_key: str = "distributed.dp_size") -> int:
@@ -33,12 +33,12 @@ def _set_args(overrides: list[str]) -> list[str]:
 
 def selected_layers(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
     """`["model.keep_layers=[...]"]` when the config asks for `{auto: N}` (measured, or read from the run
-    directory's record; see `meshkd.recipe.layer_selection`), else `[]`."""
+    directory's record; see `meshkd.recipe.student.layer_selection`), else `[]`."""
     config = load_config(config_path, overrides)
     if not isinstance(config.model.keep_layers, dict):
         return []
-    from meshkd.recipe import layer_selection
-    from meshkd.recipe.loaders import load_section_tokenizer
+    from meshkd.recipe.modeling.loaders import load_section_tokenizer
+    from meshkd.recipe.student import layer_selection
 
     keep = layer_selection.resolve(config, load_section_tokenizer(config.model), resume=resume,
                                    measure_here=not launcher.inside_torchrun())
@@ -47,11 +47,11 @@ def selected_layers(config_path: str, overrides: list[str], *, resume: bool = Fa
 
 def _converted_gguf_sources(config_path: str, overrides: list[str]) -> list[str]:
     """Overrides pointing each GGUF model section at its model converted once to an HF directory
-    (`meshkd.recipe.models.converted_gguf`): every worker then loads only its share, and in a fraction of
+    (`meshkd.recipe.modeling.models.converted_gguf`): every worker then loads only its share, and in a fraction of
     the time. Under the user's own torchrun the ranks load the GGUF file as it is (they would race)."""
     if launcher.inside_torchrun():
         return []
-    from meshkd.recipe.models import converted_gguf
+    from meshkd.recipe.modeling.models import converted_gguf
 
     config, converted = load_config(config_path, overrides), []
     for label in ("model", "teacher_model"):
@@ -73,11 +73,11 @@ def train_command(config_path: str, overrides: list[str], nproc: int | None, res
     overrides = _resolved(config_path, overrides, resume=resume)
     config = load_config(config_path, overrides)
     if launcher.inside_torchrun():
-        from meshkd.recipe.run import KDRecipe
+        from meshkd.recipe.lifecycle.run import KDRecipe
 
         return launcher.run_here(lambda: KDRecipe(config, resume=resume).run())
-    from meshkd.recipe.preflight import preflight_teachers
-    from meshkd.recipe.world import check_gpu_count
+    from meshkd.recipe.lifecycle.preflight import preflight_teachers
+    from meshkd.recipe.lifecycle.world import check_gpu_count
 
     preflight_teachers(config)
     world_size = _world_size(required_world_size(config), nproc)
@@ -112,11 +112,11 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
     overrides = _resolved(config_path, overrides)
     config = cached_teacher(load_config(config_path, overrides), teacher)
     if launcher.inside_torchrun():
-        from meshkd.recipe.cache_writer import cache_teacher
+        from meshkd.recipe.lifecycle.cache_writer import cache_teacher
 
         return launcher.run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
-    from meshkd.recipe.preflight import preflight
-    from meshkd.recipe.world import check_gpu_count
+    from meshkd.recipe.lifecycle.preflight import preflight
+    from meshkd.recipe.lifecycle.world import check_gpu_count
 
     preflight(config, writing_cache=True)
     layout = config.teacher_layout
@@ -140,7 +140,7 @@ def prune_command(config_path: str, overrides: list[str]) -> int:
 
 
 def plot_command(run_dirs: list[str], out: str | None, labels: list[str] | None) -> int:
-    from meshkd.recipe.plot import plot_runs
+    from meshkd.recipe.lifecycle.plot import plot_runs
 
     print(plot_runs(run_dirs, out, labels))
     return 0
@@ -152,8 +152,8 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
     config = load_config(config_path, overrides)
     if config.dataset.token_store is None:
         raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
-    from meshkd.recipe.loaders import load_section_tokenizer
-    from meshkd.recipe.step_data import run_datasets
+    from meshkd.recipe.modeling.loaders import load_section_tokenizer
+    from meshkd.recipe.student.step_data import run_datasets
 
     tokenizer = load_section_tokenizer(config.model)
     teacher_tokenizer = None  # with kd.cross_tokenizer the store holds the teacher's tokens too

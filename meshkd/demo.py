@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from meshkd import commands
-from meshkd.recipe.config import ConfigError, load_config
+from meshkd.recipe.settings.config import ConfigError, load_config
 
 _DEMO_CONFIG = "demo.yaml"
 # Ends inside the code, so that the instruct teacher continues the function rather than explaining it.
@@ -32,7 +32,7 @@ _DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the s
 @functools.lru_cache(maxsize=1)
 def _demo_teacher_directory() -> Path:
     """The demo teacher as an HF directory; found (the GGUF file hashed) once per process."""
-    from meshkd.recipe.models import converted_gguf, demo_teacher_source
+    from meshkd.recipe.modeling.models import converted_gguf, demo_teacher_source
 
     source = demo_teacher_source()
     return converted_gguf(source["path"], source["gguf_file"])
@@ -47,7 +47,7 @@ def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
 
 def _demo_cache(config_path: str, overrides: list[str]) -> int:
     """Write the demo's teacher cache unless the one there already fits the run (then the teacher never runs)."""
-    from meshkd.recipe.preflight import preflight
+    from meshkd.recipe.lifecycle.preflight import preflight
 
     config = load_config(config_path, overrides)
     try:
@@ -123,7 +123,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     if args.cache:
         raise ConfigError("meshkd demo --on-policy: the teacher scores the student's own completions, which no "
                           "cache holds; leave out --cache")
-    from meshkd.recipe import metrics
+    from meshkd.recipe.common import metrics
 
     run_dir = args.run_dir + "_on_policy"
     layers = commands.selected_layers(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
@@ -148,7 +148,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
               f"{evals[0]['teacher_nll_of_samples']:.4f} -> {evals[-1]['teacher_nll_of_samples']:.4f}")
     teacher = evals[0]["teacher_val_loss"]
     print(f"  teacher on the held-out text: {teacher:.4f}; pruned student before healing: {evals[0]['val_loss']:.4f}")
-    from meshkd.recipe.completions import compare_completions
+    from meshkd.recipe.lifecycle.completions import compare_completions
 
     config = load_config(config_path, demo_overrides(run_dir, _ON_POLICY + args.set + layers))
     trained = {f"{name} student": json.loads(Path(directory, "summary.json").read_text())["hf_dir"]
@@ -209,7 +209,7 @@ def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -
     figures_report(kd, {_LABELS[name].replace("CE only", "CE-only"): summary for name, summary in summaries.items()
                         if name != "kd"})
     if "hf_dir" in kd:
-        from meshkd.recipe.completions import compare_completions
+        from meshkd.recipe.lifecycle.completions import compare_completions
 
         print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
         texts = compare_completions(config.teacher_model, config.model.keep_layers, {"trained student": kd["hf_dir"]},
@@ -223,6 +223,6 @@ def print_curves(run_dirs: dict[str, str]) -> None:
     """Draw the runs (label -> run directory) on one figure and print its path (a run alone: its own loss
     terms); where matplotlib is missing the figures printed before stand alone."""
     with contextlib.suppress(RuntimeError):
-        from meshkd.recipe.plot import plot_runs
+        from meshkd.recipe.lifecycle.plot import plot_runs
 
         print(f"\ncurves: {plot_runs(list(run_dirs.values()), labels=list(run_dirs))}")

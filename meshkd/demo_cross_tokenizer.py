@@ -3,7 +3,7 @@
 The student is the demo's (the teacher's 20 layers that measure most important, `meshkd prune`) with a
 byte-level BPE of `STUDENT_VOCAB` entries trained on the demo's training split alone, its embeddings (tied,
 as the teacher's) transplanted from the teacher's: each new token's row is the mean of the teacher's rows
-for the teacher's tokenization of its bytes (`meshkd.recipe.transplant`). It is written once per run as an
+for the teacher's tokenization of its bytes (`meshkd.recipe.modeling.transplant`). It is written once per run as an
 HF directory; then `meshkd train` distills the teacher into it with `kd.cross_tokenizer` (the teacher reads
 its own tokenization of every row and answers projected onto the student's vocabulary; half the objective
 KD, half CE), and with --compare trains the same student with CE only for the same steps. Everything else
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from meshkd import commands
 from meshkd.demo import demo_overrides, figures_report, print_curves
-from meshkd.recipe.config import ConfigError, load_config
+from meshkd.recipe.settings.config import ConfigError, load_config
 
 STUDENT_VOCAB = 4096
 # The section's defaults: the projection loss, the teacher's rows as long as the student's (256 tokens; a row
@@ -32,8 +32,8 @@ _CROSS = ["kd.cross_tokenizer.loss=projection", "kd.kd_ratio=0.5"]
 
 def student_directory(config, run_dir: str) -> Path:
     """The pruned student with its own tokenizer and transplanted embeddings, written to `<run_dir>_student`."""
-    from meshkd.recipe.data import reading_arguments, split_texts
-    from meshkd.recipe.transplant import transplanted_student
+    from meshkd.recipe.corpus.data import reading_arguments, split_texts
+    from meshkd.recipe.modeling.transplant import transplanted_student
 
     train_texts, _ = split_texts(**reading_arguments(config.dataset))
     return transplanted_student(config.teacher_model.path, config.model.keep_layers, train_texts, STUDENT_VOCAB,

@@ -95,11 +95,11 @@ def launch(nproc: int, args: list[str]) -> int:
 
     The launcher runs in its own session, so a Ctrl-C at the terminal reaches this process only. The first
     SIGINT / SIGTERM creates the stop file the workers poll at step boundaries (see
-    `meshkd.recipe.faults.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
+    `meshkd.recipe.common.faults.STOP_FILE_ENV`); a later one is forwarded to the launcher. Returns the launcher's exit
     status, or 128 + the first signal's number when every process exited cleanly after it.
     """
-    from meshkd.recipe.faults import STOP_FILE_ENV
-    from meshkd.recipe.metrics import WARNED_ENV, warned
+    from meshkd.recipe.common.faults import STOP_FILE_ENV
+    from meshkd.recipe.common.metrics import WARNED_ENV, warned
 
     with tempfile.TemporaryDirectory(prefix="meshkd-") as scratch:
         stop_file = Path(scratch, "stop")
@@ -135,7 +135,7 @@ def run_here(work: Callable[[], object]) -> int:
     Other exceptions (bugs) keep their traceback.
     """
     from meshkd.core.wire import SenderError  # a peer's own error, forwarded in place of its data
-    from meshkd.recipe.faults import PeerLostError, SetupError
+    from meshkd.recipe.common.faults import PeerLostError, SetupError
 
     # The recipe handles SIGINT / SIGTERM while it runs; before and after, a worker on its way out ignores
     # them (torchrun signals every worker once one fails), so that it ends with its own exit status.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshkd.recipe.metrics import read_metrics
+from meshkd.recipe.common.metrics import read_metrics
 from tests.tiny import base_config, with_layout
 
 pytestmark = pytest.mark.world  # every test here runs the meshkd command
@@ -94,8 +94,8 @@ def test_cli_rejects_a_typo_before_starting_processes(tmp_path):
 def test_cli_converts_a_gguf_teacher_once_and_its_workers_load_the_directory(tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
-    from meshkd.recipe.models import byte_tokenizer
-    from tests.recipe.test_models import tiny_llama, write_gguf
+    from meshkd.recipe.modeling.models import byte_tokenizer
+    from tests.recipe.modeling.test_models import tiny_llama, write_gguf
 
     write_gguf(tiny_llama(seed=11, tie_word_embeddings=True), byte_tokenizer(), tmp_path / "teacher.gguf")
     config = with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 1})

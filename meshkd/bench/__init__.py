@@ -37,7 +37,7 @@ def missing_prerequisite(section: str) -> str | None:
     if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step", "cross_tokenizer"):
-        from meshkd.recipe import models
+        from meshkd.recipe.modeling import models
 
         try:
             models.demo_teacher_source()

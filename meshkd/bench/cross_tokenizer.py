@@ -5,7 +5,7 @@ cross-tokenizer KD against same-tokenizer KD of the same student on the same tex
 
 The text: the Python standard library's json and email sources (at most 6000 characters a document, as
 the demo). The student reads a byte-level BPE of 4096 entries trained on that text
-(`meshkd.recipe.transplant.train_byte_level_bpe`); the cross-tokenizer teacher reads the demo teacher's
+(`meshkd.recipe.modeling.transplant.train_byte_level_bpe`); the cross-tokenizer teacher reads the demo teacher's
 tokenizer (SmolLM2, 49152 entries). Measured:
 - bytes per token of each tokenizer over all of the text (UTF-8 bytes / tokens, no special tokens);
 - the wire bytes per student token of the teacher's answer as `kd.logits_transport` encodes it (full,
@@ -76,9 +76,9 @@ def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequen
     from meshkd.core.cross_tokenizer_loss import build_vocabulary_map
     from meshkd.core.logits_codec import encoded_nbytes
     from meshkd.core.teacher_protocol import TeacherRequest
-    from meshkd.recipe.aligned_data import aligned_packing
-    from meshkd.recipe.config import KDConfig
-    from meshkd.recipe.teacher_worker import TeacherForward
+    from meshkd.recipe.corpus.aligned_data import aligned_packing
+    from meshkd.recipe.settings.config import KDConfig
+    from meshkd.recipe.teacher.teacher_worker import TeacherForward
 
     packed = aligned_packing(student_tokenizer, teacher_tokenizer, sequence_length=sequence,
                              teacher_sequence_length=sequence, pack=True)(texts)
@@ -153,8 +153,8 @@ SIZES = {"student_hidden": 128, "student_layers": 2, "student_vocab": STUDENT_VO
 def run(teacher_tokenizer_dir: str, *, repeats: int, steps: int, sizes: dict = SIZES) -> dict:
     """The section's figures with the teacher tokenizer at `teacher_tokenizer_dir` (a directory holding a
     tokenizer); the student's is trained here on the bench's text."""
-    from meshkd.recipe.models import load_tokenizer
-    from meshkd.recipe.transplant import train_byte_level_bpe
+    from meshkd.recipe.modeling.models import load_tokenizer
+    from meshkd.recipe.modeling.transplant import train_byte_level_bpe
 
     texts = bench_texts()
     teacher_tokenizer = load_tokenizer(path=teacher_tokenizer_dir)
@@ -183,7 +183,7 @@ def run(teacher_tokenizer_dir: str, *, repeats: int, steps: int, sizes: dict = S
 def run_section(quick: bool) -> dict:
     """{"cross_tokenizer": results}, printed as they are measured; `quick`: one run of each side, 6 steps
     (else two of 12)."""
-    from meshkd.recipe.models import converted_gguf, demo_teacher_source
+    from meshkd.recipe.modeling.models import converted_gguf, demo_teacher_source
 
     source = demo_teacher_source()
     started = time.perf_counter()

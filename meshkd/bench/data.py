@@ -65,10 +65,10 @@ def _config(corpus: Path, store: Path, tokenizer: dict) -> dict:
 
 _BASELINE = """
 import sys, time, json
-from meshkd.recipe.config import load_config
-from meshkd.recipe import data
-from meshkd.recipe.loaders import load_section_tokenizer
-from meshkd.recipe.token_store import _chunks
+from meshkd.recipe.settings.config import load_config
+from meshkd.recipe.corpus import data
+from meshkd.recipe.modeling.loaders import load_section_tokenizer
+from meshkd.recipe.corpus.token_store import _chunks
 config = load_config(sys.argv[1])
 tokenizer = load_section_tokenizer(config.model)
 arguments = {k: v for k, v in data.reading_arguments(config.dataset, tokenizer).items() if k != "val_fraction"}
@@ -82,10 +82,10 @@ print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 # from the prepared store; "memory": the in-memory path.
 _RANK = """
 import sys, time, json
-from meshkd.recipe.config import load_config
-from meshkd.recipe import data
-from meshkd.recipe.batches import iterate_batches
-from meshkd.recipe.loaders import load_section_tokenizer
+from meshkd.recipe.settings.config import load_config
+from meshkd.recipe.corpus import data
+from meshkd.recipe.corpus.batches import iterate_batches
+from meshkd.recipe.modeling.loaders import load_section_tokenizer
 config = load_config(sys.argv[1])
 if sys.argv[2] == "memory":
     config.dataset.token_store = None
@@ -107,7 +107,7 @@ def _python(code: str, *args: str) -> dict:
 
 
 def run_section(quick: bool) -> dict:
-    from meshkd.recipe import models
+    from meshkd.recipe.modeling import models
 
     try:
         tokenizer, name = models.demo_teacher_source(), "SmolLM2 BPE (49152)"

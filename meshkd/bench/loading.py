@@ -60,7 +60,7 @@ def _rank_main(rank: int, world: int, directory: str, layout: dict, sharded: boo
     from meshkd.core.topology import create_kd_distributed_setups
     from meshkd.parallel.sharded_loading import empty_causal_lm, load_shards
     from meshkd.parallel.teacher_runner import TeacherRunner
-    from meshkd.recipe.models import load_causal_lm
+    from meshkd.recipe.modeling.models import load_causal_lm
 
     setup = create_kd_distributed_setups({"distributed": layout}, world).student
     dist.barrier()

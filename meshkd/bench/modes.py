@@ -43,7 +43,7 @@ def measure(settings: dict) -> dict:
     """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
     from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
     from meshkd.core.loss import kd_loss_encoded
-    from meshkd.recipe import models
+    from meshkd.recipe.modeling import models
 
     source = models.demo_teacher_source()
     tokenizer = models.load_tokenizer(**source)
@@ -104,8 +104,8 @@ def measure(settings: dict) -> dict:
 def _hidden_state_bytes(teacher, inputs: torch.Tensor, tokens: int) -> list[dict]:
     """Wire bytes per token of `kd.hidden_states`' part of an answer (`with_hidden_states`, as the teacher sends
     it), for one pair and for the demo student's kept layers, in bfloat16 (full_bf16, topk) and float32 (full)."""
-    from meshkd.recipe.hidden_states import LayerTap
-    from meshkd.recipe.teacher_answers import with_hidden_states
+    from meshkd.recipe.teacher.hidden_states import LayerTap
+    from meshkd.recipe.teacher.teacher_answers import with_hidden_states
 
     kept = _STUDENTS["demo (8/30 layers)"]
     tap = LayerTap(teacher, kept)

@@ -45,7 +45,7 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str, lora: dict | None
     from meshkd.core.loss import cross_entropy_loss
     from meshkd.core.topology import create_kd_distributed_setups
     from meshkd.parallel.data_parallel import clip_grad_norm, parallelize_student
-    from meshkd.recipe.models import load_causal_lm
+    from meshkd.recipe.modeling.models import load_causal_lm
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -60,8 +60,8 @@ def _rank_main(rank: int, variant: str, quick: bool, out: str, lora: dict | None
     # A LoRA student's frozen base is kept in the compute dtype, as `meshkd train` keeps it.
     model = load_causal_lm(random_init=random_init, dtype=compute_dtype if lora is not None else parameter_dtype)
     if lora is not None:
-        from meshkd.recipe.adapters import add_adapters
-        from meshkd.recipe.config import PeftConfig
+        from meshkd.recipe.modeling.adapters import add_adapters
+        from meshkd.recipe.settings.config import PeftConfig
 
         add_adapters(model, PeftConfig(**lora), seed=0)
     model = parallelize_student(model.to(device).train(), setup, compute_dtype=getattr(torch, compute_dtype))

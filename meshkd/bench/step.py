@@ -121,7 +121,7 @@ def _hand_steps(teacher_dir: str, steps: int) -> list[float]:
 
 def run_section(quick: bool) -> dict:
     """{"step": results}, printed when measured; `quick`: 2 rounds of 4 steps of each side (else 3 of 7)."""
-    from meshkd.recipe.models import converted_gguf, demo_teacher_source
+    from meshkd.recipe.modeling.models import converted_gguf, demo_teacher_source
 
     settings = _settings(quick)
     source = demo_teacher_source()

@@ -77,7 +77,7 @@ def _each(records: list[dict], key: str, teachers: tuple[str, ...]) -> dict[str,
 
 def run(*, repeats: int, steps: int, sizes: dict = SIZES) -> dict:
     """The section's figures: `repeats` runs of each side, alternating, of `steps` steps each."""
-    from meshkd.recipe.transplant import train_byte_level_bpe
+    from meshkd.recipe.modeling.transplant import train_byte_level_bpe
 
     records: dict[str, list[dict]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="meshkd-bench-teachers-") as scratch:

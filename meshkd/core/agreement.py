@@ -2,7 +2,7 @@
 
 The rule of every multi-rank step in meshkd is that no peer is ever left blocked: ranks first agree on a
 status, then all raise or all go on. Two collective steps need that as a step of its own, and use this
-module: `meshkd.recipe.faults` (a setup phase that failed on some ranks: `first_failure`) and
+module: `meshkd.recipe.common.faults` (a setup phase that failed on some ranks: `first_failure`) and
 `meshkd.core.packing` (both roles' packing layouts: `gather_values`). Values travel as `meshkd.core.wire`
 JSON specs, so nothing is unpickled across roles. Transfers whose status rides with the data (the bridge's
 error specs, the stage broadcasts' headers, the teacher pipeline's shape metadata) carry it inline

@@ -61,7 +61,7 @@ class AlignedGroups:
 class AlignedBatch:
     """Both sides of a text batch, packed into the same rows, and their loss groups.
 
-    `student` and `teacher` are batch dicts in the layout of `meshkd.recipe.data` (`input_ids`, `labels`,
+    `student` and `teacher` are batch dicts in the layout of `meshkd.recipe.corpus.data` (`input_ids`, `labels`,
     `position_ids`, `attention_mask`, each int64 [rows, that side's sequence length]). `*_target_bytes`
     [rows, sequence length] hold the UTF-8 bytes the token each position's label names adds to the text
     (0 where the label is ignored or names a special token; tokens sharing a character count it once), for
@@ -100,7 +100,7 @@ def pack_aligned(
 
 
 def pad_token_id(tokenizer) -> int:
-    """The id padding takes: the tokenizer's pad token, else its EOS, else 0 (`meshkd.recipe.data`'s too)."""
+    """The id padding takes: the tokenizer's pad token, else its EOS, else 0 (`meshkd.recipe.corpus.data`'s too)."""
     for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return int(token_id)

@@ -12,7 +12,7 @@ itself: under NCCL with blocking wait, so a silent peer raises in the waiting th
 (never shared with a route of the same ranks) so that teacher ranks can wait for the next command longer
 than for data (`command_timeout`): between two requests the student may be evaluating, saving a checkpoint
 or exporting, for longer than any one transfer takes, and a student that is gone still ends that wait at
-once (gloo raises on the lost connection; under NCCL `meshkd.recipe.faults` aborts the communicators when a
+once (gloo raises on the lost connection; under NCCL `meshkd.recipe.common.faults` aborts the communicators when a
 peer process of the host exits). Construction then warms every group up with one small all-reduce, in
 that same order on every rank (each rank takes part in its own groups: the first collective not yet done always has
 all its members ready, so the sequence cannot deadlock). NCCL creates a group's communicator at its first

@@ -4,9 +4,9 @@ Design. Two kinds of group, told apart when they are created, because ProcessGro
 TORCH_NCCL_BLOCKING_WAIT once, in its constructor, for that group alone:
 
 - Groups meshkd itself waits on (the world group its agreements and stop flag use, the patient set-up
-  group of `meshkd.recipe.faults`, the bridge's control, role and route groups): created inside
+  group of `meshkd.recipe.common.faults`, the bridge's control, role and route groups): created inside
   `blocking_wait()`, so a wait that outlasts the group's timeout (or meets an aborted communicator) raises
-  DistBackendError in the waiting thread, which `meshkd.recipe.faults.FaultWatch` names as a lost peer.
+  DistBackendError in the waiting thread, which `meshkd.recipe.common.faults.FaultWatch` names as a lost peer.
 - The DeviceMesh groups FSDP2, tp, cp and pp use (`meshkd.core.topology`): created outside it, so their
   waits only order CUDA streams and FSDP2 overlaps its all-gathers and reduce-scatters with compute; a
   collective there that outlasts its timeout is ended by torch's watchdog. They get the run's collective

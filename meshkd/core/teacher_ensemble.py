@@ -10,7 +10,7 @@ slowest teacher, not for their sum. Without overlap the members are asked in tur
 raised inside `watch(operation, role)` with that teacher's role, so a lost teacher is named.
 
 How the student combines the answers into its KD term (`kd.combine`: sum, mixture, route) is the answer's
-own: `meshkd.recipe.teacher_answers.Ensemble`.
+own: `meshkd.recipe.teacher.teacher_answers.Ensemble`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from meshkd.core.token_bytes import TokenSpans
 
 IGNORE_INDEX = -100
-"""Label of positions without a target, as in `meshkd.recipe.data`."""
+"""Label of positions without a target, as in `meshkd.recipe.corpus.data`."""
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def token_byte_lengths(tokenizer, *, size: int = 0):
     """UTF-8 byte length of each vocabulary id as an int64 tensor (0 for special tokens), from `token_bytes`.
 
     What a label covers of its text: summed over held-out labels, the bytes that a loss per byte divides by
-    (`meshkd.recipe.evaluation`). `size` pads the table with zeros to at least that many ids (an output
+    (`meshkd.recipe.student.evaluation`). `size` pads the table with zeros to at least that many ids (an output
     embedding with rows past the tokenizer's vocabulary)."""
     lengths = [len(piece) if piece is not None else 0 for piece in token_bytes(tokenizer)]
     return torch.tensor(lengths + [0] * max(size - len(lengths), 0), dtype=torch.int64)
@@ -133,7 +133,7 @@ def encode_with_byte_spans(
     their own bytes (`byte_table`, default `token_bytes(tokenizer)`) spell it, else keep their overlapping
     spans (and so share a group). Bytes that no token covers go to the next token (the last one takes
     trailing bytes), so a side tiles its text. BOS (when `add_bos`) and EOS (when `add_eos` and the
-    tokenizer has one, as `meshkd.recipe.data` does; a sequence says it per document) are added with empty
+    tokenizer has one, as `meshkd.recipe.corpus.data` does; a sequence says it per document) are added with empty
     spans at the text's start and end.
 
     Raises:
@@ -152,7 +152,7 @@ def encode_with_byte_spans_and_offsets(
     byte_table: Sequence[bytes | None] | None = None,
 ) -> tuple[list[TokenSpans], list[list[tuple[int, int]]]]:
     """`encode_with_byte_spans` and, per document, the tokenizer's own character offsets of its tokens (BOS and
-    EOS left out): what an answer-only mask is read from (`meshkd.recipe.records.answer_tokens`), with one
+    EOS left out): what an answer-only mask is read from (`meshkd.recipe.corpus.records.answer_tokens`), with one
     tokenization for both."""
     if add_bos and tokenizer.bos_token_id is None:
         raise ValueError(f"add_bos=True but the tokenizer {type(tokenizer).__name__} has no bos_token")

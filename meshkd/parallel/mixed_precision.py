@@ -28,7 +28,7 @@ from meshkd.core.agreement import group_device
 
 def parameter_dtype(module: nn.Module) -> torch.dtype:
     """The dtype of `module`'s trained floating-point parameters (float32 when it has none): a LoRA student's
-    adapters, whose frozen base is kept in the compute dtype (`meshkd.recipe.adapters`)."""
+    adapters, whose frozen base is kept in the compute dtype (`meshkd.recipe.modeling.adapters`)."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point() and p.requires_grad), torch.float32)
 
 

@@ -3,7 +3,7 @@
 `prune_layers` changes the model in place: the kept layers keep their tensors, and what depends on a
 layer's position is renumbered so caches and masks stay consistent. The decoder is found as everywhere
 else in meshkd, by the model's pipeline plan (`meshkd.parallel.stages.decoder_of`). Used on whole models
-(`meshkd.recipe.models.load_causal_lm`) and on meta models before they are laid out
+(`meshkd.recipe.modeling.models.load_causal_lm`) and on meta models before they are laid out
 (`meshkd.parallel.sharded_loading.empty_causal_lm`).
 """
 

@@ -17,7 +17,7 @@ and FSDP2 shards over the flattened (dp_shard, cp) axis, so the loss scale stays
 
 A torch `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` runs the micro-batches. Only the hidden state
 travels between stages, and for an MoE student trained with its router loss the routers' running statistics
-(`meshkd.recipe.router_loss`: each stage adds its layers' part, the last stage's loss sees them all, and
+(`meshkd.recipe.student.router_loss`: each stage adds its layers' part, the last stage's loss sees them all, and
 the backward returns each stage its part's gradient the same way). Every rank of a data-parallel replica
 holds the same micro-batches, so position_ids and the NEAT document indices reach every stage as schedule
 kwargs (chunked per micro-batch like the inputs) and each stage builds its own attention masks
@@ -36,7 +36,7 @@ stage's forward runs under autocast and FSDP2 gathers in the compute dtype, as `
 does; hidden states travel between stages in the parameters' dtype (a float32 residual stream is not
 rounded at a stage boundary) and the last stage's logits in the compute dtype.
 
-Export (`full_state_dict(first_rank_only=True)`, what `meshkd.recipe.checkpoint.export_hf` writes from): the
+Export (`full_state_dict(first_rank_only=True)`, what `meshkd.recipe.modeling.checkpoint.export_hf` writes from): the
 stages reach the setup's first rank one unsharded tensor at a time over pp, so no other rank ever holds more
 than one whole tensor of its stage, and nothing is pickled.
 """
@@ -159,7 +159,7 @@ class StudentPipeline:
         device: where the stage runs.
         schedule: one of `meshkd.core.topology.PP_SCHEDULES`: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
         num_micro_batches: micro-batches per `step` (1F1B needs at least pp_size).
-        router_loss: an MoE student's `meshkd.recipe.router_loss.RouterLoss`, built on the whole model before
+        router_loss: an MoE student's `meshkd.recipe.student.router_loss.RouterLoss`, built on the whole model before
             this splits it; its share of each micro-batch then reaches `loss_fn` (see `step`).
         compute_dtype: the dtype to compute in when it is not the parameters' (float32 master weights):
             mixed precision, as in `parallelize_student`.

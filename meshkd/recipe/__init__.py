@@ -1,1 +1,2 @@
-"""The training recipe: config, data, models, checkpoints, metrics, failure handling, and the two roles."""
+"""The training recipe, in sub-packages that each import only those before them: common, settings, corpus,
+modeling, teacher, student, lifecycle (docs/architecture.md)."""

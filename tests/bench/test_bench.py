@@ -8,7 +8,7 @@ import pytest
 
 from meshkd import bench
 from meshkd.bench import memory
-from meshkd.recipe import models
+from meshkd.recipe.modeling import models
 
 pytestmark = pytest.mark.world  # the latency section starts a two-rank world
 
@@ -44,7 +44,7 @@ def test_meshkd_bench_is_a_command_of_the_installed_package():
 def test_the_cross_tokenizer_section_measures_bytes_per_token_wire_bytes_and_the_step_time_ratio(tmp_path):
     """Tiny models and two BPEs trained on the bench's text: the student's of 300 entries, the teacher's 512."""
     from meshkd.bench import cross_tokenizer
-    from meshkd.recipe.transplant import train_byte_level_bpe
+    from meshkd.recipe.modeling.transplant import train_byte_level_bpe
 
     texts = cross_tokenizer.bench_texts()
     train_byte_level_bpe(texts, 512).save_pretrained(tmp_path / "teacher_tokenizer")

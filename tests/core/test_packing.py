@@ -244,7 +244,7 @@ def test_unsupported_models_are_rejected_untouched():
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_models_mixing_attention_kinds(family):
     """Sliding and full layers in one model: each layer gets the mask of its kind, as the model's own masks do."""
-    from meshkd.recipe.models import load_causal_lm
+    from meshkd.recipe.modeling.models import load_causal_lm
 
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, sliding_window=3)

@@ -54,7 +54,7 @@ def trained(kind: str, vocab_size: int):
 
 @functools.cache
 def byte_tokenizer():
-    from meshkd.recipe.models import byte_tokenizer as build
+    from meshkd.recipe.modeling.models import byte_tokenizer as build
 
     return build()
 

@@ -119,7 +119,7 @@ def test_losses_and_gradients_on_the_device_match_the_cpu(dtype, chunk_size):
 
 def test_the_students_sampler_draws_on_the_device_each_row_as_if_alone():
     from meshkd.core.packing import configure_packing
-    from meshkd.recipe.on_policy import ModelGenerate, SamplingSettings
+    from meshkd.recipe.student.on_policy import ModelGenerate, SamplingSettings
     from tests.tiny import tiny_llama_model
 
     model = configure_packing(tiny_llama_model(vocab=258, seed=4)).to(DEVICE)

@@ -18,7 +18,7 @@ import yaml
 
 from tests.gpu import CUDA
 from tests.gpu.test_train_nccl import losses, train
-from tests.recipe.test_reliability import Run, process_gone, processes_mentioning, signal_worker
+from tests.recipe.lifecycle.test_reliability import Run, process_gone, processes_mentioning, signal_worker
 from tests.tiny import base_config, with_layout
 
 pytestmark = [*CUDA, pytest.mark.world]

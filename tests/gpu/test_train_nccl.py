@@ -22,8 +22,8 @@ import torch
 import yaml
 
 from meshkd.core.local_world import spawn_world
-from meshkd.recipe.config import config_from_dict
-from meshkd.recipe.metrics import read_metrics
+from meshkd.recipe.common.metrics import read_metrics
+from meshkd.recipe.settings.config import config_from_dict
 from tests.gpu import CUDA
 from tests.tiny import base_config
 
@@ -174,8 +174,8 @@ class CountedStep:
 def count_host_syncs(rank: int, config: dict, out: str) -> None:
     """Train `config` on this world, counting each training step's host syncs by source line on every student
     rank; the first student rank writes its counts to `out`."""
-    from meshkd.recipe.run import KDRecipe
-    from meshkd.recipe.student_trainer import StudentTrainer
+    from meshkd.recipe.lifecycle.run import KDRecipe
+    from meshkd.recipe.lifecycle.student_trainer import StudentTrainer
 
     recipe, per_step = KDRecipe(config_from_dict(config)), []
     try:

@@ -25,7 +25,7 @@ from meshkd.parallel.context_parallel import shard_student_batch
 from meshkd.parallel.data_parallel import parallelize_student, scale_expert_gradients
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
-from meshkd.recipe.models import load_causal_lm
+from meshkd.recipe.modeling.models import load_causal_lm
 from tests.tiny import full, neat_layout
 from tests.world import layout_setups, world_test
 

@@ -30,7 +30,7 @@ from meshkd.parallel.data_parallel import parallelize_student, scale_expert_grad
 from meshkd.parallel.sharded_loading import empty_causal_lm, is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
-from meshkd.recipe.models import load_causal_lm, save_hf_model
+from meshkd.recipe.modeling.models import load_causal_lm, save_hf_model
 from tests.tiny import full, neat_layout
 from tests.world import layout_setups, world_test
 

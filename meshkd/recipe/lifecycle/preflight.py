@@ -1,0 +1,272 @@
+"""Preflight: everything a run needs that can be checked without a process group or model weights.
+
+`preflight(config)` reads the same files on every rank and nothing rank-dependent, so every rank raises
+the same error without talking to the others, and `meshkd train` runs it in the calling process before
+any worker starts. Errors name the config key they concern (`faults.about`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from meshkd.core.masks import attention_windows
+from meshkd.parallel.data_parallel import check_experts_over_dp
+from meshkd.parallel.tensor_parallel import check_tensor_parallel
+from meshkd.recipe.common.faults import about
+from meshkd.recipe.common.metrics import warn0
+from meshkd.recipe.corpus import data, documents
+from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
+from meshkd.recipe.modeling import models
+from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.settings.config_checks import pairs_of
+from meshkd.recipe.teacher import teacher_cache
+from meshkd.recipe.teacher.hidden_states import check_pairs
+
+# The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
+_PREFLIGHT_READ_BYTES = 64 << 20
+
+
+@dataclass
+class Preflight:
+    """What `preflight` loaded that setup reuses."""
+
+    tokenizer: object
+    teacher_tokenizer: object  # the student's own when the teacher's answers come from a cache
+    student_vocab_rows: int
+    teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
+    cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
+    teacher_width: int | None = None  # the teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)
+
+
+def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
+    """Teacher name -> `preflight` of its one-teacher config (`KDRecipeConfig.teacher_views`); errors about one
+    of several teachers name it (teachers.NAME)."""
+    views, checked = config.teacher_views(), {}
+    for index, (name, view) in enumerate(views.items()):
+        named = about(f"teachers.{name}") if config.teachers is not None else contextlib.nullcontext()
+        with named:  # the data are the same for every teacher: read once
+            checked[name] = preflight(view, check_data=index == 0, teachers=list(views))
+    return checked
+
+
+def _embedding_rows(model: torch.nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _names_tokenizer(section) -> bool:
+    return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
+
+
+def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True,
+              teachers: list[str] | None = None) -> Preflight:
+    """Check everything that needs no process group; raises before any process or collective is involved.
+
+    Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
+    without talking to the others. Loads no weights (models are built on the meta device) and reads the
+    corpus only when it is at most 64 MiB. Checks: unsupported student layouts; data files exist, are text
+    (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; both tokenizers load and
+    agree, and fit both embedding tables; each model directory's safetensors headers;
+    `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
+    attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel plan
+    (styles, attention and key/value head counts); both roles' pp_size against their decoder layers; a TP
+    student's vocabulary against the common one; with `kd.cross_tokenizer`, both row lengths against the
+    corpus's first documents (`meshkd.recipe.corpus.aligned_data.check_row_lengths`: refused when a row cannot hold
+    an aligned group, a warning when the teacher's length leaves a side's rows under-filled). Training from
+    `kd.teacher_cache` checks the cache against the run instead of the teacher
+    (`meshkd.recipe.teacher.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
+    `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
+    (`preflight_teachers`: read for the first teacher only); `teachers`: the names routed rows may give.
+
+    Raises:
+        ConfigError (a ValueError) or ValueError: naming the config key.
+        FileNotFoundError: naming the missing file or path.
+    """
+    student_layout = config.distributed
+    from_cache = config.kd.teacher_cache is not None and not writing_cache
+    separate = config.separate_meshes and not from_cache
+    if student_layout.sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
+    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
+        raise ConfigError(
+            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
+            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
+        )
+    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
+        raise ConfigError(
+            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
+        )
+    if separate:
+        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
+            if layout is not None and layout.dp_size is None:
+                raise ConfigError(
+                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
+                )
+    outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
+    for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
+        _check_writable_directory(key, path)
+    teacher_key = "teacher_distributed" if separate else "distributed"
+    teacher_layout = config.teacher_layout if not from_cache else student_layout
+    steps, dataset = config.step_scheduler, config.dataset
+
+    with about("dataset"):
+        data.check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+                              dataset.max_document_chars, "replace")
+    with about("dataset.paths"):
+        files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
+    with about("model.tokenizer"):
+        tokenizer = load_section_tokenizer(config.model)
+    # Every file is read (and checked for being text, by `dataset.on_bad_file`, and each row for its columns);
+    # a large corpus or a Hugging Face dataset is left to the students' setup, whose errors reach every rank
+    # too. `check_data` False: read already.
+    found = None
+    if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
+        with about("dataset.paths"):
+            arguments = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
+            found = documents.read_documents(files, format=dataset.format, max_documents=None,
+                                             max_document_chars=None, encoding_errors="replace",
+                                             on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])
+            if not found:
+                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
+    with about("model"):
+        student = load_section_skeleton(config.model, "model")
+    _warn_if_checkpoints_may_not_fit(config, student)
+    manifest = teacher = None
+    if from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
+        teacher_tokenizer = tokenizer
+        if config.kd.cross_tokenizer is not None:
+            with about("teacher_model.tokenizer"):
+                named = _names_tokenizer(config.teacher_model)
+                teacher_tokenizer = (load_section_tokenizer(config.teacher_model) if named
+                                     else teacher_cache.cache_teacher_tokenizer(config))
+        manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student),
+                                             teacher_tokenizer=teacher_tokenizer)
+        teacher_rows, teacher_width = manifest["teacher_vocab_rows"], manifest.get("teacher_hidden_size")
+    else:
+        with about("teacher_model.tokenizer"):
+            teacher_tokenizer = load_section_tokenizer(config.teacher_model)
+        with about("teacher_model"):
+            teacher = load_section_skeleton(config.teacher_model, "teacher_model")
+        teacher_rows, teacher_width = _embedding_rows(teacher), teacher.config.get_text_config().hidden_size
+    with about("model.tokenizer / teacher_model.tokenizer"):
+        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
+                                              teacher_vocab_size=teacher_rows,
+                                              cross_tokenizer=config.kd.cross_tokenizer is not None)
+        if config.kd.cross_tokenizer is not None:  # byte spans come from the fast tokenizers' offset mappings
+            for name, side in (("model", tokenizer), ("teacher_model", teacher_tokenizer)):
+                if not getattr(side, "is_fast", False):
+                    raise ValueError(f"{name}.tokenizer: kd.cross_tokenizer aligns tokens by their byte offsets, "
+                                     f"which {type(side).__name__} (not a fast tokenizer) does not give")
+
+    checked = Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                        student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
+                        cache_manifest=manifest, teacher_width=teacher_width)
+    roles = [("distributed", student_layout, "model", student, config.model)]
+    if teacher is not None:
+        roles.append((teacher_key, teacher_layout, "teacher_model", teacher, config.teacher_model))
+    for _, _, label, model, _ in roles:
+        with about(label):
+            attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
+        limit = getattr(model.config, "max_position_embeddings", None)
+        key, length = "step_scheduler.sequence_length", steps.sequence_length
+        if label == "teacher_model" and config.kd.cross_tokenizer is not None:
+            key, length = "kd.cross_tokenizer.teacher_sequence_length", config.teacher_sequence_length
+        if limit is not None and length > limit:
+            raise ConfigError(f"{key}({length}) exceeds {label}'s max_position_embeddings({limit})")
+    for key, layout, label, _, _ in roles:
+        if layout.ep_size > 1 and layout.ep_size != layout.tp_size:  # whole experts over the data-parallel ranks
+            if label == "teacher_model":
+                raise ConfigError(
+                    f"{key}.ep_size({layout.ep_size}) would spread the teacher's experts over its data-parallel "
+                    "ranks, which answer different requests and do not run forward in step; use ep_size equal "
+                    "to tp_size"
+                )
+            try:
+                check_experts_over_dp(layout)
+            except ValueError as error:
+                raise ConfigError(f"{key}.{error}") from None
+    for key, layout, label, model, _ in roles:
+        try:
+            check_tensor_parallel(model, layout.tp_size, layout.ep_size)
+        except ValueError as error:
+            sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
+            raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
+    for key, layout, label, model, section in roles:
+        num_layers = model.config.num_hidden_layers
+        if layout.pp_size > num_layers:
+            raise ConfigError(
+                f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
+                + (" (after keep_layers)" if section.keep_layers is not None else "")
+            )
+    if config.kd.hidden_states is not None:
+        try:
+            check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
+                        student_layers=student.config.num_hidden_layers,
+                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else None)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
+    micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
+    if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:
+        raise ConfigError(
+            f"distributed.pp_schedule '1f1b' needs at least pp_size({student_layout.pp_size}) micro-batches per "
+            f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
+            "step_scheduler.global_batch_size or use pp_schedule: gpipe"
+        )
+    if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
+        raise ConfigError(
+            f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
+            f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
+        )
+    if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
+        if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
+            with about("dataset.paths"):
+                arguments = data.reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
+                found = documents.read_documents(files, format=dataset.format, max_documents=None,
+                                                 max_document_chars=None, encoding_errors="replace",
+                                                 on_bad_file=dataset.on_bad_file,
+                                                 read_record=arguments["read_record"])
+        check_row_lengths(config, found, tokenizer, teacher_tokenizer)
+    return checked
+
+
+def _existing_ancestor(path: str) -> str:
+    existing = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
+def _warn_if_checkpoints_may_not_fit(config: KDRecipeConfig, student: torch.nn.Module) -> None:
+    """A warning when the run's checkpoints (weights and optimizer moments, each save kept) exceed the free disk."""
+    steps = config.step_scheduler
+    if not config.checkpoint.enabled or not steps.ckpt_every_steps:
+        return
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in student.parameters())
+    per_checkpoint = weights * (3 if config.optimizer.name == "adamw" else 1)  # AdamW: two moments
+    saves = steps.max_steps // steps.ckpt_every_steps
+    root = config.checkpoint.dir or os.path.join(config.logging.run_dir, "checkpoints")
+    existing = _existing_ancestor(root)
+    free = shutil.disk_usage(existing).free
+    if per_checkpoint * saves > free:
+        warn0(f"checkpoint.dir: the run's {saves} checkpoints take about {per_checkpoint * saves / 2**20:.1f} MiB "
+              f"({per_checkpoint / 2**20:.1f} MiB each), {free / 2**20:.1f} MiB are free under {existing}")
+
+
+def _check_writable_directory(key: str, path: str | None) -> None:
+    """`path` is a directory this process can write, or can be created as one."""
+    if path is None:
+        return
+    target = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(f"{key}: {path} exists and is not a directory")
+    existing = _existing_ancestor(target)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}: {path} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {path} is not writable (no write permission on {existing})")

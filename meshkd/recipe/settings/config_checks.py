@@ -1,0 +1,488 @@
+"""Config checks: the rules `meshkd.recipe.settings.config`'s types cannot say, run once at load, before any process
+group or model exists. Every check raises `ConfigError` naming the key.
+
+`validate` reads as the config's sections, in the order it checks them: `peft`, the model sections, `kd` (with its
+`generation` and `cross_tokenizer`), `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
+keys (timeouts, device), and last the parallel layout (`distributed`, `teacher_distributed`) against the
+world it needs. Several teachers (`teachers`) are checked as a list (names, weights, the combining rule),
+then each teacher's one-teacher view as above, its errors prefixed `teachers.NAME:`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from meshkd.core.loss import check_divergence
+from meshkd.core.topology import validate_teacher_layouts
+from meshkd.recipe.settings.typed_yaml import ConfigError
+
+if TYPE_CHECKING:  # meshkd.recipe.settings.config imports this module (required_world_size): its types annotate only
+    from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
+
+RECORD_FORMATS = ("text", "chat", "prompt_completion")
+TRAIN_ON = ("answers", "last_answer", "all")
+LOSSES = ("mse", "cosine")
+
+MAX_WORLD_SIZE = 1 << 20
+"""Ranks a layout may need at most: a typo of a size key should not build a mesh of a trillion ranks."""
+
+
+def validate(config: KDRecipeConfig) -> None:
+    """Cross-field checks that need no process group; raises ConfigError naming the key.
+
+    One teacher is the list of one (`KDRecipeConfig.teacher_list`): the keys that spell it are checked, then
+    each teacher's one-teacher view (errors of one of several named `teachers.NAME:`), then the layout of
+    the student and every teacher against the world it needs."""
+    if config.peft is not None:
+        check_peft(config)
+    if config.teachers is None:
+        check_one_teacher(config)
+    else:
+        check_teachers(config)
+    for name, view in config.teacher_views().items():
+        try:
+            check_models(view)
+            check_kd(view)
+        except ConfigError as error:
+            raise error if config.teachers is None else ConfigError(f"teachers.{name}: {error}") from None
+    check_dataset(config)
+    check_step_scheduler(config)
+    check_optimizer(config.optimizer)
+    check_lr_scheduler(config)
+    check_run(config)
+    check_world(config)
+
+
+def check_one_teacher(config: KDRecipeConfig) -> None:
+    """The one-teacher keys: the teacher's own ranks need `separate_meshes` and its layout together (a run from
+    `kd.teacher_cache` runs no teacher: the layout is the one `meshkd cache-teacher` uses)."""
+    if config.dataset.teacher_key is not None:
+        raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
+                          "(with kd.combine route), or leave the key out")
+    if config.kd.teacher_cache is not None:
+        return
+    if not config.separate_meshes and config.teacher_distributed is not None:
+        raise ConfigError("teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses "
+                          "the 'distributed' section; set separate_meshes: true to give the teacher its own ranks")
+    if config.separate_meshes and config.teacher_distributed is None:
+        raise ConfigError("separate_meshes is true but teacher_distributed is missing: give the teacher its own layout")
+
+
+# ------------------------------------------------------------------------------------------------- model, teacher_model
+
+def check_models(config: KDRecipeConfig) -> None:
+    """Each model section: one source, a known dtype and attention; precision keys for the student alone."""
+    for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
+        if (label == "teacher_model" and config.kd.teacher_cache is not None and model.path is None
+                and model.random_init is None):
+            continue  # no teacher given: the cache's stands
+        if (model.path is None) == (model.random_init is None):
+            raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
+        if isinstance(model.keep_layers, dict):
+            check_layer_selection(label, model.keep_layers)
+        if model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{label}.dtype must be float32, bfloat16 or float16, got {model.dtype!r}")
+        # The recipe hands attention prepared masks (meshkd.core.masks): 4D tensors to sdpa and eager,
+        # BlockMasks to flex attention. Flash attention builds its own and would attend across documents.
+        if model.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
+            raise ConfigError(f"{label}.attn_implementation: {model.attn_implementation!r} is not supported; "
+                              "use sdpa, eager or flex_attention")
+        if label == "model" and model.attn_implementation == "flex_attention" and config.device == "cpu":
+            raise ConfigError("model.attn_implementation: flex_attention has no backward on the CPU (device: cpu), "
+                              "so the student cannot train with it; use sdpa there (flex_attention serves a "
+                              "teacher on the CPU)")
+    check_student_precision(config.model, config.teacher_model)
+
+
+def check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None:
+    """The training-only keys on the teacher, and the student dtypes meshkd cannot train in."""
+    if teacher.pure_half_precision:
+        raise ConfigError("teacher_model.pure_half_precision: the teacher runs forward only and keeps "
+                          "teacher_model.dtype as its weights' dtype; the key is for the student")
+    if teacher.activation_checkpointing:
+        raise ConfigError("teacher_model.activation_checkpointing: the teacher runs forward only and keeps no "
+                          "activations for a backward; the key is for the student")
+    if student.dtype == "float16":
+        raise ConfigError("model.dtype float16: a float16 student needs dynamic loss scaling, which meshkd does "
+                          "not do (its gradients underflow below 6e-8 and its activations overflow above 65504); "
+                          "use bfloat16, which has float32's range at the same memory")
+    if student.pure_half_precision and student.dtype != "bfloat16":
+        raise ConfigError(f"model.pure_half_precision keeps the parameters in model.dtype, which must then be "
+                          f"bfloat16; got {student.dtype!r}")
+
+
+def check_layer_selection(label: str, selection: dict) -> None:
+    """`keep_layers: {auto: N, by, calibration_rows}`: the student's alone, with known keys and sizes."""
+    key = f"{label}.keep_layers"
+    if label != "model":
+        raise ConfigError(f"{key}: {{auto: N}} chooses a student's layers; give the teacher's as a list")
+    unknown = sorted(set(selection) - {"auto", "by", "calibration_rows"})
+    if unknown or "auto" not in selection:
+        raise ConfigError(f"{key} must be a list of layers or {{auto: N}} (optional by, calibration_rows), got "
+                          f"{selection}")
+    for name in ("auto", "calibration_rows"):
+        value = selection.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}.{name} must be an integer >= 1, got {value!r}")
+    if selection.get("by", "block") not in ("block", "layer"):
+        raise ConfigError(f"{key}.by must be block or layer, got {selection['by']!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------- peft
+
+def check_peft(config: KDRecipeConfig) -> None:
+    """LoRA sizes in range, and the student layouts and precision adapters cannot train in."""
+    peft = config.peft
+    if peft.rank < 1:
+        raise ConfigError(f"peft.rank must be >= 1, got {peft.rank}")
+    if not (peft.alpha > 0 and math.isfinite(peft.alpha)):
+        raise ConfigError(f"peft.alpha must be a positive finite number, got {peft.alpha}")
+    if not 0 <= peft.dropout < 1:
+        raise ConfigError(f"peft.dropout must be in [0, 1), got {peft.dropout}")
+    if not peft.target_modules:
+        raise ConfigError("peft.target_modules is empty: name the modules to adapt, or all-linear")
+    if config.distributed.tp_size > 1:
+        raise ConfigError(f"peft with distributed.tp_size({config.distributed.tp_size}) > 1 is not supported: the "
+                          f"model's tensor-parallel plan shards linear layers, which LoRA layers wrap; use dp, cp "
+                          f"or pp for a LoRA student")
+    if config.model.pure_half_precision:
+        raise ConfigError("peft with model.pure_half_precision: the adapters train in float32 on the frozen base; "
+                          "set model.pure_half_precision to false")
+
+
+# ------------------------------------------------------------------------------------------------------------------- kd
+
+def check_kd(config: KDRecipeConfig) -> None:
+    """The loss mix, the transport, the non-finite policy, then on-policy, cross-tokenizer and the router."""
+    kd = config.kd
+    if not 0.0 <= kd.kd_ratio <= 1.0:
+        raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
+    if not (kd.temperature > 0 and math.isfinite(kd.temperature)):
+        raise ConfigError(f"kd.temperature must be a finite number > 0, got {kd.temperature}")
+    if kd.logits_transport not in ("full", "full_bf16", "topk"):
+        raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
+    if kd.topk < 1 or kd.topk_tail_samples < 0:
+        raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
+    if kd.on_nonfinite not in ("stop", "skip_step"):
+        raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
+    if kd.max_skipped_steps < 0:
+        raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
+    check_on_policy(config)
+    check_cross_tokenizer(config)
+    check_hidden_states(config)
+    router = kd.router_aux_loss_coef
+    if router is not None and not (router >= 0 and math.isfinite(router)):
+        raise ConfigError(f"kd.router_aux_loss_coef must be a finite number >= 0 or null, got {router}")
+    if kd.chunk_size is not None and kd.chunk_size < 1:
+        raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
+
+
+def check_on_policy(config: KDRecipeConfig) -> None:
+    """The divergence, `kd.mode` and `kd.generation`: completions that fit a row, a live teacher to score them."""
+    kd, generation = config.kd, config.kd.generation
+    try:
+        check_divergence(kd.divergence, kd.jsd_beta, kd.logits_transport)
+    except ValueError as error:
+        raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.logits_transport: {error}") from None
+    if kd.mode not in ("off_policy", "on_policy"):
+        raise ConfigError(f"kd.mode must be off_policy or on_policy, got {kd.mode!r}")
+    if not 0.0 <= kd.on_policy_fraction <= 1.0:
+        raise ConfigError(f"kd.on_policy_fraction must be in [0, 1], got {kd.on_policy_fraction}")
+    if generation.max_new_tokens < 1 or generation.prompt_tokens < 1:
+        raise ConfigError(f"kd.generation.max_new_tokens and prompt_tokens must be >= 1 (a prompt is never empty), "
+                          f"got {generation.max_new_tokens}, {generation.prompt_tokens}")
+    if not (generation.temperature >= 0 and math.isfinite(generation.temperature)):
+        raise ConfigError(f"kd.generation.temperature must be a finite number >= 0, got {generation.temperature}")
+    if not 0.0 < generation.top_p <= 1.0:
+        raise ConfigError(f"kd.generation.top_p must be in (0, 1], got {generation.top_p}")
+    if any(token < 0 for token in generation.stop_tokens or ()):
+        raise ConfigError(f"kd.generation.stop_tokens must be token ids >= 0, got {generation.stop_tokens}")
+    sequence_length = config.step_scheduler.sequence_length
+    longest = (1 if config.dataset.whole_prompts else generation.prompt_tokens) + generation.max_new_tokens
+    if kd.mode == "on_policy" and longest > sequence_length:
+        raise ConfigError(f"kd.generation.prompt_tokens ({generation.prompt_tokens}) + max_new_tokens "
+                          f"({generation.max_new_tokens}) exceed step_scheduler.sequence_length ({sequence_length})"
+                          if not config.dataset.whole_prompts else
+                          f"kd.generation.max_new_tokens ({generation.max_new_tokens}) leaves no room for a prompt "
+                          f"in step_scheduler.sequence_length ({sequence_length})")
+    if kd.mode != "on_policy" and not generation.evaluate:
+        return
+    if kd.teacher_cache is not None:
+        raise ConfigError("kd.mode on_policy and kd.generation.evaluate need a live teacher to score the "
+                          "student's completions; kd.teacher_cache holds logits of dataset text only")
+    if kd.kd_ratio == 0 and kd.mode == "on_policy":
+        raise ConfigError("kd.mode on_policy with kd.kd_ratio 0 trains on the student's own samples without "
+                          "a teacher; set kd.kd_ratio > 0 (1 is GKD's pure divergence)")
+    student = config.distributed
+    if student.pp_size > 1 or student.cp_size > 1:
+        raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
+                          f"model on each rank's own prompts, which pipeline and context parallel students do not "
+                          f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+
+
+def check_cross_tokenizer(config: KDRecipeConfig) -> None:
+    """`kd.cross_tokenizer`: the loss, what each loss needs of the transport and divergence, the student layout."""
+    cross, kd, student = config.kd.cross_tokenizer, config.kd, config.distributed
+    if cross is None:
+        return
+    if cross.loss not in ("projection", "uld", "gold"):
+        raise ConfigError(f"kd.cross_tokenizer.loss must be projection, uld or gold, got {cross.loss!r}")
+    if cross.loss != "projection":  # the teacher sends each group's whole distribution over its own vocabulary
+        needs = {"kd.logits_transport": ("full", kd.logits_transport), "kd.teacher_cache": (None, kd.teacher_cache),
+                 "distributed.tp_size": (1, student.tp_size)}
+        for key, (needed, value) in needs.items():
+            if value != needed:
+                raise ConfigError(f"kd.cross_tokenizer.loss {cross.loss} needs {key} {needed}, got {value!r} (the "
+                                  "teacher answers each group's whole distribution over its own vocabulary)")
+        divergences = ("forward_kl",) if cross.loss == "uld" else ("forward_kl", "reverse_kl")
+        if kd.divergence not in divergences:
+            raise ConfigError(f"kd.divergence {kd.divergence} with kd.cross_tokenizer.loss {cross.loss}: it takes "
+                              f"{' or '.join(divergences)}" + (" (ULD is a distance of its own: leave the key at "
+                                                              "forward_kl)" if cross.loss == "uld" else ""))
+    if cross.teacher_sequence_length is not None and cross.teacher_sequence_length < 2:
+        raise ConfigError(f"kd.cross_tokenizer.teacher_sequence_length must be >= 2 or null, "
+                          f"got {cross.teacher_sequence_length}")
+    if kd.divergence == "reverse_kl" and cross.loss == "projection":
+        raise ConfigError("kd.divergence reverse_kl with kd.cross_tokenizer: the projected teacher gives no "
+                          "probability to student tokens no teacher token maps to (an infinite reverse KL); use "
+                          "forward_kl or jsd")
+    unsupported = {f"distributed.pp_size {student.pp_size}": student.pp_size > 1,
+                   f"distributed.cp_size {student.cp_size}": student.cp_size > 1}
+    refused = [name for name, used in unsupported.items() if used]
+    if refused:
+        raise ConfigError(f"kd.cross_tokenizer does not yet work with {', '.join(refused)}: the student's rows carry "
+                          "the teacher's tokenization whole (students use dp and tp)")
+
+
+def pairs_of(hidden_states, keep_layers) -> list[tuple[int, int]]:
+    """The (student layer, teacher layer) pairs of a `kd.hidden_states` section: as given, or with `kept`
+    each kept layer of `model.keep_layers` (a list) with the teacher layer it came from.
+
+    Raises:
+        ValueError: `kept` without a list of kept layers, or a pair that is not two integers.
+    """
+    if hidden_states.pairs == "kept":
+        if not isinstance(keep_layers, list):
+            raise ValueError("kd.hidden_states.pairs: kept pairs the layers model.keep_layers kept with the teacher "
+                             "layers they came from; without model.keep_layers give the pairs, e.g. [[0, 0], [1, 2]]")
+        return list(enumerate(keep_layers))
+    if isinstance(hidden_states.pairs, str):
+        raise ValueError(f"kd.hidden_states.pairs must be kept or a list of [student layer, teacher layer], "
+                         f"got {hidden_states.pairs!r}")
+    if not hidden_states.pairs or any(len(pair) != 2 for pair in hidden_states.pairs):
+        raise ValueError(f"kd.hidden_states.pairs must be a non-empty list of [student layer, teacher layer], "
+                         f"got {hidden_states.pairs!r}")
+    return [tuple(pair) for pair in hidden_states.pairs]
+
+
+def check_hidden_states(config: KDRecipeConfig) -> None:
+    """`kd.hidden_states`: its pairs, loss and weight, and the layouts and teachers that can send its answer."""
+
+    hidden_states = config.kd.hidden_states
+    if hidden_states is None:
+        return
+    selected_later = hidden_states.pairs == "kept" and isinstance(config.model.keep_layers, dict)  # {auto: N}
+    try:
+        if not selected_later:
+            pairs_of(hidden_states, config.model.keep_layers)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if hidden_states.loss not in LOSSES:
+        raise ConfigError(f"kd.hidden_states.loss must be mse or cosine, got {hidden_states.loss!r}")
+    if not (hidden_states.weight >= 0 and math.isfinite(hidden_states.weight)):
+        raise ConfigError(f"kd.hidden_states.weight must be a finite number >= 0, got {hidden_states.weight}")
+    if config.kd.cross_tokenizer is not None:
+        raise ConfigError("kd.hidden_states with kd.cross_tokenizer: the teacher's positions are its own tokens, "
+                          "not the student's; pair hidden states with a teacher of the student's tokenizer")
+    if config.distributed.pp_size > 1:
+        raise ConfigError(f"kd.hidden_states with distributed.pp_size({config.distributed.pp_size}) > 1 is not "
+                          "supported: the student's pipeline computes its loss on the last stage, which holds only "
+                          "some of the paired layers; use dp, tp or cp for the student")
+
+
+# ------------------------------------------------------------------------------------------- teachers (several at once)
+
+def check_teachers(config: KDRecipeConfig) -> None:
+    """`teachers` replaces the one-teacher keys; names, weights and the combining rule."""
+    given = {"teacher_model": config.teacher_model != type(config.teacher_model)(), "teacher_distributed":
+             config.teacher_distributed is not None, "separate_meshes": config.separate_meshes}
+    clash = [key for key, used in given.items() if used]
+    if clash:
+        raise ConfigError(f"teachers replaces {', '.join(clash)}: give each teacher's model and layout in its "
+                          "entry (teachers[i].model, teachers[i].distributed; none: on the student's ranks)")
+    if not config.teachers:
+        raise ConfigError("teachers is empty: give at least one teacher, or use teacher_model")
+    names = [teacher.name for teacher in config.teachers]
+    for index, teacher in enumerate(config.teachers):
+        if not teacher.name or not teacher.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"teachers[{index}].name must be a name of letters, digits, - and _, got "
+                              f"{teacher.name!r}")
+        if teacher.name in names[:index]:
+            raise ConfigError(f"teachers[{index}].name {teacher.name!r} is already teachers"
+                              f"[{names.index(teacher.name)}]'s: each teacher needs a name of its own")
+        if not (teacher.weight >= 0 and math.isfinite(teacher.weight)):
+            raise ConfigError(f"teachers.{teacher.name}.weight must be a finite number >= 0, got {teacher.weight}")
+    if sum(teacher.weight for teacher in config.teachers) <= 0:
+        raise ConfigError("teachers: every weight is 0; give at least one teacher a weight > 0")
+    kd = config.kd
+    if kd.combine not in ("sum", "mixture", "route"):
+        raise ConfigError(f"kd.combine must be sum, mixture or route, got {kd.combine!r}")
+    if (kd.combine == "route") != (config.dataset.teacher_key is not None):
+        raise ConfigError("kd.combine route sends each row to the teacher its documents name: it needs "
+                          "dataset.teacher_key (the JSONL field with the name), and dataset.teacher_key needs it")
+    if kd.combine == "route":
+        check_routing(config)
+    if kd.combine == "mixture":
+        for teacher in config.teachers:
+            transport = teacher.logits_transport or kd.logits_transport
+            if transport not in ("full", "full_bf16"):
+                raise ConfigError(f"kd.combine mixture mixes the teachers' whole distributions: "
+                                  f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be full "
+                                  f"or full_bf16, got {transport!r}")
+    if kd.teacher_cache is not None:
+        raise ConfigError("kd.teacher_cache: with several teachers each has its own, teachers[i].cache")
+    if kd.cross_tokenizer is not None:
+        raise ConfigError("kd.cross_tokenizer does not yet work with several teachers (teachers); use one teacher "
+                          "(teacher_model) for it")
+    if kd.hidden_states is not None:
+        raise ConfigError("kd.hidden_states does not yet work with several teachers (teachers); use one teacher "
+                          "(teacher_model) for it")
+
+
+def check_routing(config: KDRecipeConfig) -> None:
+    """`kd.combine: route`: what routing each row to one teacher cannot do yet, or makes meaningless."""
+    if len(config.teachers) < 2:
+        raise ConfigError("kd.combine route sends each row to one of several teachers: give at least two in "
+                          "teachers, or leave kd.combine and dataset.teacher_key out")
+    cached = [teacher.name for teacher in config.teachers if teacher.cache is not None]
+    if cached:
+        raise ConfigError(f"teachers.{cached[0]}.cache does not yet work with kd.combine route (a cache holds "
+                          "the rows of unrouted packing)")
+    for teacher in config.teachers:
+        if teacher.weight != 1.0:
+            raise ConfigError(f"teachers.{teacher.name}.weight: with kd.combine route each row learns from its "
+                              "own teacher alone, so weights have no effect; leave them out")
+    transports = {teacher.logits_transport or config.kd.logits_transport for teacher in config.teachers}
+    if len(transports) > 1:
+        raise ConfigError(f"kd.combine route puts the teachers' answers for one micro-batch together: give every "
+                          f"teacher the same logits_transport, got {sorted(transports)}")
+    if config.kd.mode == "on_policy":
+        raise ConfigError("kd.combine route does not yet work with kd.mode on_policy (the prompts would need "
+                          "their teacher too)")
+
+
+# -------------------------------------------------------------------------------------------------------------- dataset
+
+def check_dataset(config: KDRecipeConfig) -> None:
+    """Some data to read, known record formats, and what cross-tokenizer rows cannot hold yet."""
+    dataset = config.dataset
+    if dataset.on_bad_file not in ("error", "skip"):
+        raise ConfigError(f"dataset.on_bad_file must be error or skip, got {dataset.on_bad_file!r}")
+    if not dataset.paths and dataset.hf is None:
+        raise ConfigError("dataset.paths is empty and dataset.hf unset: give text, JSONL, parquet, CSV, arrow or "
+                          "JSON files (globs allowed), or a Hugging Face dataset")
+    if dataset.hf is not None and not dataset.hf.path:
+        raise ConfigError("dataset.hf.path is empty: give a save_to_disk directory, a Hub id or a datasets builder")
+    if dataset.tokenize_workers < 1:
+        raise ConfigError(f"dataset.tokenize_workers must be >= 1, got {dataset.tokenize_workers}")
+    if dataset.records not in RECORD_FORMATS:
+        raise ConfigError(f"dataset.records must be one of {', '.join(RECORD_FORMATS)}, got {dataset.records!r}")
+    if dataset.train_on not in TRAIN_ON:
+        raise ConfigError(f"dataset.train_on must be one of {', '.join(TRAIN_ON)}, got {dataset.train_on!r}")
+    if dataset.records != "text" and config.kd.cross_tokenizer is not None and config.kd.generates:
+        raise ConfigError(f"dataset.records {dataset.records!r} with kd.cross_tokenizer does not yet work with "
+                          "kd.mode on_policy or kd.generation.evaluate (the student's samples would reach the "
+                          "teacher in the student's chat template); use kd.mode off_policy")
+
+
+# ------------------------------------------------------------------------------ step_scheduler, optimizer, lr_scheduler
+
+def check_step_scheduler(config: KDRecipeConfig) -> None:
+    """Positive sizes and intervals (the batch against the data-parallel size: `check_world`)."""
+    steps = config.step_scheduler
+    for name in ("max_steps", "global_batch_size", "local_batch_size", "sequence_length"):
+        if getattr(steps, name) < 1:
+            raise ConfigError(f"step_scheduler.{name} must be >= 1, got {getattr(steps, name)}")
+    for name in ("val_every_steps", "val_batches", "ckpt_every_steps"):
+        if getattr(steps, name) is not None and getattr(steps, name) < 1:
+            raise ConfigError(f"step_scheduler.{name} must be >= 1 or null, got {getattr(steps, name)}")
+
+
+def check_optimizer(optimizer: OptimizerConfig) -> None:
+    """Values torch would reject only inside the workers, or accept and train to NaN with."""
+    if optimizer.name not in ("adamw", "sgd"):
+        raise ConfigError(f"optimizer.name must be adamw or sgd, got {optimizer.name!r}")
+    if not (optimizer.lr > 0 and math.isfinite(optimizer.lr)):
+        raise ConfigError(f"optimizer.lr must be a finite number > 0, got {optimizer.lr}")
+    if not (optimizer.weight_decay >= 0 and math.isfinite(optimizer.weight_decay)):
+        raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {optimizer.weight_decay}")
+    if not (optimizer.eps > 0 and math.isfinite(optimizer.eps)):
+        raise ConfigError(f"optimizer.eps must be a finite number > 0, got {optimizer.eps}")
+    if len(optimizer.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optimizer.betas):
+        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {optimizer.betas}")
+    if optimizer.max_grad_norm is not None and not (optimizer.max_grad_norm > 0
+                                                    and math.isfinite(optimizer.max_grad_norm)):
+        raise ConfigError(f"optimizer.max_grad_norm must be a finite number > 0 or null, got {optimizer.max_grad_norm}")
+
+
+def check_lr_scheduler(config: KDRecipeConfig) -> None:
+    """A known decay shape, and steps and ratios in range."""
+    schedule = config.lr_scheduler
+    if schedule.decay not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"lr_scheduler.decay must be cosine, linear or constant, got {schedule.decay!r}")
+    if schedule.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {schedule.warmup_steps}")
+    if schedule.total_steps is not None and schedule.total_steps < 1:
+        raise ConfigError(f"lr_scheduler.total_steps must be >= 1 or null, got {schedule.total_steps}")
+    if not 0.0 <= schedule.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {schedule.min_lr_ratio}")
+
+
+# ----------------------------------------------------------------- the run's own keys, and the layout against the world
+
+def check_run(config: KDRecipeConfig) -> None:
+    """`collective_timeout_s`, `setup_timeout_s` and `device`."""
+    if not (config.collective_timeout_s > 0 and math.isfinite(config.collective_timeout_s)):
+        raise ConfigError(f"collective_timeout_s must be a finite number of seconds > 0, got "
+                          f"{config.collective_timeout_s}")
+    if not (config.setup_timeout_s > 0 and math.isfinite(config.setup_timeout_s)):
+        raise ConfigError(f"setup_timeout_s must be a finite number of seconds > 0, got {config.setup_timeout_s}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {config.device!r}")
+
+
+def required_world_size(config: KDRecipeConfig) -> int | None:
+    """The number of processes the layout needs, or None when shared meshes leave dp_size open."""
+    def ranks(section: DistributedConfig) -> int | None:
+        if section.dp_size is None:
+            return None
+        return section.dp_size * section.tp_size * section.cp_size * section.pp_size
+
+    student = ranks(config.distributed)
+    own = [ranks(layout) for layout in config.teacher_layouts().values() if layout is not None]
+    if not own:
+        return student
+    return None if student is None or None in own else student + sum(own)
+
+
+def check_world(config: KDRecipeConfig) -> None:
+    """The world the layout needs (when it says): not absurdly large, the student's and every teacher's ranks
+    laid out (`validate_teacher_layouts`), the student's batches divisible by its data-parallel size."""
+    world_size = required_world_size(config)
+    if world_size is None:
+        return
+    labels = {"teacher": "teacher_distributed"} if config.teachers is None else {}
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
+                          f"the *_size keys of distributed and {labels.get('teacher', 'teachers[i].distributed')}")
+    try:
+        validate_teacher_layouts(config.distributed, config.teacher_layouts(), world_size, labels=labels)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    steps, student_dp = config.step_scheduler, config.distributed.dp_size
+    if steps.global_batch_size % (steps.local_batch_size * student_dp):
+        raise ConfigError(
+            f"step_scheduler.global_batch_size({steps.global_batch_size}) must be divisible by "
+            f"local_batch_size({steps.local_batch_size}) * distributed.dp_size({student_dp})"
+        )

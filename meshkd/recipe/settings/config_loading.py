@@ -1,0 +1,53 @@
+"""The recipe config from YAML: read, overridden, built into `meshkd.recipe.settings.config`'s dataclasses and checked.
+
+`load_config(path, overrides)` reads YAML, applies `a.b=value` overrides (values parsed as YAML) and builds the
+dataclass tree, rejecting unknown keys and mistyped values with the dotted key in the message
+(`meshkd.recipe.settings.typed_yaml`); `meshkd.recipe.settings.config_checks.validate` then checks the rules across
+keys. Both functions are importable from `meshkd.recipe.settings.config`, which imports this module for them: the
+dataclasses are read from there only when a config is built.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from meshkd.recipe.settings.config_checks import validate
+from meshkd.recipe.settings.typed_yaml import ConfigError, apply_override, build, parse_yaml
+
+if TYPE_CHECKING:
+    from meshkd.recipe.settings.config import KDRecipeConfig
+
+
+def config_from_dict(data: dict, overrides: list[str] = ()) -> KDRecipeConfig:
+    """Build and validate a config from a dict plus overrides."""
+    from meshkd.recipe.settings.config import KDRecipeConfig  # imports this module: read once it is whole
+
+    data = dict(data or {})
+    for assignment in overrides:
+        apply_override(data, assignment)
+    config = build(KDRecipeConfig, data, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> KDRecipeConfig:
+    """Read a YAML config file, apply overrides, build and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = parse_yaml(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(data or {}, overrides)
+
+
+def expand_path(pattern: str) -> str:
+    """Expand `${stdlib}` (this interpreter's standard library sources) and `~` in a dataset path."""
+    return str(Path(pattern.replace("${stdlib}", sysconfig.get_paths()["stdlib"])).expanduser())

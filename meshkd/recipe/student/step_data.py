@@ -1,0 +1,97 @@
+"""What each training step trains on, on one data-parallel rank, and the function the loop calls per step.
+
+`batches.iterate_batches` gives this rank's share of each remaining step's global batch; `StepData` cuts it
+into micro-batches (each with its step's valid-token count: `train_step.step_items`) and pairs them with the
+teacher's answers in a `TeacherFeed`. With `kd.overlap_teacher` a teacher on its own ranks is asked for the
+next micro-batch while this one trains (the next step's micro-batches under pipeline parallel, whose
+schedule takes a whole step at once): the same requests in the same order, so the same answers. Under
+`kd.mode: on_policy` each step makes its own feed from the student's completions (`OnPolicyStep`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from meshkd.core.teacher_protocol import TeacherFeed, TeacherRequest, TeacherSource
+from meshkd.recipe.corpus import data
+from meshkd.recipe.corpus.aligned_data import rendering_teacher, row_fill, run_packing
+from meshkd.recipe.corpus.batches import iterate_batches
+from meshkd.recipe.corpus.routing import route_names
+from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.student.on_policy import OnPolicyStep, build_prompt_set
+from meshkd.recipe.student.train_step import TrainStep, micro_batches, step_items
+
+
+def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
+    """(training rows, validation rows, training prompts, validation prompts) of a run; the prompts are None
+    unless the student completes whole prompts (`DatasetConfig.whole_prompts`). With `kd.cross_tokenizer` the
+    rows carry the teacher's tokenization too (`meshkd.recipe.corpus.aligned_data`); with `dataset.teacher_key` their
+    teacher (`meshkd.recipe.corpus.routing`)."""
+    steps = config.step_scheduler
+    train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
+                                         pack_texts=run_packing(config, tokenizer, teacher_tokenizer),
+                                         routes=route_names(config), store_wait_s=config.setup_timeout_s,
+                                         teacher_tokenizer=rendering_teacher(config, teacher_tokenizer))
+    if not (config.dataset.whole_prompts and config.kd.generates):
+        return train, val, None, None
+    max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens
+    return train, val, *build_prompt_set(tokenizer, config.dataset, max_prompt_tokens=max_prompt_tokens)
+
+
+NextStep = Callable[[int], dict[str, float]]
+"""Trains the next step given the number of steps skipped so far; returns its metrics."""
+
+
+class StepData:
+    """The remaining steps' data of one data-parallel rank, from `start_step` to `max_steps`."""
+
+    def __init__(self, config: KDRecipeConfig, *, dp_rank: int, dp_size: int, start_step: int,
+                 device: torch.device) -> None:
+        self.config, self.dp_rank, self.dp_size = config, dp_rank, dp_size
+        self.start_step, self.device = start_step, device
+
+    def batches(self, rows) -> Iterator[dict]:
+        """This rank's share of each remaining step's global batch of `rows`."""
+        steps = self.config.step_scheduler
+        return iterate_batches(rows, global_batch_size=steps.global_batch_size, dp_rank=self.dp_rank,
+                                    dp_size=self.dp_size, seed=self.config.dataset.seed, start_step=self.start_step)
+
+    def micro_batches(self, batch: dict) -> list[dict]:
+        return micro_batches(batch, size=self.config.step_scheduler.local_batch_size, device=self.device)
+
+    def items(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
+        for _ in range(self.start_step, self.config.step_scheduler.max_steps):
+            yield from step_items(self.micro_batches(next(batches)), ignore_index=self.config.kd.ignore_index)
+
+    def teacher_feed(self, teacher: TeacherSource, items: Iterator[dict], *, pipeline_depth: int) -> TeacherFeed:
+        """(item, encoded teacher answer) in order; the answers are None when the loss needs no teacher.
+
+        `pipeline_depth`: the micro-batches a pipelined student's schedule takes at once (0: not pipelined)."""
+        kd = self.config.kd
+        if kd.kd_ratio == 0:
+            return TeacherFeed((item, None) for item in items)
+        depth = (pipeline_depth or 1) if kd.overlap_teacher else 0
+        return teacher.prefetch(items, depth=depth,
+                                batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport))
+
+    def steps(self, train_set, train_prompts, *, teacher: TeacherSource, train_step: TrainStep,
+              on_policy_step: OnPolicyStep | None) -> tuple[TeacherFeed, NextStep]:
+        """The feed the run closes at its end, and the function that trains the next step. With
+        `kd.cross_tokenizer` each step's metrics also hold the training rows' `row_fill` and `teacher_row_fill`
+        (`meshkd.recipe.corpus.aligned_data.row_fill`: the same every step)."""
+        text = self.batches(train_set)
+        fill = row_fill(train_set)
+        if on_policy_step is None:
+            feed = self.teacher_feed(teacher, self.items(text), pipeline_depth=train_step.num_micro_batches
+                                     if train_step.pipeline is not None else 0)
+            return feed, lambda skipped_steps: train_step(feed, skipped_steps=skipped_steps) | fill
+        prompts = None if train_prompts is None else self.batches(train_prompts)
+
+        def next_step(skipped_steps: int) -> dict[str, float]:
+            step_text = self.micro_batches(next(text))
+            return on_policy_step(step_text, step_text if prompts is None else self.micro_batches(next(prompts)),
+                                  step=train_step.scheduler.last_epoch, skipped_steps=skipped_steps) | fill
+        return TeacherFeed(()), next_step  # every on-policy step makes its own feed

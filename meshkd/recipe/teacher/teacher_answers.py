@@ -1,0 +1,446 @@
+"""A teacher's answer to a micro-batch, as a type: how the teacher makes it, its cp share, its KD loss, its
+evaluation figures.
+
+The wire carries plain dicts told apart by their "mode", as the bridge, the prefetcher and the teacher cache
+pass them on. The classes here make them on the teacher's side and read them on the student's:
+
+    answer_type(transport, kd).encode(logits, batch, transport, context)   the teacher's logits -> the wire dict
+    answer_of(wire)                                       the wire dict -> its type, where the student takes it
+    answer.shard(setup)                                   this cp rank's share, cut as the student's batch is
+    answer.kd_loss(logits, micro_batch, context, norm=n)  (the KD term, figures for the step's metrics)
+    answer.label_log_probs(), answer.kl(...), answer.top1_agreements(...)   an evaluation's figures
+
+- `Distribution` ("full", "full_bf16", "topk"; `meshkd.core.logits_codec`'s encodings): the teacher's
+  distribution over the student's vocabulary at every position (a cross-tokenizer teacher's projected onto
+  it: `kd.cross_tokenizer.loss: projection`); the divergence of `kd.divergence` at the positions KD counts
+  (`kd_labels`). Asked `with_label_log_probs`, it carries each label's log-probability besides.
+- `GroupDistributions` ("groups"): a cross-tokenizer teacher's distribution per aligned group of tokens
+  (`meshkd.recipe.corpus.aligned_data`), against the student's groups by `kd.cross_tokenizer.loss` `uld` or `gold`.
+- `LabelLogProbs` ("label_log_probs"): the teacher's log-probability of each label of its own tokenization,
+  what an evaluation of the teacher's loss asks for.
+- `Ensemble` ("teachers"): several teachers' answers (made by `meshkd.core.teacher_ensemble.TeacherEnsemble`),
+  combined by `kd.combine`, with weights w normalized to sum to 1:
+  - "sum": sum_i w_i D(teacher_i || student), each divergence on its own answer, any transport;
+  - "mixture": D(sum_i w_i p_i || student), against the mixture of the teachers' distributions at the
+    temperature (`Distribution.mixture`; whole-distribution answers: full or full_bf16);
+  - "route": each row's divergence to its own teacher, which alone was asked for it (the rows' `ROUTE`
+    field; the answers put back together by `Distribution.merged`).
+  Two identical teachers give the one-teacher objective by sum or mixture, and a weight of 0 drops a teacher.
+A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
+paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
+(`meshkd.recipe.teacher.hidden_states`).
+A new kind of answer is one class here, one entry in `_TYPES` and, if a teacher makes it, a line in `answer_type`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from meshkd.core.cross_tokenizer_loss import VocabularyMap, project_teacher_logits
+from meshkd.core.logits_codec import (
+    LABEL_LOG_PROBS,
+    LOGITS_MODES,
+    encode_teacher_rows,
+    label_log_probs,
+    split_label_log_probs,
+    topk_index_errors,
+)
+from meshkd.core.loss import kd_loss_encoded
+from meshkd.core.loss import top1_agreements as _top1_agreements
+from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
+from meshkd.core.teacher_protocol import Encoded
+from meshkd.core.topology import DistributedSetup
+from meshkd.parallel.context_parallel import shard_teacher_logits
+from meshkd.recipe.corpus.aligned_data import (
+    GROUPS,
+    TEACHER_POSITIONS,
+    group_kd_loss,
+    group_positions,
+    kd_labels,
+    teacher_group_log_probs,
+    teacher_side,
+)
+from meshkd.recipe.settings.config import KDConfig
+from meshkd.recipe.teacher.hidden_states import HIDDEN_STATES, HiddenStateProjections, hidden_state_loss
+
+Figures = dict[str, torch.Tensor]
+
+
+@dataclass
+class EncodeContext:
+    """What the teacher makes its answer with beside its logits: the objective's settings (`kd`: the top-k
+    options, the temperature, the cross-tokenizer loss), the seed of top-k tail samples, the student's
+    vocabulary size and, for a projected cross-tokenizer teacher, how its vocabulary maps onto the student's."""
+
+    kd: KDConfig
+    seed: int
+    vocab_size: int
+    vocabulary_map: VocabularyMap | None = None
+
+
+@dataclass
+class LossContext:
+    """What every answer's KD loss reads beside the student's logits: the objective's settings (`kd`), GOLD's
+    vocabulary pairs, several teachers' normalized weights, and the student's cp size (rows answered are
+    counted once over the cp ranks' sum).
+
+    `index_checks`: None, each top-k answer's index values are checked where its loss is computed (a host sync
+    each); a list, each top-k answer's check (`topk_index_errors`, a device flag) is appended to it instead, for
+    the caller to read with the step's other figures (`meshkd.recipe.student.train_step.TrainStep`)."""
+
+    kd: KDConfig
+    vocabulary_map: VocabularyMap | None = None
+    teacher_weights: dict[str, float] | None = None
+    cp_size: int = 1
+    index_checks: list[torch.Tensor] | None = None
+
+
+class TeacherAnswer:
+    """One micro-batch's answer: `wire` is its dict as it travelled."""
+
+    def __init__(self, wire: dict) -> None:
+        self.wire = wire
+
+    @classmethod
+    def encode(cls, logits: torch.Tensor, batch: dict, transport: str, context: EncodeContext) -> Encoded:
+        """The wire dict of this kind of answer to a request for `transport`, made by the teacher from its logits
+        [rows, its sequence, vocab] of the request's `batch` (over the common vocabulary with one tokenizer,
+        its own with `kd.cross_tokenizer`)."""
+        raise NotImplementedError(f"{cls.__name__} is not made by one teacher")
+
+    @property
+    def wait_s(self) -> dict[str, float]:
+        """Seconds each teacher of several was waited for, by name (none for one teacher's answer)."""
+        return {}
+
+    def shard(self, setup: DistributedSetup) -> TeacherAnswer:
+        """This cp rank's share: every tensor of the answer is [rows, sequence, ...], cut along the sequence
+        like the student's batch (`shard_teacher_logits`)."""
+        if setup.cp_size == 1:
+            return self
+        return type(self)({key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor)
+                           and value.ndim >= 2 else value for key, value in self.wire.items()})
+
+    def kd_loss(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *,
+                norm: float | torch.Tensor) -> tuple[torch.Tensor, Figures]:
+        """(the KD term of the micro-batch, summed over its counted positions and divided by `norm`, the
+        step's valid tokens; figures for the step's metrics). `logits`: the student's [rows, sequence, vocab]
+        over the teacher's vocabulary."""
+        raise ValueError(f"a teacher answer of mode {self.wire.get('mode')!r} is no training answer")
+
+    def label_log_probs(self) -> torch.Tensor:
+        """[rows, sequence] float32: the teacher's log-probability of each label of its own tokenization, 0 at
+        ignored labels (the sum of their negatives is its loss)."""
+        raise ValueError(f"a teacher answer of mode {self.wire.get('mode')!r} holds no label log-probabilities")
+
+
+class Distribution(TeacherAnswer):
+    """The teacher's distribution at every position: full logits, bfloat16 logits or top-k with its tail."""
+
+    def __init__(self, wire: dict) -> None:
+        super().__init__(wire)
+        # An evaluation's answer carries each label's log-probability beside the encoding (`with_label_log_probs`),
+        # a training answer perhaps the teacher's hidden states (`with_hidden_states`).
+        beside = ("label_log_probs", HIDDEN_STATES)
+        self.encoding = wire if not any(key in wire for key in beside) else {
+            key: value for key, value in wire.items() if key not in beside}
+
+    @classmethod
+    def encode(cls, logits, batch, transport, context):
+        """The `kd.logits_transport` encoding asked (`encode_teacher_rows`), of a cross-tokenizer teacher's
+        distribution projected onto the student's vocabulary (`projected`); asked `with_label_log_probs`, each
+        label's log-probability besides, as "label_log_probs" (what an evaluation asks for the held-out KL).
+
+        Each row's tail samples are seeded by that row's tokens, so a resumed run, and a teacher cache
+        written ahead of time, draw the same ones whatever the rows are batched with."""
+        kd = context.kd
+        mode, with_labels, _ = transport.partition("+")
+        distribution = logits if kd.cross_tokenizer is None else cls.projected(logits, batch, context)
+        # Only tail samples read their seeds: one host sync for the whole batch then, not one per row.
+        sampled = mode == "topk" and kd.topk_tail_samples > 0
+        seeds = [context.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()] if sampled else (
+            [0] * batch["input_ids"].shape[0])
+        wire = encode_teacher_rows(distribution, mode, seeds=seeds, k=min(kd.topk, distribution.shape[-1]),
+                                   temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
+        if with_labels:
+            wire["label_log_probs"] = LabelLogProbs.encode(logits, batch, LABEL_LOG_PROBS, context)["log_probs"]
+        return wire
+
+    @staticmethod
+    def settings(kd: KDConfig) -> dict:
+        """The keys besides the logits that `kd.logits_transport`'s encoding depends on (what a teacher cache
+        records): top-k's size, tail samples and temperature; none for full logits (the loss applies T)."""
+        if kd.logits_transport != "topk":
+            return {}
+        return {"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature}
+
+    @staticmethod
+    def nbytes_per_token(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:
+        """Bytes of `kd.logits_transport`'s encoding of one position; `logits_bytes`: a full logit's (`full`
+        keeps the teacher's dtype, `meshkd.core.logits_codec`)."""
+        return {"full": logits_bytes * vocab_size, "full_bf16": 2 * vocab_size,
+                "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
+
+    @staticmethod
+    def projected(logits: torch.Tensor, batch: dict, context: EncodeContext) -> torch.Tensor:
+        """[rows, student sequence, student vocab]: at each student position KD counts (`kd_labels`), a
+        cross-tokenizer teacher's distribution at the paired teacher position projected onto the student's
+        vocabulary (as logits at `kd.temperature`); 0 elsewhere."""
+        ignore, vocab_size = context.kd.ignore_index, context.vocab_size
+        counted = kd_labels(batch, ignore) != ignore
+        paired = group_positions(batch, TEACHER_POSITIONS, logits.shape[1], ignore)  # in `counted`'s order
+        projected = project_teacher_logits(logits.flatten(0, 1)[paired], context.vocabulary_map,
+                                           temperature=context.kd.temperature, student_vocab_size=vocab_size)
+        result = projected.new_zeros(*counted.shape, vocab_size)
+        result[counted] = projected
+        return result
+
+    @property
+    def carries_logits(self) -> bool:
+        """Whether the answer holds the teacher's whole logits ("logits" [rows, sequence, vocab]), not its top-k."""
+        return self.wire["mode"] in ("full", "full_bf16")
+
+    @property
+    def rows(self) -> int:
+        """The rows the answer covers (a routed teacher's: its own only)."""
+        return next(value.shape[0] for value in self.wire.values() if isinstance(value, torch.Tensor))
+
+    def divergence(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *, norm: float | torch.Tensor,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`kd.divergence` at the positions KD counts; `rows`: a bool [rows] mask, the others do not count (no
+        indexing of a sharded vocabulary)."""
+        kd = context.kd
+        counted = kd_labels(micro_batch, kd.ignore_index)
+        if rows is not None:
+            counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
+        # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
+        # autograd formula, its reference, makes more passes over the [tokens, vocab] logits). That kernel reads
+        # only indices in range, so a deferred check of their values still comes before any update.
+        deferred = context.index_checks is not None and self.wire["mode"] == "topk"
+        loss = kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
+                               ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                               chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
+                               divergence=kd.divergence, jsd_beta=kd.jsd_beta, check_indices=not deferred)
+        if deferred:
+            context.index_checks.append(topk_index_errors(self.encoding, logits.shape[-1]))
+        return loss
+
+    def kd_loss(self, logits, micro_batch, context, *, norm):
+        return self.divergence(logits, micro_batch, context, norm=norm), {}
+
+    def hidden_state_loss(self, student: list[torch.Tensor], micro_batch: dict, context: LossContext, *, norm: float,
+                          projections: HiddenStateProjections | None = None) -> torch.Tensor:
+        """`kd.hidden_states`' term against the student's outputs of the paired layers, at the positions KD counts."""
+        if HIDDEN_STATES not in self.wire:
+            raise ValueError("kd.hidden_states: the teacher's answer holds no hidden states (a teacher cache written "
+                             "without kd.hidden_states?)")
+        kd = context.kd
+        counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
+        return hidden_state_loss(student, self.wire[HIDDEN_STATES], counted, loss=kd.hidden_states.loss, norm=norm,
+                                 projections=projections)
+
+    def label_log_probs(self) -> torch.Tensor:
+        return split_label_log_probs(self.wire)[1]
+
+    def top_tokens(self) -> torch.Tensor:
+        """[rows, sequence] the teacher's most likely token at each position."""
+        return self.wire["logits"].argmax(-1) if self.carries_logits else self.wire["indices"][..., 0]
+
+    def kl(self, logits: torch.Tensor, labels: torch.Tensor, kd: KDConfig) -> torch.Tensor:
+        """float64: the forward KL(teacher || student) summed over the valid `labels`' positions, at
+        `kd.temperature` (the training's forward-KL `kd_loss` is T^2 times it); exact for full logits, the
+        top-k estimate the training uses for top-k."""
+        kl = kd_loss_encoded(logits, self.encoding, labels, temperature=kd.temperature, ignore_index=kd.ignore_index,
+                             num_valid_tokens=1, chunk_size=kd.chunk_size or max(labels.numel(), 1))
+        return kl.double() / kd.temperature**2
+
+    def top1_agreements(self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
+        """The number of valid labels where the student's likeliest token is the teacher's (`top_tokens`)."""
+        return _top1_agreements(logits, self.top_tokens(), labels, ignore_index=ignore_index)
+
+    @staticmethod
+    def mixture(members: dict[str, Distribution], weights: dict[str, float], *, temperature: float) -> Distribution:
+        """One "full" answer whose distribution at `temperature` is the mixture sum_i w_i softmax(z_i / T).
+
+        Its logits are z_r + T log sum_i w_i p_i / p_r, r the first teacher of weight > 0: the mixture's log
+        probabilities up to a constant, which the loss's softmax drops. Taken relative to one teacher, so that
+        teachers that agree (and teachers of weight 0) give back exactly that teacher's logits.
+
+        Raises:
+            ValueError: a member answered top-k (no whole distribution).
+        """
+        for name, member in members.items():
+            if not member.carries_logits:
+                raise ValueError(f"teacher {name!r} answered {member.wire.get('mode')!r}: a mixture of teachers needs "
+                                 "their whole distributions (logits_transport full or full_bf16)")
+        kept = [name for name in members if weights[name] > 0]
+        reference = members[kept[0]].wire["logits"].float()
+        reference_norm = torch.logsumexp(reference / temperature, dim=-1, keepdim=True)
+        terms = []
+        for name in kept:  # log(w_i p_i / p_r), from the logits' differences: exactly log w_r for the reference
+            logits = members[name].wire["logits"].float()
+            norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
+            terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
+        return Distribution({"mode": "full",
+                             "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)})
+
+    @staticmethod
+    def merged(members: dict[str, Distribution], rows: dict[str, torch.Tensor]) -> Distribution:
+        """One answer for the whole micro-batch from each teacher's answer for its rows (`rows`: name -> bool
+        [rows]). The teachers answer in one encoding (full_bf16 next to full is taken as float32).
+
+        Raises:
+            ValueError: the teachers answered in different encodings, or one not the rows routed to it.
+        """
+        modes = {member.wire["mode"].replace("full_bf16", "full") for member in members.values()}
+        if len(modes) > 1:
+            raise ValueError(f"routed teachers answered in different encodings {sorted(modes)}: give them one "
+                             "logits_transport")
+        for name, member in members.items():
+            if member.rows != int(rows[name].sum()):
+                raise ValueError(f"teacher {name!r} answered {member.rows} rows, not the "
+                                 f"{int(rows[name].sum())} routed to it")
+        first = next(iter(members.values())).wire
+        total = next(iter(rows.values())).shape[0]
+        merged = {}
+        for key, value in first.items():
+            if not isinstance(value, torch.Tensor):
+                merged[key] = value
+                continue
+            dtype = torch.float32 if value.is_floating_point() else value.dtype
+            merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
+            for name, member in members.items():
+                merged[key][rows[name]] = member.wire[key].to(dtype)
+        merged["mode"] = "full" if first["mode"] == "full_bf16" else first["mode"]
+        return Distribution(merged)
+
+
+class GroupDistributions(TeacherAnswer):
+    """A cross-tokenizer teacher's distribution per aligned group ("log_probs" [groups, teacher vocab])."""
+
+    @classmethod
+    def encode(cls, logits, batch, transport, context):
+        """The teacher's chain-rule distribution of each group KD counts (`teacher_group_log_probs`), at
+        `kd.temperature`, whatever encoding is asked (`kd.cross_tokenizer.loss` `uld` and `gold` take `full`)."""
+        return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
+            logits, batch, temperature=context.kd.temperature, ignore_index=context.kd.ignore_index)}
+
+    def kd_loss(self, logits, micro_batch, context, *, norm):
+        return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
+                             vocabulary_map=context.vocabulary_map), {}
+
+
+class LabelLogProbs(TeacherAnswer):
+    """The teacher's log-probability of each label ("log_probs" [rows, sequence], 0 at ignored labels)."""
+
+    @classmethod
+    def encode(cls, logits, batch, transport, context):
+        """Of the labels of the teacher's own tokenization (`teacher_side`), at temperature 1, whichever
+        tokenizer (`meshkd.core.logits_codec.label_log_probs`)."""
+        return label_log_probs(logits, teacher_side(batch)["labels"], ignore_index=context.kd.ignore_index)
+
+    def label_log_probs(self) -> torch.Tensor:
+        return self.wire["log_probs"]
+
+
+class Ensemble(TeacherAnswer):
+    """Several teachers' answers ("answers": name -> answer on the wire, "wait_s": name -> seconds waited)."""
+
+    @property
+    def members(self) -> dict[str, Distribution]:
+        """Each teacher's answer, by name, in the ensemble's order."""
+        return {name: answer_of(member) for name, member in self.wire["answers"].items()}
+
+    @property
+    def wait_s(self) -> dict[str, float]:
+        return self.wire.get("wait_s", {})
+
+    def shard(self, setup):
+        if setup.cp_size == 1:
+            return self
+        return Ensemble({**self.wire, "answers": {name: member.shard(setup).wire
+                                                 for name, member in self.members.items()}})
+
+    def kd_loss(self, logits, micro_batch, context, *, norm):
+        """The KD term by `kd.combine` (module docstring); figures: each teacher's own divergence (detached;
+        with "mixture" computed for the metrics only), the rows it answered and, routed, its tokens."""
+        kd, weights, members = context.kd, context.teacher_weights, self.members
+
+        def divergence(answer: Distribution, rows: torch.Tensor | None = None) -> torch.Tensor:
+            return answer.divergence(logits, micro_batch, context, norm=norm, rows=rows)
+
+        routes = micro_batch[ROUTE][:, 0] if kd.combine == "route" else None
+        if kd.combine == "route":
+            rows = {name: routes == index for index, name in enumerate(members)}
+            merged = Distribution.merged(members, rows)
+            each = {name: divergence(merged, rows[name]) for name in members}
+            loss = sum(each.values())
+        elif kd.combine == "sum":
+            each = {name: divergence(member) for name, member in members.items()}
+            loss = sum(weights[name] * value for name, value in each.items())
+        elif kd.combine == "mixture":
+            loss = divergence(Distribution.mixture(members, weights, temperature=kd.temperature))
+            with torch.no_grad():
+                each = {name: divergence(member) for name, member in members.items()}
+        else:
+            raise ValueError(f"combine must be sum, mixture or route, got {kd.combine!r}")
+        figures = {f"kd_loss/{name}": value.detach() for name, value in each.items()}
+        # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
+        figures.update({f"teacher_rows/{name}": torch.tensor(member.rows / context.cp_size, device=logits.device)
+                        for name, member in members.items()})
+        if routes is not None:  # each teacher's tokens: the step turns its share into its own mean
+            counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
+            figures.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).sum()
+                            for index, name in enumerate(members)})
+        return loss, figures
+
+
+_TYPES: dict[str, type[TeacherAnswer]] = {"full": Distribution, "full_bf16": Distribution, "topk": Distribution,
+                                          GROUPS: GroupDistributions, LABEL_LOG_PROBS: LabelLogProbs,
+                                          TEACHERS: Ensemble}
+
+
+def answer_type(transport: str, kd: KDConfig) -> type[TeacherAnswer]:
+    """The kind of answer a teacher makes for a request asking `transport` (`TeacherRequest.logits_transport`)
+    in a run of `kd`: each label's log-probability, a cross-tokenizer teacher's group distributions for
+    `uld` / `gold`, else its distribution over the student's vocabulary."""
+    if transport == LABEL_LOG_PROBS:
+        return LabelLogProbs
+    if kd.cross_tokenizer is not None and kd.cross_tokenizer.loss != "projection":
+        return GroupDistributions
+    return Distribution
+
+
+def with_hidden_states(wire: dict, hidden: list[torch.Tensor] | None, transport: str) -> dict:
+    """`wire` with the teacher's outputs of the paired layers (`kd.hidden_states`; each [rows, sequence, width])
+    stacked under "hidden_states" when the request is a training one (a distribution's encoding alone): float32
+    for `full`, else bfloat16, as the logits travel. Evaluations' answers go without them."""
+    if not hidden or transport not in LOGITS_MODES:
+        return wire
+    dtype = torch.float32 if transport == "full" else torch.bfloat16
+    return {**wire, HIDDEN_STATES: torch.stack(hidden, dim=2).to(dtype)}
+
+
+def answer_class(mode: str) -> type[TeacherAnswer]:
+    """The type of an answer of `mode` on the wire.
+
+    Raises:
+        ValueError: for no known mode.
+    """
+    if mode not in _TYPES:
+        raise ValueError(f"a teacher answer of mode {mode!r}: the student knows {sorted(_TYPES)}")
+    return _TYPES[mode]
+
+
+def answer_of(wire: dict | None) -> TeacherAnswer | None:
+    """The typed answer of a dict from the wire (None: no answer, as on pipeline stages before the last).
+
+    Raises:
+        ValueError: for a dict of no known mode.
+    """
+    if wire is None:
+        return None
+    return answer_class(wire.get("mode") if isinstance(wire, dict) else type(wire).__name__)(wire)

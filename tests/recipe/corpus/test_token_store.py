@@ -1,0 +1,339 @@
+"""The token store (`dataset.token_store`): written once, read back equal to in-memory tokenization token for
+token, rebuilt when a source or the tokenizer changes, refused when damaged, written by one process of many."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshkd.recipe.corpus import data
+from meshkd.recipe.corpus.token_store import token_dtype
+from meshkd.recipe.modeling.models import byte_tokenizer
+from meshkd.recipe.settings.config import DatasetConfig
+from tests.recipe.corpus.test_chat_data import chat_rows, write_jsonl
+from tests.tiny import write_corpus
+
+TOKENIZER = byte_tokenizer()
+
+
+def assert_same_rows(stored, in_memory) -> None:
+    assert (len(stored), stored.num_documents, stored.num_tokens) == (len(in_memory), in_memory.num_documents,
+                                                                      in_memory.num_tokens)
+    for index in (slice(0, len(in_memory)), torch.tensor([len(in_memory) - 1, 0, 1 % len(in_memory)]), 0):
+        expected, got = in_memory[index], stored[index]
+        assert set(got) == set(expected)
+        for key in expected:  # the batch keys and the extra ones (a routed row's teacher)
+            assert torch.equal(got[key], expected[key]), key
+    assert stored.tokens_per_row() == in_memory.tokens_per_row()
+    padding, expected = stored.padding(2), in_memory.padding(2)
+    assert set(padding) == set(expected) and all(torch.equal(padding[key], expected[key]) for key in expected)
+
+
+@pytest.mark.parametrize("kind", ["text", "text_unpacked", "chat", "prompt_completion"])
+def test_stored_rows_equal_in_memory_rows_token_for_token(kind, tmp_path):
+    if kind.startswith("text"):
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3,
+                                packing=kind == "text")
+    elif kind == "chat":
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))], records="chat",
+                                val_fraction=0.1)
+    else:
+        rows = [{"prompt": f"Q{i}?", "completion": "A" * (i % 7 + 1)} for i in range(40)]
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "pairs.jsonl", rows)], records="prompt_completion",
+                                chat_template=False, val_fraction=0.1)
+    for length in (16, 200):
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length)
+        stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
+                                         sequence_length=length)
+        for got, expected in zip(stored, in_memory):
+            assert_same_rows(got, expected)
+    # Two sequence lengths, one store: tokenized once, packed twice.
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    assert len(list(store.glob("plan-*"))) == 2
+
+
+@pytest.mark.parametrize("records", ["text", "chat"])
+def test_worker_processes_tokenize_the_same_store(records, tmp_path):
+    """Rows rendered and tokenized by two worker processes, in chunks: the rows of one process, in order."""
+    if records == "text":
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2)
+    else:
+        rows = chat_rows(600)  # three chunks of 256 rows
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1)
+    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=128)
+    parallel = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=2)
+    for got, expected in zip(data.build_run_datasets(TOKENIZER, parallel, sequence_length=128), in_memory):
+        assert_same_rows(got, expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_routed_rows_are_stored_with_their_teacher(workers, tmp_path):
+    """Rows routed by `dataset.teacher_key`: each teacher's documents packed apart, each row marked with its
+    teacher (ROUTE), as in memory; with tokenizing workers too; a name of no teacher refused naming the key."""
+    from meshkd.core.teacher_ensemble import ROUTE
+    from tests.recipe.teacher.test_teachers import routed_corpus
+
+    corpus = routed_corpus(tmp_path / "routed")
+    dataset = DatasetConfig(paths=[corpus["both"]], teacher_key="teacher", val_fraction=0.2, seed=3)
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=workers)
+    for length in (16, 64):
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, routes=["code", "prose"])
+        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, routes=["code", "prose"])
+        for got, expected in zip(stored, in_memory):
+            assert_same_rows(got, expected)
+        routes = stored[0][:][ROUTE][:, 0].tolist()
+        assert routes == sorted(routes) and set(routes) == {0, 1}  # the code rows, then the prose rows
+    with pytest.raises(ValueError, match=r"both\.jsonl:2: dataset\.teacher_key 'teacher' names the teacher 'prose', "
+                                         r"which is none of the teachers \['code'\]"):
+        data.build_run_datasets(TOKENIZER, dataclasses.replace(stored_dataset, token_store=str(tmp_path / "other")),
+                                sequence_length=16, routes=["code"])
+
+
+@pytest.mark.parametrize("records, workers", [("text", 1), ("chat", 1), ("chat", 2)])
+def test_cross_tokenizer_rows_are_stored_with_both_sides_and_their_groups(records, workers, tmp_path, capfd):
+    """`kd.cross_tokenizer` rows (the byte tokenizer beside a byte-level BPE with a template of its own): both
+    tokenizations and the groups stored, the rows read back equal to the in-memory ones, every key (each side's
+    tokens and answer-only labels, the group columns), for both splits and two pairs of row lengths; a damaged
+    group file refused naming it."""
+    from meshkd.recipe.corpus.aligned_data import aligned_packing, row_fill
+    from tests.recipe.corpus.test_cross_tokenizer_chat import MULTI_TURN, teacher_tokenizer
+
+    teacher = teacher_tokenizer()
+    if records == "text":
+        dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3)
+    else:
+        rows = [{"messages": MULTI_TURN}, *chat_rows(300 if workers > 1 else 30)]  # two chunks of 256 rows
+        dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1)
+    rendering = None if records == "text" else teacher
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=workers)
+    for length, teacher_length in ((64, 24), (512, 256)):
+        packing = aligned_packing(TOKENIZER, teacher, sequence_length=length, teacher_sequence_length=teacher_length,
+                                  pack=True)
+        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, pack_texts=packing,
+                                            teacher_tokenizer=rendering)
+        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, pack_texts=packing,
+                                         teacher_tokenizer=rendering)
+        for got, expected in zip(stored, in_memory):
+            assert type(got).__name__ == "StoredAlignedRows"
+            assert_same_rows(got, expected)
+            assert row_fill(got) == pytest.approx(row_fill(expected), rel=1e-12)
+    assert capfd.readouterr().err.count("tokenizing the corpus once") == 1  # one store, packed twice
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    groups = store / "groups.bin"
+    damaged = bytearray(groups.read_bytes())
+    damaged[8] ^= 0xFF
+    groups.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=re.escape(str(groups)) + r": block 0 .* does not match its checksum"):
+        data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=64, teacher_tokenizer=rendering,
+                                pack_texts=dataclasses.replace(packing, sequence_length=64, teacher_sequence_length=32))
+
+
+def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
+    corpus = write_corpus(tmp_path / "corpus")
+    dataset = DatasetConfig(paths=[corpus], val_fraction=0.2, token_store=str(tmp_path / "store"))
+
+    def build(tokenizer=TOKENIZER):
+        return data.build_run_datasets(tokenizer, dataset, sequence_length=32)
+
+    first = build()
+    assert "tokenizing the corpus once" in capfd.readouterr().err
+    build()
+    assert "tokenizing" not in capfd.readouterr().err  # read back, not tokenized again
+    changed = tmp_path / "corpus" / "doc03.txt"
+    changed.write_text(changed.read_text() + "# one more line\n")
+    rebuilt = build()
+    assert "(1 store(s) of other sources, tokenizer or settings there)" in capfd.readouterr().err
+    assert sum(split.num_tokens for split in rebuilt) == sum(split.num_tokens for split in first) + 16
+    in_memory = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=None), sequence_length=32)
+    for got, expected in zip(rebuilt, in_memory):
+        assert_same_rows(got, expected)
+    other = byte_tokenizer()
+    other.add_tokens(["return"])
+    build(other)
+    assert "(2 store(s) of other sources" in capfd.readouterr().err
+
+
+def test_damaged_and_half_written_stores_are_refused_naming_the_file(tmp_path):
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2,
+                            token_store=str(tmp_path / "store"))
+    data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    tokens = store / "tokens.bin"
+    original = tokens.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    tokens.write_bytes(bytes(damaged))
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r": block 0 .* does not match its checksum"):
+        train[0 : len(train)]
+    tokens.write_bytes(original[:-10])
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r" holds \d+ bytes, its manifest says \d+"):
+        data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    # A store without its manifest (a writer killed before its rename leaves only a .tmp directory) is none:
+    # it is written anew.
+    (store / "manifest.json").unlink()
+    os.rename(store, store.with_name(store.name + ".tmp-1"))
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    assert train.num_tokens > 0 and (store / "manifest.json").exists()
+
+
+def test_the_smallest_token_type_that_holds_the_vocabulary():
+    assert [token_dtype(size) for size in (256, 258, 65536, 65537, 2**32 + 1)] == [
+        np.uint8, np.uint16, np.uint16, np.uint32, np.int64]
+
+
+def _build_in_a_process(dataset: DatasetConfig, out: str) -> None:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        train, _ = data.build_run_datasets(byte_tokenizer(), dataset, sequence_length=32)
+    torch.save({"rows": train[0 : len(train)], "log": err.getvalue()}, out)
+
+
+def test_processes_starting_together_tokenize_once_and_read_the_same_rows(tmp_path):
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2,
+                            token_store=str(tmp_path / "store"))
+    context = multiprocessing.get_context("spawn")
+    outs = [str(tmp_path / f"out{i}.pt") for i in range(3)]
+    processes = [context.Process(target=_build_in_a_process, args=(dataset, out)) for out in outs]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    results = [torch.load(out) for out in outs]
+    assert sum("tokenizing the corpus once" in result["log"] for result in results) == 1
+    for result in results[1:]:
+        for key in data.BATCH_KEYS:
+            assert torch.equal(result["rows"][key], results[0]["rows"][key])
+    assert not [path for path in Path(tmp_path / "store").iterdir() if ".tmp-" in path.name]
+
+
+def _prompt_dataset(kind: str, tmp_path: Path) -> DatasetConfig:
+    """Rows whose on-policy prompts are whole: text rows with a `prompt_key` column, chat rows, prompt /
+    completion rows, and chat rows tokenized by two worker processes."""
+    if kind == "text_prompt_key":
+        lines = [{"prompt": f"def f{i}(x):\n    \"\"\"{'Return x. ' * (i % 4)}\"\"\"",
+                  "text": f"def f{i}(x):\n    return x + {i}\n"} for i in range(30)]
+        lines.insert(5, {"prompt": "   ", "text": "no prompt: skipped among the prompts"})
+        return DatasetConfig(paths=[write_jsonl(tmp_path / "code.jsonl", lines)], prompt_key="prompt",
+                             val_fraction=0.2, seed=3)
+    if kind.startswith("chat"):
+        from tests.recipe.corpus.test_cross_tokenizer_chat import MULTI_TURN
+        from tests.recipe.corpus.test_cross_tokenizer_chat import chat_rows as short_chat_rows
+
+        rows = [{"messages": MULTI_TURN}, *short_chat_rows(300 if kind == "chat_workers" else 30)]
+        return DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1,
+                             tokenize_workers=2 if kind == "chat_workers" else 1)
+    # A system message on every third row: the rendering of the prompt differs row by row.
+    rows = [{"prompt": f"Q{i}: what is {i} + {i}?", "completion": f"{2 * i}", "system": "Be brief." * (i % 3 == 0)}
+            for i in range(40)]
+    return DatasetConfig(paths=[write_jsonl(tmp_path / "pairs.jsonl", rows)], records="prompt_completion",
+                         system_key="system", val_fraction=0.1)
+
+
+@pytest.mark.parametrize("kind", ["text_prompt_key", "chat", "chat_bpe", "chat_workers", "prompt_completion"])
+def test_whole_prompts_read_from_the_store_equal_the_in_memory_ones_token_for_token(kind, tmp_path, capfd):
+    """Both splits' prompt sets (one prompt per row) read from the store equal the in-memory ones, every key of
+    every row and each prompt `prompts_of` takes from them; with a byte-level BPE and its own template too,
+    whose prompt tokens need not be a prefix of the row's. The prompts are a store of their own beside the
+    rows', and a prompt over the limit is refused as in memory."""
+    from meshkd.recipe.student.on_policy import build_prompt_set, prompts_of
+    from tests.recipe.corpus.test_cross_tokenizer_chat import teacher_tokenizer
+
+    tokenizer = teacher_tokenizer() if kind == "chat_bpe" else TOKENIZER
+    dataset = _prompt_dataset(kind, tmp_path)
+    stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"))
+    in_memory = build_prompt_set(tokenizer, dataset, max_prompt_tokens=1024)
+    stored = build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=1024)
+    # The prompts of text rows are the corpus of the prompt column; those of chat rows, their prompts.
+    what = "the corpus" if kind == "text_prompt_key" else "the on-policy prompts"
+    assert capfd.readouterr().err.count(f"tokenizing {what} once") == 1
+    for got, expected in zip(stored, in_memory):
+        assert type(got).__name__ == "StoredRows" and len(expected) > 0
+        assert_same_rows(got, expected)
+        eos = tokenizer.eos_token_id
+        for mine, theirs in zip(prompts_of(got[:], limit=None, eos_token_id=eos),
+                                prompts_of(expected[:], limit=None, eos_token_id=eos), strict=True):
+            assert torch.equal(mine, theirs)
+    # The rows' own store is another, and leaves the prompts' as they are.
+    data.build_run_datasets(tokenizer, stored_dataset, sequence_length=256)
+    stores = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    assert sorted(json.loads((path / "manifest.json").read_text())["key"].get("prompts", False) for path in stores) == (
+        [False, kind != "text_prompt_key"])
+    for got, expected in zip(build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=1024), in_memory):
+        assert_same_rows(got, expected)
+    assert capfd.readouterr().err.count("once into") == 1  # the rows' store; the prompts' read back
+    longest = max(int(split[:]["attention_mask"].sum(1).max()) for split in in_memory)
+    with pytest.raises(ValueError, match=r"prompt piece\(s\) beyond the limit of \d+ tokens"):
+        build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=longest - 2)
+
+
+def test_first_document_prompts_of_stored_rows_equal_the_in_memory_ones(tmp_path):
+    """Without `prompt_key` a text row's prompt is its first document's first `prompt_tokens` tokens, taken from
+    the training rows themselves: from the store's rows the same as from the in-memory ones, both splits."""
+    from meshkd.recipe.student.on_policy import prompts_of
+
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3)
+    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=64)
+    stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
+                                     sequence_length=64)
+    for got, expected in zip(stored, in_memory):
+        mine, theirs = (prompts_of(split[:], limit=8, eos_token_id=TOKENIZER.eos_token_id) for split in (got, expected))
+        assert len(mine) == len(theirs) > 0
+        assert all(torch.equal(a, b) and len(a) == 8 for a, b in zip(mine, theirs))
+
+
+def test_a_damaged_prompt_store_is_refused_naming_the_file(tmp_path):
+    from meshkd.recipe.student.on_policy import build_prompt_set
+
+    dataset = dataclasses.replace(_prompt_dataset("chat", tmp_path), token_store=str(tmp_path / "store"))
+    build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+    (store,) = [path for path in (tmp_path / "store").iterdir() if path.is_dir()]
+    tokens = store / "tokens.bin"
+    damaged = bytearray(tokens.read_bytes())
+    damaged[len(damaged) // 3] ^= 0xFF
+    tokens.write_bytes(bytes(damaged))
+    train, val = build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+    with pytest.raises(ValueError, match=re.escape(str(tokens)) + r": block 0 .* does not match its checksum"):
+        train[0 : len(train)]
+    offsets = store / "documents.bin"
+    offsets.write_bytes(offsets.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=re.escape(str(offsets)) + r" holds \d+ bytes, its manifest says \d+"):
+        build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+
+
+def test_prepare_data_writes_the_stores_of_the_rows_and_of_the_on_policy_prompts(tmp_path, capsys):
+    """`meshkd prepare-data` on an on-policy config of chat rows writes both stores; the run then tokenizes
+    nothing (its rows and prompts are read back)."""
+    import yaml
+
+    from meshkd.commands import prepare_data_command
+    from meshkd.recipe.settings.config import config_from_dict
+    from meshkd.recipe.student.step_data import run_datasets
+    from tests.recipe.corpus.test_cross_tokenizer_chat import chat_rows as short_chat_rows
+    from tests.tiny import base_config
+
+    config = base_config(tmp_path)
+    config["dataset"] = {"paths": [write_jsonl(tmp_path / "chat.jsonl", short_chat_rows(30))], "records": "chat",
+                         "val_fraction": 0.1, "token_store": str(tmp_path / "store")}
+    config["step_scheduler"]["sequence_length"] = 256
+    config["kd"].update(mode="on_policy", generation={"max_new_tokens": 8})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert prepare_data_command(str(path), []) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"store/\w+: on-policy prompts, training 27, validation 3\n", captured.out), captured.out
+    assert captured.err.count("once into") == 2
+    train, val, train_prompts, val_prompts = run_datasets(config_from_dict(config), TOKENIZER, None)
+    assert (len(train_prompts), len(val_prompts)) == (27, 3) and "once into" not in capsys.readouterr().err
