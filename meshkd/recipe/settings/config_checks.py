@@ -1,11 +1,13 @@
-"""Config checks: the rules `meshkd.recipe.settings.config`'s types cannot say, run once at load, before any process
-group or model exists. Every check raises `ConfigError` naming the key.
+"""Config checks: the rules `meshkd.recipe.settings.config`'s types cannot say, run once at load, before any
+process group or model exists. Every check raises `ConfigError` naming the key.
 
-`validate` reads as the config's sections, in the order it checks them: `peft`, the model sections, `kd` (with its
-`generation` and `cross_tokenizer`), `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
-keys (timeouts, device), and last the parallel layout (`distributed`, `teacher_distributed`) against the
-world it needs. Several teachers (`teachers`) are checked as a list (names, weights, the combining rule),
-then each teacher's one-teacher view as above, its errors prefixed `teachers.NAME:`.
+`validate` reads as the config's sections, in the order it checks them: `peft`; the teachers, as a list
+(`KDRecipeConfig.teacher_list`: the one-teacher keys are a list of one), first the keys that spell it (the
+one-teacher keys together, or `teachers`' names, weights and combining rule), then each teacher's model
+section and `kd` (with its `generation` and `cross_tokenizer`) in its one-teacher view, errors of one of
+several prefixed `teachers.NAME:`; `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
+keys (timeouts, device); and last the layout of the student and every teacher against the world it needs
+(`validate_teacher_layouts`, for one teacher as for several).
 """
 
 from __future__ import annotations
