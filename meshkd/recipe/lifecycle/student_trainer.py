@@ -48,7 +48,7 @@ from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.student.router_loss import RouterLoss
-from meshkd.recipe.student.step_data import NextStep, StepData, run_datasets
+from meshkd.recipe.student.step_data import StepData, run_datasets
 from meshkd.recipe.student.train_step import TrainStep, build_optimizer, enable_activation_checkpointing
 from meshkd.recipe.teacher.hidden_states import HiddenStateProjections, LayerTap, StudentHiddenStates, paired_layers
 from meshkd.recipe.teacher.teacher_cache import CachedTeacher, rows_asked
@@ -322,14 +322,14 @@ class StudentTrainer:
                 self.metrics.log("eval", self.start_step, before)
         self.summary.update(val_loss_before=before["val_loss"], teacher_val_loss=before["teacher_val_loss"])
         self.summary.update(before_and_after(before, "_before"))
-        feed, next_step = StepData(config, dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
-                                   device=self.device).steps(self.train_set, self.train_prompts, teacher=self.teacher,
-                                                             train_step=self.step, on_policy_step=self.on_policy_step)
-        with feed:
-            step, saved = self._train_steps(next_step)
+        data = StepData(config, dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
+                        device=self.device, train_set=self.train_set, train_prompts=self.train_prompts,
+                        teacher=self.teacher, train_step=self.step, on_policy_step=self.on_policy_step)
+        with data.feed:
+            step, saved = self._train_steps(data)
             # A prefetched request in flight completes (its answer is dropped); the bridge is free again.
             with self.faults.watch("the last teacher request", "teacher"):
-                feed.close()
+                data.feed.close()
         if step < steps.max_steps:
             self._stopped(step, saved)
             return
@@ -347,7 +347,7 @@ class StudentTrainer:
         if is_logging_rank():
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
-    def _train_steps(self, next_step: NextStep) -> tuple[int, int]:
+    def _train_steps(self, data: StepData) -> tuple[int, int]:
         """Train until max_steps or an agreed stop; returns (the last step trained, the last step saved).
 
         A stop is agreed once before the first step (a request during the first evaluation), then in each
@@ -363,7 +363,7 @@ class StudentTrainer:
         while step < steps.max_steps and not stop:
             with self.faults.watch(f"step {step + 1}", "student"):
                 started = time.perf_counter()
-                metrics = next_step(self.skipped_steps)
+                metrics = data.train_next(self.skipped_steps)
                 stop = self.step.stop_agreed
             step += 1
             self.skipped_steps += metrics["skipped"]

@@ -1,4 +1,4 @@
-"""What each training step trains on, on one data-parallel rank, and the function the loop calls per step.
+"""What each training step trains on, on one data-parallel rank, and the training of each next step on it.
 
 `batches.iterate_batches` gives this rank's share of each remaining step's global batch; `StepData` cuts it
 into micro-batches (each with its step's valid-token count: `train_step.step_items`) and pairs them with the
@@ -10,7 +10,7 @@ schedule takes a whole step at once): the same requests in the same order, so th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -40,17 +40,26 @@ def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     return train, val, *build_prompt_set(tokenizer, config.dataset, max_prompt_tokens=max_prompt_tokens)
 
 
-NextStep = Callable[[int], dict[str, float]]
-"""Trains the next step given the number of steps skipped so far; returns its metrics."""
-
-
 class StepData:
-    """The remaining steps' data of one data-parallel rank, from `start_step` to `max_steps`."""
+    """The remaining steps' data of one data-parallel rank, from `start_step` to `max_steps`, and the training
+    of each next step on it (`train_next`)."""
 
     def __init__(self, config: KDRecipeConfig, *, dp_rank: int, dp_size: int, start_step: int,
-                 device: torch.device) -> None:
+                 device: torch.device, train_set, train_prompts, teacher: TeacherSource, train_step: TrainStep,
+                 on_policy_step: OnPolicyStep | None) -> None:
         self.config, self.dp_rank, self.dp_size = config, dp_rank, dp_size
         self.start_step, self.device = start_step, device
+        self.train_step, self.on_policy_step = train_step, on_policy_step
+        self._text = self.batches(train_set)
+        self._prompts = None if train_prompts is None else self.batches(train_prompts)
+        # With kd.cross_tokenizer each step's metrics also hold the rows' row_fill and teacher_row_fill
+        # (`meshkd.recipe.corpus.aligned_data.row_fill`: the same every step).
+        self._fill = row_fill(train_set)
+        self.feed = TeacherFeed(()) if on_policy_step is not None else self.teacher_feed(
+            teacher, self.items(self._text),
+            pipeline_depth=train_step.num_micro_batches if train_step.pipeline is not None else 0)
+        """The answers to every remaining micro-batch, in order; the run closes it at its end (an on-policy
+        step makes its own each step)."""
 
     def batches(self, rows) -> Iterator[dict]:
         """This rank's share of each remaining step's global batch of `rows`."""
@@ -77,21 +86,11 @@ class StepData:
         return teacher.prefetch(items, depth=depth,
                                 batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport))
 
-    def steps(self, train_set, train_prompts, *, teacher: TeacherSource, train_step: TrainStep,
-              on_policy_step: OnPolicyStep | None) -> tuple[TeacherFeed, NextStep]:
-        """The feed the run closes at its end, and the function that trains the next step. With
-        `kd.cross_tokenizer` each step's metrics also hold the training rows' `row_fill` and `teacher_row_fill`
-        (`meshkd.recipe.corpus.aligned_data.row_fill`: the same every step)."""
-        text = self.batches(train_set)
-        fill = row_fill(train_set)
-        if on_policy_step is None:
-            feed = self.teacher_feed(teacher, self.items(text), pipeline_depth=train_step.num_micro_batches
-                                     if train_step.pipeline is not None else 0)
-            return feed, lambda skipped_steps: train_step(feed, skipped_steps=skipped_steps) | fill
-        prompts = None if train_prompts is None else self.batches(train_prompts)
-
-        def next_step(skipped_steps: int) -> dict[str, float]:
-            step_text = self.micro_batches(next(text))
-            return on_policy_step(step_text, step_text if prompts is None else self.micro_batches(next(prompts)),
-                                  step=train_step.scheduler.last_epoch, skipped_steps=skipped_steps) | fill
-        return TeacherFeed(()), next_step  # every on-policy step makes its own feed
+    def train_next(self, skipped_steps: int) -> dict[str, float]:
+        """Train the next step (`skipped_steps`: the non-finite steps skipped so far); its metrics."""
+        if self.on_policy_step is None:
+            return self.train_step(self.feed, skipped_steps=skipped_steps) | self._fill
+        text = self.micro_batches(next(self._text))
+        prompts = text if self._prompts is None else self.micro_batches(next(self._prompts))
+        return self.on_policy_step(text, prompts, step=self.train_step.scheduler.last_epoch,
+                                   skipped_steps=skipped_steps) | self._fill
