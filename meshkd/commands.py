@@ -152,13 +152,13 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
     config = load_config(config_path, overrides)
     if config.dataset.token_store is None:
         raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
+    from meshkd.recipe.lifecycle.preflight import cross_teacher_tokenizer
     from meshkd.recipe.modeling.loaders import load_section_tokenizer
     from meshkd.recipe.student.step_data import run_datasets
 
     tokenizer = load_section_tokenizer(config.model)
-    teacher_tokenizer = None  # with kd.cross_tokenizer the store holds the teacher's tokens too
-    if config.kd.cross_tokenizer is not None:
-        teacher_tokenizer = load_section_tokenizer(config.teacher_model)
+    # With kd.cross_tokenizer the store holds the teacher's tokens too (a cache's teacher tokenizer if it names none).
+    teacher_tokenizer = cross_teacher_tokenizer(config) if config.kd.cross_tokenizer is not None else None
     train, val, train_prompts, val_prompts = run_datasets(config, tokenizer, teacher_tokenizer)
     manifest = train.store.manifest
     teacher = (f", the teacher's {manifest['teacher_tokens']} ({manifest['teacher_token_dtype']}) in "

@@ -63,6 +63,15 @@ def _names_tokenizer(section) -> bool:
     return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
 
 
+def cross_teacher_tokenizer(config: KDRecipeConfig):
+    """The teacher's tokenizer of a `kd.cross_tokenizer` run: `teacher_model`'s, or, training from a cache
+    with no teacher named, the one the cache holds (`teacher_cache.cache_teacher_tokenizer`)."""
+    with about("teacher_model.tokenizer"):
+        if config.kd.teacher_cache is not None and not _names_tokenizer(config.teacher_model):
+            return teacher_cache.cache_teacher_tokenizer(config)
+        return load_section_tokenizer(config.teacher_model)
+
+
 def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True,
               teachers: list[str] | None = None) -> Preflight:
     """Check everything that needs no process group; raises before any process or collective is involved.
@@ -140,10 +149,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     if from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
         teacher_tokenizer = tokenizer
         if config.kd.cross_tokenizer is not None:
-            with about("teacher_model.tokenizer"):
-                named = _names_tokenizer(config.teacher_model)
-                teacher_tokenizer = (load_section_tokenizer(config.teacher_model) if named
-                                     else teacher_cache.cache_teacher_tokenizer(config))
+            teacher_tokenizer = cross_teacher_tokenizer(config)
         manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student),
                                              teacher_tokenizer=teacher_tokenizer)
         teacher_rows, teacher_width = manifest["teacher_vocab_rows"], manifest.get("teacher_hidden_size")

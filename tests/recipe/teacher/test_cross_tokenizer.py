@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.settings.config import ConfigError, config_from_dict
@@ -259,7 +260,8 @@ def test_a_run_from_a_cross_tokenizer_cache_follows_the_live_teacher(runs, name,
     assert first[0]["teacher_val_loss"] == pytest.approx(first[1]["teacher_val_loss"], rel=1e-6)
 
 
-def test_the_cache_keeps_the_teachers_tokenizer_and_refuses_another(runs):
+def test_the_cache_keeps_the_teachers_tokenizer_and_refuses_another(runs, tmp_path):
+    from meshkd.commands import prepare_data_command
     from meshkd.recipe.lifecycle.preflight import preflight
 
     config = runs.configs["cached_topk"]
@@ -267,6 +269,13 @@ def test_the_cache_keeps_the_teachers_tokenizer_and_refuses_another(runs):
     without_teacher = copy.deepcopy(config)
     without_teacher.pop("teacher_model")  # the cache's own tokenizer packs the teacher's side
     assert preflight(config_from_dict(without_teacher)).teacher_tokenizer is not None
+    # So does it for `meshkd prepare-data`: the store holds the teacher's tokens, by the cache's tokenizer.
+    without_teacher["dataset"]["token_store"] = str(tmp_path / "store")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(without_teacher))
+    assert prepare_data_command(str(path), []) == 0
+    manifests = [json.loads(found.read_text()) for found in (tmp_path / "store").rglob("manifest.json")]
+    assert manifests and all("teacher_tokens" in manifest for manifest in manifests)
     other = copy.deepcopy(config)
     other["teacher_model"]["tokenizer"] = "byte"
     with pytest.raises(ConfigError, match="teacher_model.tokenizer"):
