@@ -208,17 +208,20 @@ class StudentTrainer:
                               stop_requested=self._stop.requested)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
+        # The same for every teacher: each vocabulary entry's bytes, counted once.
+        byte_lengths = token_byte_lengths(self.tokenizer, size=self.vocab_size)
+        teacher_byte_lengths = token_byte_lengths(self.teacher_tokenizer) if config.kd.cross_tokenizer else None
+
         def evaluation(name: str, teacher: TeacherSource) -> Evaluation:
-            cached = self._manifests.get(name)
             return Evaluation(self.views[name], self.setup, model=self.model, pipeline=self.pipeline, teacher=teacher,
                               val_set=self.val_set, val_prompts=self.val_prompts,
                               completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
                               group=self.student_group, device=self.device,
-                              byte_lengths=token_byte_lengths(self.tokenizer, size=self.vocab_size),
-                              teacher_byte_lengths=token_byte_lengths(self.teacher_tokenizer)
-                              if config.kd.cross_tokenizer else None, vocab_size=self.vocab_size,
-                              teacher_role=TeacherSetups.role(name),
-                              validation_answer=cached["splits"]["validation"]["answer"] if cached else None)
+                              byte_lengths=byte_lengths, teacher_byte_lengths=teacher_byte_lengths,
+                              vocab_size=self.vocab_size, teacher_role=TeacherSetups.role(name),
+                              # a teacher read from its cache (a CachedTeacher) answers in what the cache holds
+                              validation_answer=teacher.answer_mode("validation") if name in self._manifests
+                              else None)
 
         self.evaluation = TeachersEvaluation.of(
             {name: evaluation(name, source) for name, source in self.teacher_sources.items()},
