@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "quiet", False):
         args.set.append("logging.summary=false")
     try:
+        if args.command != "plot":
+            from meshkd.recipe.common.versions import check_versions
+
+            check_versions()  # before any model is built or worker started
         if args.command == "train":
             return commands.train_command(args.config, args.set, args.nproc, args.resume)
         if args.command == "cache-teacher":

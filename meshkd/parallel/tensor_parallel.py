@@ -11,11 +11,14 @@ vocab-parallel KD loss never gathers the vocabulary. `tensor_parallel_plan` reso
 model instance (wildcards expanded to the modules it has, so a pipeline stage's pass-throughs are left
 out); `check_tensor_parallel` refuses, before anything is sharded, what the plan cannot honour. The
 experts of an MoE teacher or student may instead be spread whole over the same tp ranks by the model's
-expert plan (`config.base_model_ep_plan`, transformers' expert dispatch): ep_size = tp_size.
+expert plan (`config.base_model_ep_plan`, transformers' expert dispatch): ep_size = tp_size. From
+transformers 5.25 the families' tp plans no longer split experts (`experts_left_whole`): tp alone then keeps
+every expert whole on each tp rank, and preflight suggests ep_size = tp_size.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -25,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshkd.parallel.stages import decoder_of, is_pass_through, is_tied
 
-__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan"]
+__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "check_tensor_parallel", "experts_left_whole",
+           "tensor_parallel_plan"]
 
 VOCAB_PARALLEL_HEAD = "meshkd_vocab_parallel_head"
 """Style of the output head: colwise, logits left as a DTensor Shard(-1) on the vocabulary dim."""
@@ -69,7 +73,8 @@ class _GradSummedReplica:
     present when the style was applied.
     """
 
-    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    # transformers passes keyword context (config, mesh_manager from 5.25) that this style does not need.
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh, **context) -> nn.Module:
         original_forward = module.forward
         hooked: dict[str, nn.Parameter] = {}
         group = mesh.get_group()
@@ -85,8 +90,18 @@ class _GradSummedReplica:
         module.forward = forward
         return module
 
-    def shard_param(self, module: nn.Module, parameter: str, mesh: DeviceMesh) -> None:
+    def shard_param(self, module: nn.Module, parameter: str, mesh: DeviceMesh, **context) -> None:
         pass  # replicated
+
+
+def _style_context(model: nn.Module) -> dict:
+    """The keyword context transformers' styles take in this release, as `apply_tensor_parallelism` passes it
+    (the text config and the mesh manager from 5.25, nothing before)."""
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    if "config" not in inspect.signature(TensorParallelLayer.shard_param).parameters:
+        return {}
+    return {"config": model.config.get_text_config(), "mesh_manager": getattr(model, "_mesh_manager", None)}
 
 
 def _declared_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
@@ -166,6 +181,16 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, ep_size: int = 1) -> N
                                      "attention heads whole")
 
 
+def experts_left_whole(model: nn.Module) -> bool:
+    """Whether tensor parallel alone leaves `model`'s experts whole on every tp rank: an MoE model (one with an
+    expert plan) whose tp plan shards none of its experts, as from transformers 5.25 on (before, the tp plan
+    split each expert)."""
+    experts = tuple(key.replace("*", "0") for key in _declared_plan(model, "ep"))
+    if not experts:
+        return False
+    return not any(key.replace("*", "0").startswith(experts) for key in _declared_plan(model))
+
+
 def _check_expert_parallel(model: nn.Module, ep_size: int) -> None:
     if not _declared_plan(model, "ep"):
         raise ValueError(f"ep_size({ep_size}) > 1 needs a mixture-of-experts model; {type(model).__name__} ships "
@@ -196,10 +221,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, expert_paral
     # transformers shards a module entry's parameters while it loads them; these are loaded already, so
     # each is cut here to this rank's piece (no communication: every rank holds the same full tensor).
     modules = dict(model.named_modules())
+    context = _style_context(model)
     for name, style in plan.items():
         if name in modules:
             for parameter in [key for key, _ in modules[name].named_parameters(recurse=False)]:
-                styles[style].shard_param(modules[name], parameter, tp_mesh)
+                styles[style].shard_param(modules[name], parameter, tp_mesh, **context)
     apply_tensor_parallelism(model, tp_mesh, plan)
     if expert_parallel:
         apply_expert_parallel(model, tp_mesh, tp_mesh)

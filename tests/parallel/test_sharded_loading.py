@@ -30,6 +30,7 @@ from meshkd.parallel.data_parallel import parallelize_student, scale_expert_grad
 from meshkd.parallel.sharded_loading import empty_causal_lm, is_empty, load_shards
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.parallel.teacher_runner import TeacherRunner
+from meshkd.parallel.tensor_parallel import experts_left_whole
 from meshkd.recipe.modeling.models import load_causal_lm, save_hf_model
 from tests.tiny import full, neat_layout
 from tests.world import layout_setups, world_test
@@ -209,7 +210,11 @@ def check_teacher_pp2_tp2():
 
 def check_moe_teachers_ep2_and_tp2():
     run_teacher("qwen3_moe", {"tp_size": 2, "ep_size": 2}, max_share=0.6)
-    run_teacher("mixtral", {"tp_size": 2}, max_share=0.6)
+    # tp alone splits experts only where the family's tp plan says so (transformers 5.24; from 5.25 it keeps
+    # them whole); ep_size = tp_size spreads them on every release.
+    whole = experts_left_whole(load_causal_lm(random_init=MODELS["mixtral"]))
+    run_teacher("mixtral", {"tp_size": 2}, max_share=1.0 if whole else 0.6)
+    run_teacher("mixtral", {"tp_size": 2, "ep_size": 2}, max_share=0.6)
     run_teacher("mixtral", {"pp_size": 2, "tp_size": 2, "ep_size": 2}, max_share=0.4)
 
 

@@ -16,9 +16,10 @@ import torch
 
 from meshkd.core.masks import attention_windows
 from meshkd.parallel.data_parallel import check_experts_over_dp
-from meshkd.parallel.tensor_parallel import check_tensor_parallel
+from meshkd.parallel.tensor_parallel import check_tensor_parallel, experts_left_whole
 from meshkd.recipe.common.faults import about
 from meshkd.recipe.common.metrics import warn0
+from meshkd.recipe.common.versions import check_versions
 from meshkd.recipe.corpus import data, documents
 from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
 from meshkd.recipe.modeling import models
@@ -78,7 +79,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
-    corpus only when it is at most 64 MiB. Checks: unsupported student layouts; data files exist, are text
+    corpus only when it is at most 64 MiB. Checks: transformers, peft and datasets within their tested ranges
+    (`meshkd.recipe.common.versions`); unsupported student layouts; data files exist, are text
     (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; both tokenizers load and
     agree, and fit both embedding tables; each model directory's safetensors headers;
     `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
@@ -96,6 +98,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         ConfigError (a ValueError) or ValueError: naming the config key.
         FileNotFoundError: naming the missing file or path.
     """
+    check_versions()
     student_layout = config.distributed
     from_cache = config.kd.teacher_cache is not None and not writing_cache
     separate = config.separate_meshes and not from_cache
@@ -202,6 +205,10 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         except ValueError as error:
             sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
             raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
+        if layout.tp_size > 1 and layout.ep_size == 1 and experts_left_whole(model):
+            warn0(f"{key}.ep_size: {label}'s experts stay whole on each of its {layout.tp_size} tp ranks (this "
+                  f"transformers release's tensor-parallel plan does not shard experts); set ep_size: "
+                  f"{layout.tp_size} to spread them over the tp ranks")
     for key, layout, label, model, section in roles:
         num_layers = model.config.num_hidden_layers
         if layout.pp_size > num_layers:

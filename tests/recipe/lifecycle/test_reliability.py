@@ -674,6 +674,24 @@ def test_bad_input_fails_preflight_naming_the_key_or_file(case, tmp_path):
         preflight(config)
 
 
+def test_an_moe_teacher_under_tp_alone_is_told_when_its_experts_stay_whole(tmp_path, capsys):
+    from meshkd.parallel.tensor_parallel import experts_left_whole
+    from meshkd.recipe.common import metrics
+    from meshkd.recipe.lifecycle.preflight import preflight
+    from meshkd.recipe.modeling.models import load_causal_lm
+
+    moe = {"random_init": {**llama()["random_init"], "model_type": "qwen3_moe", "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 16}, "tokenizer": "byte", "seed": 2}
+    whole = experts_left_whole(load_causal_lm(random_init=moe["random_init"]))
+    for layout, warned in (({"dp_size": 1, "tp_size": 2}, whole), ({"dp_size": 1, "tp_size": 2, "ep_size": 2}, False)):
+        metrics.warned.clear()
+        preflight(config_from_dict(tiny(tmp_path, teacher_model=moe, teacher_distributed=layout)))
+        err = capsys.readouterr().err
+        assert ("teacher_distributed.ep_size: teacher_model's experts stay whole on each of its 2 tp ranks" in err) \
+            == warned, (layout, err)
+        assert ("set ep_size: 2" in err) == warned
+
+
 def test_binary_and_non_utf8_data_files_are_refused_or_skipped_by_name(tmp_path, capsys):
     from meshkd.recipe.corpus import data
     from meshkd.recipe.lifecycle.preflight import preflight
