@@ -60,9 +60,10 @@ def with_layout(config: dict, student: dict, teacher: dict | None) -> dict:
 
 
 def tiny_llama_model(
-    *, vocab: int, layers: int = 2, seed: int = 0, tie: bool = False, attn: str = "sdpa", max_positions: int = 128
+    *, vocab: int, layers: int = 2, seed: int = 0, tie: bool = False, attn: str = "sdpa", max_positions: int = 128,
+    head_dim: int = 8,
 ) -> torch.nn.Module:
-    """A random-init LlamaForCausalLM (hidden 32, 4 heads, 2 KV heads) that runs in milliseconds."""
+    """A random-init LlamaForCausalLM (hidden 32, 4 heads of `head_dim`, 2 KV heads) that runs in milliseconds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -73,6 +74,7 @@ def tiny_llama_model(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
         attn_implementation=attn,

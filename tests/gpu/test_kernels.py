@@ -133,3 +133,18 @@ def test_the_students_sampler_draws_on_the_device_each_row_as_if_alone():
     alone = [sample([prompt], [seed])[0] for prompt, seed in zip(prompts, [1, 2, 3])]
     assert all(torch.equal(a, b) for a, b in zip(together, alone)) and all(len(c) == 6 for c in together)
     assert all(torch.equal(a, b) for a, b in zip(together, sample(prompts, [1, 2, 3])))  # seeded: repeatable
+
+
+def test_host_rows_reach_the_device_whole_through_pinned_copies():
+    from meshkd.recipe.corpus.batches import to_device
+    from meshkd.recipe.student.train_step import micro_batches
+    from meshkd.recipe.teacher.teacher_cache import row_hashes
+
+    batch = {key: torch.randint(0, 100, (4, 64)) for key in ("input_ids", "position_ids", "attention_mask", "labels")}
+    values = torch.randn(4, 64, 8)
+    moved = to_device(values, DEVICE)
+    parts = micro_batches(batch, size=2, device=DEVICE)
+    torch.cuda.synchronize()
+    assert moved.device == DEVICE and torch.equal(moved.cpu(), values)
+    assert torch.equal(torch.cat([part["input_ids"] for part in parts]).cpu(), batch["input_ids"])
+    assert row_hashes({key: value.to(DEVICE) for key, value in batch.items()}) == row_hashes(batch)

@@ -199,3 +199,31 @@ def test_host_syncs_per_training_step_are_counted(tmp_path):
     total = sum(per_step[1:], Counter())  # step 1 warms up
     print(f"host syncs per training step (steps 2-{len(per_step)}): "
           f"{[sum(counts.values()) for counts in per_step[1:]]}; by source: {total.most_common(12)}")
+
+
+def fused_step_of_shards_and_projections(rank: int, root: str) -> None:
+    """FSDP2 shards (DTensors on the one-rank mesh) and plain hidden-state projections in one optimizer, as
+    `build_optimizer` makes it on CUDA: fused AdamW steps every group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from meshkd.recipe.student.train_step import build_optimizer
+    from tests.tiny import tiny_llama_model
+
+    torch.cuda.set_device(0)
+    model = tiny_llama_model(vocab=262, seed=0).cuda()
+    fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
+    projection = torch.nn.Linear(32, 48).cuda()
+    config = config_from_dict(base_config(Path(root)))
+    optimizer, _ = build_optimizer(model, config, list(projection.parameters()))
+    assert optimizer.defaults["fused"] and len(optimizer.param_groups) == 2
+    before = projection.weight.detach().clone()
+    ids = torch.randint(0, 262, (2, 16), device="cuda")
+    (model(input_ids=ids, labels=ids).loss + projection(torch.ones(32, device="cuda")).sum()).backward()
+    optimizer.step()
+    assert not torch.equal(before, projection.weight)
+
+
+def test_fused_adamw_steps_sharded_weights_beside_plain_projections(tmp_path):
+    assert spawn_world(1, fused_step_of_shards_and_projections, (str(tmp_path),), backend="nccl", timeout_s=120,
+                       deadline_s=300) is None

@@ -4,6 +4,7 @@ Training batches: epoch e visits the rows (`meshkd.recipe.corpus.data.PackedData
 `seed + e`; step s is a pure function of (seed, s), so a resumed run jumps straight to its step. Each global
 batch is split contiguously over the data-parallel ranks, so the global batch does not depend on `dp_size`.
 Held-out batches cover the rows once, in order, the last step padded so that every rank runs as many.
+`to_device` moves a host tensor to a GPU from pinned memory without the host waiting for the copy.
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ def training_rows(dataset: PackedDataset, *, global_batch_size: int, seed: int, 
         if len(seen) == len(dataset):
             break
     return list(seen)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. A host tensor goes to a GPU from pinned memory, the host not waiting for the copy
+    (torch's pinned-memory allocator keeps the buffer until its copy has run; later work on the same stream
+    runs after it)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], num_micro_batches: int) -> list[dict[str, torch.Tensor]]:

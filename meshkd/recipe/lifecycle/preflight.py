@@ -22,6 +22,7 @@ from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.common.versions import check_versions
 from meshkd.recipe.corpus import data, documents
 from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
+from meshkd.recipe.lifecycle.world import uses_cuda
 from meshkd.recipe.modeling import models
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, expand_path
@@ -80,9 +81,9 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
     corpus only when it is at most 64 MiB. Checks: transformers, peft and datasets within their tested ranges
-    (`meshkd.recipe.common.versions`); unsupported student layouts; data files exist, are text
-    (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; both tokenizers load and
-    agree, and fit both embedding tables; each model directory's safetensors headers;
+    (`meshkd.recipe.common.versions`); unsupported student layouts; flex_attention on CUDA against head_dim;
+    data files exist, are text (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document;
+    both tokenizers load and agree, and fit both embedding tables; each model directory's safetensors headers;
     `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
     attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel plan
     (styles, attention and key/value head counts); both roles' pp_size against their decoder layers; a TP
@@ -178,9 +179,14 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     roles = [("distributed", student_layout, "model", student, config.model)]
     if teacher is not None:
         roles.append((teacher_key, teacher_layout, "teacher_model", teacher, config.teacher_model))
-    for _, _, label, model, _ in roles:
+    for _, _, label, model, section in roles:
         with about(label):
             attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
+        shape = model.config
+        head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+        if section.attn_implementation == "flex_attention" and uses_cuda(config) and head_dim < 16:
+            raise ConfigError(f"{label}.attn_implementation: flex_attention on CUDA needs head_dim >= 16 (the "
+                              f"compiled kernel's smallest); {label} has head_dim {head_dim}: use sdpa")
         limit = getattr(model.config, "max_position_embeddings", None)
         key, length = "step_scheduler.sequence_length", steps.sequence_length
         if label == "teacher_model" and config.kd.cross_tokenizer is not None:

@@ -57,7 +57,7 @@ from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.corpus.aligned_data import teacher_side
-from meshkd.recipe.corpus.batches import eval_batches
+from meshkd.recipe.corpus.batches import eval_batches, to_device
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks
@@ -149,7 +149,7 @@ class Evaluation:
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         self.model.eval()
         for batch in self._batches(self.val_set):
-            micro_batch = {key: value.to(self.device) for key, value in batch.items()}
+            micro_batch = {key: to_device(value, self.device) for key, value in batch.items()}
             answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.logits_codec import topk_index_message
@@ -52,6 +53,7 @@ from meshkd.parallel.context_parallel import shard_student_batch
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import warn0
+from meshkd.recipe.corpus.batches import to_device
 from meshkd.recipe.modeling.adapters import trainable_parameters
 from meshkd.recipe.settings.config import ConfigError, KDConfig
 from meshkd.recipe.student.router_loss import RouterLoss
@@ -76,18 +78,33 @@ def build_optimizer(model: torch.nn.Module, config, extra: list[torch.nn.Paramet
     """The `optimizer` section's optimizer over the laid-out model's parameters (and `extra` ones trained with
     them: `kd.hidden_states`' projections), and the `lr_scheduler`'s schedule.
 
-    AdamW on CUDA is torch's fused kernel: a few launches for all parameters, its step counts kept on the
-    device. On the CPU it stays the per-tensor loop: torch's foreach ops run tensor by tensor there anyway."""
+    AdamW on CUDA is torch's fused kernel: a few launches for each group of parameters, its step counts kept on
+    the device. On the CPU it stays the per-tensor loop: torch's foreach ops run tensor by tensor there anyway.
+    The parameters are grouped as `parameter_groups` says on every device, so a checkpoint's groups do not
+    depend on where it was written."""
     opt = config.optimizer
     parameters = trainable_parameters(model) + list(extra)  # a LoRA student's: its adapters
+    groups = parameter_groups(parameters)
     if opt.name == "adamw":
         on_cuda = bool(parameters) and all(parameter.device.type == "cuda" for parameter in parameters)
-        optimizer = torch.optim.AdamW(parameters, lr=opt.lr, weight_decay=opt.weight_decay,
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr, weight_decay=opt.weight_decay,
                                       betas=tuple(opt.betas), eps=opt.eps, foreach=False, fused=on_cuda)
     else:
-        optimizer = torch.optim.SGD(parameters, lr=opt.lr, weight_decay=opt.weight_decay)
+        optimizer = torch.optim.SGD(groups, lr=opt.lr, weight_decay=opt.weight_decay)
     factor = lr_factor(config.lr_scheduler, config.step_scheduler.max_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def parameter_groups(parameters: list[torch.nn.Parameter]) -> list[dict]:
+    """The parameters in groups a multi-tensor (fused) optimizer kernel can step at once: one for each device
+    mesh their DTensors lie on, one for plain tensors (`kd.hidden_states`' projections, a parameter no layout
+    shards), in the order each kind first appears. torch's fused AdamW refuses a group that mixes DTensors and
+    plain tensors, or DTensors of different meshes (a student's experts over dp beside its FSDP2 shards)."""
+    groups: dict = {}
+    for parameter in parameters:
+        mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
+        groups.setdefault(mesh, []).append(parameter)
+    return [{"params": members} for members in groups.values()]
 
 
 def lr_factor(schedule, max_steps: int) -> Callable[[int], float]:
@@ -118,13 +135,10 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def micro_batches(batch: dict, *, size: int, device: torch.device) -> list[dict]:
-    """A rank's batch cut into micro-batches of `size` rows, on `device`. A GPU gets them from pinned host
-    memory without the host waiting for the copies (torch's pinned-memory allocator keeps each buffer until
-    its copy has run; later work on the same stream runs after it)."""
-    pinned = device.type == "cuda"
-    if pinned:
-        batch = {key: value.pin_memory() if value.device.type == "cpu" else value for key, value in batch.items()}
-    return [{key: value[i : i + size].to(device, non_blocking=pinned) for key, value in batch.items()}
+    """A rank's batch cut into micro-batches of `size` rows, on `device` (a GPU's copied from pinned host
+    memory, the host not waiting: `to_device`)."""
+    batch = {key: to_device(value, device) for key, value in batch.items()}
+    return [{key: value[i : i + size] for key, value in batch.items()}
             for i in range(0, batch["input_ids"].shape[0], size)]
 
 
@@ -148,12 +162,12 @@ def shard_micro_batch(micro_batch: dict, setup: DistributedSetup, *, ignore_inde
 
 
 def student_logits(model: torch.nn.Module, pipeline: StudentPipeline | None, micro_batch: dict) -> torch.Tensor | None:
-    """The student's logits [batch, sequence, vocab] of a micro-batch; a pipelined student's forward only,
-    None before the last stage."""
+    """The student's logits [batch, sequence, vocab] of a micro-batch (training and evaluation); a pipelined
+    student's forward only, None before the last stage."""
     if pipeline is not None:
         return pipeline.forward(micro_batch)
     return model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
-                 attention_mask=micro_batch["attention_mask"]).logits
+                 attention_mask=micro_batch["attention_mask"], use_cache=False).logits  # no KV cache to build
 
 
 class TrainStep:

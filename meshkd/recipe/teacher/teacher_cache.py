@@ -50,7 +50,7 @@ from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherReq
 from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.corpus.aligned_data import teacher_side
-from meshkd.recipe.corpus.batches import training_rows
+from meshkd.recipe.corpus.batches import to_device, training_rows
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
 from meshkd.recipe.corpus.records import tokenizer_fingerprint
 from meshkd.recipe.modeling import models
@@ -129,9 +129,10 @@ def _row_hash(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mas
 
 
 def row_hashes(batch: Batch) -> list[str]:
-    """One hash per row of a batch (or a dataset's rows): what identifies the row in a cache."""
-    return [_row_hash(*(batch[key][i] for key in ("input_ids", "position_ids", "attention_mask")))
-            for i in range(batch["input_ids"].shape[0])]
+    """One hash per row of a batch (or a dataset's rows): what identifies the row in a cache. A batch on a GPU
+    comes to the host in one copy per tensor, not one per row."""
+    tensors = [batch[key].to("cpu", torch.int64) for key in ("input_ids", "position_ids", "attention_mask")]
+    return [_row_hash(*(tensor[i] for tensor in tensors)) for i in range(tensors[0].shape[0])]
 
 
 def rows_digest(hashes: Iterable[str]) -> str:
@@ -340,7 +341,7 @@ class CachedTeacher:
                                  f"the run asks for {logits_transport!r}")
             handle, fields, names = self._shard(number)
             rows.append({name: handle.get_slice(name)[offset : offset + 1] for name in names})
-        answer = {name: torch.cat([row[name] for row in rows]).to(self.device) for name in rows[0]}
+        answer = {name: to_device(torch.cat([row[name] for row in rows]), self.device) for name in rows[0]}
         return {**fields, **answer}
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],

@@ -65,7 +65,8 @@ def test_the_override_warns_once_and_lets_an_untested_release_run(monkeypatch, c
 def test_meshkd_train_refuses_an_untested_transformers_before_anything_starts(monkeypatch, capsys):
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     real = versions._installed
-    monkeypatch.setattr(versions, "_installed", lambda library: "5.17.0" if library == "transformers" else real(library))
+    monkeypatch.setattr(versions, "_installed",
+                        lambda library: "5.17.0" if library == "transformers" else real(library))
     started = []
     monkeypatch.setattr(cli.commands, "train_command", lambda *args: started.append(args) or 0)
     assert cli.main(["train", "no-such-config.yaml"]) == 2

@@ -643,6 +643,10 @@ def preflight_cases(tmp: Path) -> dict:
                               r"logging\.run_dir: .*afile exists and is not a directory"),
         "checkpoint_dir_under_a_file": ({"checkpoint__dir": str(Path(write_file(tmp / "bfile")) / "ckpt")},
                                         ConfigError, r"checkpoint\.dir: .*cannot be created: .*bfile is not a dir"),
+        "flex_attention_with_small_heads_on_cuda": ({"device": "cuda", "teacher_model__attn_implementation":
+                                                     "flex_attention"}, ConfigError,
+                                                    r"teacher_model\.attn_implementation: flex_attention on CUDA "
+                                                    r"needs head_dim >= 16 .*; teacher_model has head_dim 8: use sdpa"),
         "ddp_with_tp_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
                                           "distributed": {"strategy": "ddp", "dp_size": 1, "tp_size": 2}},
                                          ConfigError, r"distributed\.strategy 'ddp' with tp_size\(2\)"),
@@ -658,7 +662,7 @@ PREFLIGHT_CASES = [
     "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
     "student_experts_over_dp_with_cp", "student_sequence_parallel",
-    "ddp_with_tp_on_shared_meshes", "negative_model_size",
+    "ddp_with_tp_on_shared_meshes", "negative_model_size", "flex_attention_with_small_heads_on_cuda",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json", "negative_head_count",
     "garbage_safetensors",
 ]

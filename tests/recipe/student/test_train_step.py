@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,36 @@ def check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures() -
     assert not quiet.stop_agreed
 
 
+def check_the_optimizer_groups_what_one_multi_tensor_kernel_can_step() -> None:
+    """FSDP2 shards, a DTensor of another mesh and plain tensors (hidden-state projections) train in one
+    optimizer: each group holds one kind, so torch's multi-tensor AdamW (fused on CUDA; foreach, which refuses
+    the same mixes, here) steps them all, where one group of all of them is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from meshkd.recipe.student.train_step import build_optimizer, parameter_groups
+
+    setup = create_kd_distributed_setups({"distributed": {"dp_size": WORLD, "strategy": "fsdp2"}}, WORLD).student
+    model = parallelize_student(tiny_llama_model(vocab=VOCAB, seed=0), setup)
+    projection = torch.nn.Linear(8, 8)
+    other_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("experts",))
+    expert = torch.nn.Parameter(distribute_tensor(torch.ones(4, 8), other_mesh, [Replicate()]))
+    extra = [projection.weight, expert, projection.bias]
+    config = config_from_dict(with_layout(base_config(Path(tempfile.mkdtemp())), {"dp_size": WORLD}, None))
+    optimizer, _ = build_optimizer(model, config, extra)
+    groups = [group["params"] for group in optimizer.param_groups]
+    kinds = [{p.device_mesh if isinstance(p, DTensor) else None for p in group} for group in groups]
+    assert [len(kind) for kind in kinds] == [1, 1, 1], kinds
+    assert [None in kind for kind in kinds] == [False, True, False]
+    everything = list(model.parameters()) + extra
+    assert sorted(map(id, (p for group in groups for p in group))) == sorted(map(id, everything))
+    for parameter in everything:
+        parameter.grad = torch.ones_like(parameter)
+    torch.optim.AdamW(parameter_groups(everything), lr=1e-3, foreach=True).step()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torch.optim.AdamW(everything, lr=1e-3, foreach=True).step()
+
+
 class Train:
     """A check that trains `config` with the recipe; rank 0 writes whether its decoder layers checkpoint."""
 
@@ -210,14 +241,16 @@ def train_step_world(tmp_path_factory):
         runs.append(Train(name, config))
     checks = [check_micro_batched_steps_equal_one_process_and_reduce_once,
               check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update,
-              check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures, *runs]
+              check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures,
+              check_the_optimizer_groups_what_one_multi_tensor_kernel_can_step, *runs]
     return root, run_world(WORLD, checks, timeout_s=60, deadline_s=300)
 
 
 @pytest.mark.world
 @pytest.mark.parametrize("check", ["check_micro_batched_steps_equal_one_process_and_reduce_once",
                                    "check_activation_checkpointing_recomputes_each_layer_and_keeps_the_update",
-                                   "check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures"])
+                                   "check_a_bad_topk_index_and_a_stop_request_are_read_with_the_step_figures",
+                                   "check_the_optimizer_groups_what_one_multi_tensor_kernel_can_step"])
 def test_train_step(check, train_step_world):
     train_step_world[1].check(check)
 
@@ -241,3 +274,13 @@ def test_the_teacher_has_no_activations_to_checkpoint(tmp_path):
     config["teacher_model"]["activation_checkpointing"] = True
     with pytest.raises(ConfigError, match=r"teacher_model.activation_checkpointing: the teacher runs forward only"):
         config_from_dict(config)
+
+
+def test_the_students_training_and_evaluation_forward_builds_no_kv_cache():
+    from meshkd.recipe.student.train_step import student_logits
+
+    model = tiny_llama_model(vocab=VOCAB, seed=0).train()
+    outputs = []  # the decoder's outputs that are set (a KV cache would be one: past_key_values, or cache)
+    model.model.register_forward_hook(lambda module, args, output: outputs.append(sorted(output.keys())))
+    logits = student_logits(model, None, global_batch())
+    assert logits.shape == (ROWS, LENGTH, VOCAB) and outputs == [["last_hidden_state"]]
