@@ -8,7 +8,8 @@ Design:
   (-100 outside answers) and survives whatever carries labels: packing, cp sharding, pipeline stages, the
   teacher cache, several teachers.
 - `text` rows: the `text_key` column, all of it trains, EOS appended (plain text files are such rows too).
-- `chat` rows: the `messages_key` column, a list of `{role, content}`, rendered with the tokenizer's own chat
+- `chat` rows: the `messages_key` column, a list of `{role, content}` (roles: system, user, assistant, tool and
+  those `dataset.chat_roles` adds; any other is refused naming the row), rendered with the tokenizer's own chat
   template. An assistant turn i is the text between the rendering of turns [0, i) with the generation
   prompt and that of turns [0, i]: so the answer holds what the template puts after the content (the
   end-of-turn token: the model learns to stop) and not the assistant header. A template that does not
@@ -144,7 +145,7 @@ def _row_reader(dataset, tokenizer, tokenizer_key: str) -> Callable[[dict, str],
                          f"dataset.records 'chat' renders rows with the chat template of {tokenizer_key}, which "
                          "has none")
     render = ChatRenderer(tokenizer, dataset.train_on, tokenizer_key) if template else None
-    return _chat_reader(dataset.messages_key, render) if records == "chat" else _pair_reader(dataset, render)
+    return _chat_reader(dataset, render) if records == "chat" else _pair_reader(dataset, render)
 
 
 def _both_sides(student: Callable[[dict, str], Document],
@@ -199,15 +200,18 @@ def _text_reader(text_key: str) -> Callable[[dict, str], Document | None]:
     return read
 
 
-def _chat_reader(messages_key: str, render: ChatRenderer) -> Callable[[dict, str], Document]:
+def _chat_reader(dataset, render: ChatRenderer) -> Callable[[dict, str], Document]:
+    roles = (*CHAT_ROLES, *dataset.chat_roles)
+
     def read(record: dict, where: str) -> Document:
-        messages = column(record, messages_key, where, "messages_key")
-        return render(_messages(messages, f"{where}: {messages_key!r}"), where)
+        messages = column(record, dataset.messages_key, where, "messages_key")
+        return render(_messages(messages, f"{where}: {dataset.messages_key!r}", roles), where)
     return read
 
 
 def _pair_reader(dataset, render: ChatRenderer | None) -> Callable[[dict, str], Document]:
     keys = {"prompt": dataset.prompt_key or "prompt", "completion": dataset.completion_key}
+    roles = (*CHAT_ROLES, *dataset.chat_roles)
 
     def text(record: dict, key: str | None, where: str, setting: str) -> str | None:
         value = None if key is None else column(record, key, where, setting)
@@ -235,15 +239,21 @@ def _pair_reader(dataset, render: ChatRenderer | None) -> Callable[[dict, str], 
             prompt = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
         if isinstance(completion, str):
             completion = [{"role": "assistant", "content": completion}]
-        messages = (_messages(prompt, f"{where}: {keys['prompt']!r}")
-                    + _messages(completion, f"{where}: {keys['completion']!r}"))
+        messages = (_messages(prompt, f"{where}: {keys['prompt']!r}", roles)
+                    + _messages(completion, f"{where}: {keys['completion']!r}", roles))
         return render(messages, where)
 
     return read
 
 
-def _messages(value: Any, where: str) -> list[dict]:
-    """`value` checked to be a list of {role, content} objects (other keys kept for the template)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a message may have; `dataset.chat_roles` adds others (a template renders any role it is given,
+so a misspelt one would otherwise train silently)."""
+
+
+def _messages(value: Any, where: str, roles: Sequence[str]) -> list[dict]:
+    """`value` checked to be a list of {role, content} objects with a role of `roles` (other keys kept for the
+    template)."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: expected a non-empty list of {{role, content}} messages, got "
                          f"{type(value).__name__}")
@@ -252,6 +262,9 @@ def _messages(value: Any, where: str) -> list[dict]:
                 and isinstance(message.get("content"), str)):
             raise ValueError(f"{where}: message {index} is not a {{role, content}} object of strings: "
                              f"{str(message)[:80]}")
+        if message["role"] not in roles:
+            raise ValueError(f"{where}: message {index} has the role {message['role']!r}, none of "
+                             f"{', '.join(roles)} (dataset.chat_roles adds others)")
     return value
 
 

@@ -17,7 +17,8 @@ Design:
 - A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the same
   split and first-fit packing as `meshkd.recipe.corpus.data`, so rows equal the in-memory ones token for token; routed
   rows packed teacher by teacher as `meshkd.recipe.corpus.routing` packs them, each row's teacher in the plan) and
-  kept beside the tokens in `plan-<digest>/`, written the same way.
+  kept beside the tokens in `plan-<digest>/`, written the same way, with the sha256 of each of its arrays
+  (`sha256.json`), checked when a run opens the plan.
 - A cross-tokenizer corpus (`kd.cross_tokenizer`) keeps the teacher's tokens beside the student's and each
   document's groups (`meshkd.core.token_alignment.Alignment` bounds); its plan is the in-memory aligned packing's
   (`plan_aligned`: pieces of whole groups, first fit on both sides), its rows `StoredAlignedRows`.
@@ -51,11 +52,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshkd.recipe.common.files import file_sha256
 from meshkd.recipe.corpus.stored_rows import StoredAlignedRows, StoredRows, plan_aligned, plan_routed, plan_split
 
 FORMAT, VERSION = "meshkd-token-store", 1
 BLOCK = 1 << 20
 """Bytes per checksummed block."""
+PLAN_CHECKSUMS = "sha256.json"
+"""A packing plan's file: the sha256 of each of its arrays."""
 _IGNORE = -100
 
 
@@ -326,6 +330,8 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
                              routed=routes is not None,
                              progress=progress, teacher_vocabulary=None if teacher is None else len(teacher))
         store = TokenStore(directory)
+        if plans.exists() and not (plans / PLAN_CHECKSUMS).exists():
+            shutil.rmtree(plans)  # a plan written before plans had checksums: computed again, as it is cheap
         if not plans.exists():
             lengths = store.document_lengths()
             held_out = np.zeros(len(lengths), dtype=bool)
@@ -429,6 +435,8 @@ def store_key(tokenizer, dataset, arguments: dict) -> dict:
     settings = {name: getattr(dataset, name) for name in
                 ("format", "records", "train_on", "chat_template", "text_key", "messages_key", "prompt_key",
                  "completion_key", "system_key", "context_key", "max_documents", "max_document_chars", "on_bad_file")}
+    if dataset.chat_roles:  # only when set: the stores of runs without it keep their keys
+        settings["chat_roles"] = dataset.chat_roles
     return {"sources": [[path, os.path.getsize(path), os.stat(path).st_mtime_ns] for path in files],
             "dataset.hf": None if dataset.hf is None else hf_fingerprint(dataset.hf),
             "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -450,13 +458,27 @@ def _chunks(documents: Iterable) -> Iterator[list]:
 
 
 def load_plan(directory: Path) -> dict[str, np.ndarray]:
-    return {path.stem: np.load(path, mmap_mode="r") for path in directory.glob("*.npy")}
+    """A split's packing plan (`save_plans`), each file checked against its sha256 first: a damaged or missing
+    file is refused naming it."""
+    sums = json.loads((directory.parent / PLAN_CHECKSUMS).read_text())
+    expected = {name.split("/", 1)[1]: value for name, value in sums.items() if name.startswith(f"{directory.name}/")}
+    found = {path.name for path in directory.glob("*.npy")}
+    for name in sorted(set(expected) | found):
+        path = directory / name
+        if name not in expected or not path.is_file() or file_sha256(path) != expected[name]:
+            raise ValueError(f"token store file {path} does not match the plan's checksums ({PLAN_CHECKSUMS}): "
+                             f"damaged; remove {directory.parent} to rebuild it")
+    return {Path(name).stem: np.load(directory / name, mmap_mode="r") for name in sorted(expected)}
 
 
 def save_plans(directory: Path, plans: dict[str, dict[str, np.ndarray]]) -> None:
+    """Write each split's plan arrays as SPLIT/NAME.npy, with their sha256s in `PLAN_CHECKSUMS`."""
     def fill(tmp: Path) -> None:
+        sums = {}
         for split, plan in plans.items():
             (tmp / split).mkdir()
             for name, array in plan.items():
                 np.save(tmp / split / f"{name}.npy", array)
+                sums[f"{split}/{name}.npy"] = file_sha256(tmp / split / f"{name}.npy")
+        (tmp / PLAN_CHECKSUMS).write_text(json.dumps(sums, indent=1))
     _write_atomically(directory, fill)

@@ -8,9 +8,10 @@ any worker starts. Errors name the config key they concern (`faults.about`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +21,7 @@ from meshkd.parallel.tensor_parallel import check_tensor_parallel, experts_left_
 from meshkd.recipe.common.faults import about
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.common.versions import check_versions
-from meshkd.recipe.corpus import data, documents
+from meshkd.recipe.corpus import data, documents, hf_sources
 from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
 from meshkd.recipe.lifecycle.world import uses_cuda
 from meshkd.recipe.modeling import models
@@ -82,7 +83,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
     corpus only when it is at most 64 MiB. Checks: transformers, peft and datasets within their tested ranges
     (`meshkd.recipe.common.versions`); unsupported student layouts; flex_attention on CUDA against head_dim;
-    data files exist, are text (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document;
+    data files exist, are text (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; a
+    `dataset.hf` dataset opens (streamed: its split, and its first row's columns);
     both tokenizers load and agree, and fit both embedding tables; each model directory's safetensors headers;
     `step_scheduler.sequence_length` against each model's max_position_embeddings; each model's layer
     attention kinds against the masks meshkd prepares; tp sizes against the model's own tensor-parallel plan
@@ -146,6 +148,11 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                                              on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])
             if not found:
                 raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
+    if check_data and dataset.hf is not None:
+        with about("dataset.hf"):  # opened, not read whole: its path and split, and its first row's columns
+            read = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)["read_record"]
+            for row, where in itertools.islice(hf_sources.section_rows(replace(dataset.hf, streaming=True)), 1):
+                read(row, where)
     with about("model"):
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)

@@ -145,6 +145,7 @@ class DatasetConfig:
     chat_template: bool | None = None  # prompt_completion rendered with model.tokenizer's template; null: if it has one
     text_key: str = "text"  # the column holding the text of text rows
     messages_key: str = "messages"  # chat: a list of {role, content}
+    chat_roles: list[str] = field(default_factory=list)  # roles a message may have beyond system, user, assistant, tool
     prompt_key: str | None = None  # prompt_completion: the prompt column ("prompt"); text: on-policy prompts
     completion_key: str = "completion"  # prompt_completion: the completion column
     system_key: str | None = None  # prompt_completion: a column holding a system message

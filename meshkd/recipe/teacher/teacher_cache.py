@@ -82,6 +82,8 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
             ("records", "train_on", "chat_template", "messages_key", "prompt_key", "completion_key", "system_key",
              "context_key")} | {"model.tokenizer.chat_template": tokenizer.chat_template}
            if dataset.records != "text" else {}),
+        # only when set, so that the caches of runs without it keep their keys
+        **({"dataset.chat_roles": dataset.chat_roles} if dataset.chat_roles else {}),
         **({"dataset.hf": hf_fingerprint(dataset.hf)} if dataset.hf is not None else {}),
         "step_scheduler.sequence_length": config.step_scheduler.sequence_length,
         "model.tokenizer": tokenizer_fingerprint(tokenizer),

@@ -196,6 +196,14 @@ BAD_ROWS = {
                      r":1: empty answer \(message 1, role 'assistant'\)"),
     "empty completion": ({"records": "prompt_completion", "chat_template": False}, {"prompt": "p", "completion": ""},
                          r":1: empty answer \('completion' is empty\)"),
+    "unknown role": ({"records": "chat"}, {"messages": [{"role": "user", "content": "q"},
+                                                        {"role": "robot", "content": "beep"},
+                                                        {"role": "assistant", "content": "a"}]},
+                     r":1: 'messages': message 1 has the role 'robot', none of system, user, assistant, tool "
+                     r"\(dataset.chat_roles adds others\)"),
+    "unknown role in a completion": ({"records": "prompt_completion"},
+                                     {"prompt": "p", "completion": [{"role": "assitant", "content": "c"}]},
+                                     r":1: 'completion': message 0 has the role 'assitant'"),
     "completion not text": ({"records": "prompt_completion"}, {"prompt": "p", "completion": 3},
                             r":1: 'completion': expected a non-empty list of \{role, content\} messages, got int"),
 }
@@ -210,6 +218,16 @@ def test_bad_rows_are_refused_naming_file_line_and_key(case, tmp_path):
     with pytest.raises(ValueError, match=re.escape(path) + message):
         data.build_run_datasets(TOKENIZER, DatasetConfig(paths=[path], val_fraction=0.0, **settings),
                                 sequence_length=64)
+
+
+def test_a_role_dataset_chat_roles_adds_trains_as_the_template_renders_it(tmp_path):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "ipython", "content": "out"},
+                        {"role": "assistant", "content": "a"}]}
+    path = write_jsonl(tmp_path / "rows.jsonl", [row])
+    train, _ = data.build_run_datasets(TOKENIZER, DatasetConfig(paths=[path], val_fraction=0.0, records="chat",
+                                                                chat_roles=["ipython"]), sequence_length=64)
+    text = TOKENIZER.decode(train[0]["input_ids"][0][train[0]["attention_mask"][0] > 0])
+    assert "ipython\nout" in text
 
 
 def test_bad_sources_and_templates_are_refused_naming_them(tmp_path):

@@ -185,6 +185,38 @@ def test_damaged_and_half_written_stores_are_refused_naming_the_file(tmp_path):
     assert train.num_tokens > 0 and (store / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("name", ["lengths.npy", "row_starts.npy", "starts.npy", "offsets.npy"])
+def test_a_damaged_packing_plan_file_is_refused_naming_it(name, tmp_path):
+    """Each array of a split's packing plan (one flipped byte, a file gone, a file added) is refused naming it,
+    never read silently; a plan written without checksums is computed again."""
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2,
+                            token_store=str(tmp_path / "store"))
+    expected, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    expected = expected[0 : len(expected)]
+    (plan,) = (tmp_path / "store").glob("*/plan-*")
+    path = plan / "train" / name
+    assert path.is_file(), sorted(p.name for p in path.parent.iterdir())
+    original = path.read_bytes()
+    damaged = bytearray(original)
+    damaged[-1] ^= 0x01  # the last element's lowest byte
+    path.write_bytes(bytes(damaged))
+    refused = re.escape(str(path)) + r" does not match the plan's checksums .*remove .*plan-.* to rebuild it"
+    with pytest.raises(ValueError, match=refused):
+        data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    path.unlink()
+    with pytest.raises(ValueError, match=refused):
+        data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    path.write_bytes(original)
+    (plan / "train" / "extra.npy").write_bytes(original)
+    with pytest.raises(ValueError, match=re.escape(str(plan / "train" / "extra.npy"))):
+        data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    (plan / "train" / "extra.npy").unlink()
+    (plan / "sha256.json").unlink()
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    got = train[0 : len(train)]
+    assert (plan / "sha256.json").is_file() and all(torch.equal(got[key], expected[key]) for key in expected)
+
+
 def test_the_smallest_token_type_that_holds_the_vocabulary():
     assert [token_dtype(size) for size in (256, 258, 65536, 65537, 2**32 + 1)] == [
         np.uint8, np.uint16, np.uint16, np.uint32, np.int64]

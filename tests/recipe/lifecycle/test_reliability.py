@@ -515,6 +515,14 @@ def llama(**overrides) -> dict:
     return section
 
 
+def saved_rows(directory: Path, row: dict) -> str:
+    """A Hugging Face dataset of one row saved with `save_to_disk`."""
+    import datasets
+
+    datasets.Dataset.from_list([row]).save_to_disk(str(directory))
+    return str(directory)
+
+
 def write_files(directory: Path, texts: dict[str, str]) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
@@ -643,6 +651,11 @@ def preflight_cases(tmp: Path) -> dict:
                               r"logging\.run_dir: .*afile exists and is not a directory"),
         "checkpoint_dir_under_a_file": ({"checkpoint__dir": str(Path(write_file(tmp / "bfile")) / "ckpt")},
                                         ConfigError, r"checkpoint\.dir: .*cannot be created: .*bfile is not a dir"),
+        "missing_hf_dataset": ({"dataset__hf": {"path": str(tmp / "no_dataset")}}, ValueError,
+                               r"dataset\.hf\.path '.*no_dataset': cannot load it .*not a local file or directory"),
+        "hf_dataset_without_the_text_column": ({"dataset__hf": {"path": saved_rows(tmp / "saved", {"body": "x"})}},
+                                               ValueError, r"dataset\.hf '.*saved' split 'train' row 0: "
+                                               r"no text_key 'text' in the row \(its columns: 'body'\)"),
         "flex_attention_with_small_heads_on_cuda": ({"device": "cuda", "teacher_model__attn_implementation":
                                                      "flex_attention"}, ConfigError,
                                                     r"teacher_model\.attn_implementation: flex_attention on CUDA "
@@ -663,6 +676,7 @@ PREFLIGHT_CASES = [
     "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
     "student_experts_over_dp_with_cp", "student_sequence_parallel",
     "ddp_with_tp_on_shared_meshes", "negative_model_size", "flex_attention_with_small_heads_on_cuda",
+    "missing_hf_dataset", "hf_dataset_without_the_text_column",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json", "negative_head_count",
     "garbage_safetensors",
 ]
