@@ -130,7 +130,8 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     runs = [("on-policy", run_dir, _ON_POLICY)]
     if args.compare:
         runs.append(("off-policy", run_dir + "_beside", _OFF_POLICY_BESIDE))
-    names = {"forward_kl": "forward KL", "reverse_kl": "reverse KL", "jsd": "JSD"}
+    names = {"forward_kl": "forward KL", "reverse_kl": "reverse KL", "jsd": "JSD", "skew_forward_kl": "skew KL",
+             "skew_reverse_kl": "skew reverse KL", "tvd": "TVD"}
     runs = [(f"{name} ({names[load_config(config_path, demo_overrides(directory, extra + args.set)).kd.divergence]})",
              directory, extra) for name, directory, extra in runs]  # as --set may have changed it
     for name, directory, extra in runs:

@@ -134,32 +134,49 @@ def kd_chunk(
 
 def student_weighted_chunk(
     student: Tensor, teacher: Tensor, valid: Tensor, temperature: float, group: dist.ProcessGroup | None,
-    divergence: str, beta: float,
+    divergence: str, mix: float,
 ) -> tuple[Tensor, Tensor]:
-    """Reverse KL(q || p) or the generalized JSD_beta for one chunk [c, v]: local loss share and T^2 * grad.
+    """A divergence other than forward KL for one chunk [c, v]: local loss share and T^2 * grad.
 
-    With q the student's and p the teacher's distribution at temperature T, both have a gradient of one
-    form: d / d s_v = q_v * (g_v - E_q[g]) (s = logits / T), where g = log q - log p for reverse KL, and
-    g = (1 - beta) * (log q - log m) with m = beta * p + (1 - beta) * q for JSD_beta (its derivative with
-    respect to q). E_q[g] needs the whole vocabulary: one SUM all-reduce per chunk on a vocab shard. Reverse
-    KL is infinite where the teacher gives a token probability 0 that the student does not.
+    With q the student's and p the teacher's distribution at temperature T (s = logits / T), each divergence
+    D has the gradient d D / d s_v = q_v * (h_v - E_q[h]) with h = d D / d q (a constant in h cancels):
+    - reverse KL(q || p): h = log q - log p;
+    - JSD_beta (`mix` = beta), m = beta p + (1 - beta) q: h = (1 - beta) (log q - log m);
+    - skew forward KL(p || m) (`mix` = alpha), m = alpha p + (1 - alpha) q: h = -(1 - alpha) p / m;
+    - skew reverse KL(q || m) (`mix` = alpha), m = (1 - alpha) p + alpha q: h = log q - log m - alpha q / m;
+    - total variation 1/2 sum |p - q|: h = sign(q - p) / 2 (0 where they are equal).
+    E_q[h] needs the whole vocabulary: one SUM all-reduce per chunk on a vocab shard. Reverse KL is infinite
+    where the teacher gives a token probability 0 that the student does not.
     """
     log_q, log_p = _log_softmaxes(student, teacher, temperature, group)
     q = log_q.exp()
     if divergence == "reverse_kl":
-        g = log_q - log_p
-        terms = torch.where(q > 0, q * g, 0.0)
-    else:
-        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-        g = (1 - beta) * (log_q - log_m)
+        h = log_q - log_p
+        terms = torch.where(q > 0, q * h, 0.0)
+    elif divergence == "jsd":
+        log_m = torch.logaddexp(log_p + math.log(mix), log_q + math.log1p(-mix))
+        h = (1 - mix) * (log_q - log_m)
         p = log_p.exp()
-        terms = (beta * torch.where(p > 0, p * (log_p - log_m), 0.0)
-                 + (1 - beta) * torch.where(q > 0, q * (log_q - log_m), 0.0))
-    g = torch.where(q > 0, g, 0.0)  # a token the student never picks adds nothing (and no inf * 0)
-    expected = (q * g).sum(-1)
+        terms = (mix * torch.where(p > 0, p * (log_p - log_m), 0.0)
+                 + (1 - mix) * torch.where(q > 0, q * (log_q - log_m), 0.0))
+    elif divergence == "skew_forward_kl":
+        log_m = torch.logaddexp(log_p + math.log(mix), log_q + math.log1p(-mix))
+        p = log_p.exp()
+        h = -(1 - mix) * (log_p - log_m).exp()
+        terms = torch.where(p > 0, p * (log_p - log_m), 0.0)
+    elif divergence == "skew_reverse_kl":
+        log_m = torch.logaddexp(log_p + math.log1p(-mix), log_q + math.log(mix))
+        h = log_q - log_m - mix * (log_q - log_m).exp()
+        terms = torch.where(q > 0, q * (log_q - log_m), 0.0)
+    else:  # total variation distance
+        p = log_p.exp()
+        h = 0.5 * torch.sign(q - p)
+        terms = 0.5 * (p - q).abs()
+    h = torch.where(q > 0, h, 0.0)  # a token the student never picks adds nothing (and no inf * 0)
+    expected = (q * h).sum(-1)
     if group is not None:
         dist.all_reduce(expected, group=group)
-    grad = (q * (g - expected[:, None]) * temperature).masked_fill_(~valid[:, None], 0.0)
+    grad = (q * (h - expected[:, None]) * temperature).masked_fill_(~valid[:, None], 0.0)
     return torch.where(valid[:, None], terms, 0.0).sum(), grad
 
 

@@ -2,10 +2,13 @@
 
 API:
 - `kd_loss(student_logits, teacher_logits, labels, *, temperature=1.0, ignore_index=-100,
-  num_valid_tokens=None, chunk_size=None, divergence="forward_kl", jsd_beta=0.5)`: a divergence between
-  teacher and student at temperature T, times T^2: forward KL(p_teacher || p_student) (the default),
-  reverse KL(p_student || p_teacher), or the generalized Jensen-Shannon divergence of GKD (Agarwal et al.
-  2024), JSD_beta = beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s.
+  num_valid_tokens=None, chunk_size=None, divergence="forward_kl", jsd_beta=0.5, skew_alpha=0.1)`: a
+  divergence between teacher and student at temperature T, times T^2: forward KL(p_t || p_s) (the
+  default), reverse KL(p_s || p_t), the generalized Jensen-Shannon divergence of GKD (Agarwal et al.
+  2024), JSD_beta = beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s,
+  DistiLLM's skew KL divergences (Ko et al. 2024, "DistiLLM: Towards Streamlined Distillation for Large
+  Language Models", eq. 2 and 3): skew forward KL(p_t || alpha * p_t + (1 - alpha) * p_s) and skew reverse
+  KL(p_s || (1 - alpha) * p_t + alpha * p_s), and the total variation distance 1/2 * sum |p_t - p_s|.
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
 - `kd_loss_encoded(student_logits, teacher, labels, ...)`: `kd_loss` against teacher logits in a
@@ -64,7 +67,7 @@ from meshkd.core.chunked_loss import (
 from meshkd.core.logits_codec import check_encoded_logits
 
 _TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
 
 
 def kd_loss(
@@ -78,6 +81,7 @@ def kd_loss(
     chunk_size: int | None = None,
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
+    skew_alpha: float = 0.1,
 ) -> Tensor:
     """Distillation loss: T^2 * sum over valid tokens of D(p_teacher,T, p_student,T) / num_valid_tokens.
 
@@ -97,20 +101,22 @@ def kd_loss(
         ignore_index: label of tokens that do not count.
         num_valid_tokens: normaliser (global valid-token count); defaults to the local count.
         chunk_size: tokens per chunk; None computes all tokens at once.
-        divergence: "forward_kl", "reverse_kl" or "jsd".
+        divergence: one of `DIVERGENCES`.
         jsd_beta: beta of "jsd", in (0, 1).
+        skew_alpha: alpha of "skew_forward_kl" and "skew_reverse_kl", in (0, 1) (DistiLLM's default 0.1).
     """
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    check_divergence(divergence, jsd_beta)
+    check_divergence(divergence, jsd_beta, skew_alpha=skew_alpha)
     _check_chunk_size(chunk_size)
     _check_shapes(student_logits, labels, teacher_logits)
     labels = _full(labels)
+    mix = jsd_beta if divergence == "jsd" else skew_alpha
 
     def chunk_fn(group):
         if divergence == "forward_kl":
             return lambda s, t, _, valid: kd_chunk(s, t, valid, temperature, group)
-        return lambda s, t, _, valid: student_weighted_chunk(s, t, valid, temperature, group, divergence, jsd_beta)
+        return lambda s, t, _, valid: student_weighted_chunk(s, t, valid, temperature, group, divergence, mix)
 
     if isinstance(student_logits, DTensor):
         student, group, offset = _vocab_shard(student_logits)
@@ -133,21 +139,34 @@ def kd_loss(
         terms = kl_terms(log_p_s, log_p_t, valid)
     elif divergence == "reverse_kl":
         terms = kl_terms(log_p_t, log_p_s, valid)
-    else:
+    elif divergence == "jsd":
         log_m = torch.logaddexp(log_p_t + math.log(jsd_beta), log_p_s + math.log1p(-jsd_beta))
         terms = jsd_beta * kl_terms(log_m, log_p_t, valid) + (1 - jsd_beta) * kl_terms(log_m, log_p_s, valid)
+    elif divergence == "skew_forward_kl":
+        terms = kl_terms(torch.logaddexp(log_p_t + math.log(skew_alpha), log_p_s + math.log1p(-skew_alpha)),
+                         log_p_t, valid)
+    elif divergence == "skew_reverse_kl":
+        terms = kl_terms(torch.logaddexp(log_p_t + math.log1p(-skew_alpha), log_p_s + math.log(skew_alpha)),
+                         log_p_s, valid)
+    else:
+        terms = torch.where(valid[:, None], 0.5 * (log_p_t.exp() - log_p_s.exp()).abs(), 0.0)
     return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, compute_dtype)
 
 
-def check_divergence(divergence: str, jsd_beta: float, logits_transport: str = "full") -> None:
-    """ValueError for an unknown divergence, a JSD beta outside (0, 1), or a divergence the transport cannot
-    carry: reverse KL and JSD weigh every vocab entry by the student's probability, so they need the
-    teacher's whole distribution, which top-k with a tail does not keep."""
+def check_divergence(divergence: str, jsd_beta: float, logits_transport: str = "full", *,
+                     skew_alpha: float = 0.1) -> None:
+    """ValueError for an unknown divergence, a JSD beta or skew alpha outside (0, 1), or a divergence the
+    transport cannot carry: every divergence but forward KL weighs vocab entries by the student's probability
+    (or compares the two distributions entry by entry), so it needs the teacher's whole distribution, which
+    top-k with a tail does not keep."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
         raise ValueError(f"jsd_beta must lie strictly between 0 and 1, got {jsd_beta} (JSD_0 and JSD_1 are 0; "
                          "use forward_kl or reverse_kl)")
+    if divergence.startswith("skew_") and not 0.0 < skew_alpha < 1.0:
+        raise ValueError(f"skew_alpha must lie strictly between 0 and 1, got {skew_alpha} (alpha 0 is the plain "
+                         "KL, alpha 1 gives 0)")
     if divergence != "forward_kl" and logits_transport == "topk":
         raise ValueError(f"divergence {divergence} needs the teacher's whole distribution: use logits transport "
                          "full or full_bf16 (topk keeps k tokens and a tail and combines with forward_kl only)")
@@ -164,6 +183,7 @@ def kd_loss_encoded(
     chunk_size: int | None = None,
     divergence: str = "forward_kl",
     jsd_beta: float = 0.5,
+    skew_alpha: float = 0.1,
     check_indices: bool = True,
 ) -> Tensor:
     """`kd_loss` against teacher logits in a transport encoding (`meshkd.core.logits_codec`).
@@ -180,7 +200,8 @@ def kd_loss_encoded(
         teacher: the encoding, as `send_logits` delivers it; validated against the student's global shape.
         labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
         temperature: T > 0; a "topk" encoding must have been made at the same temperature.
-        divergence, jsd_beta: as for `kd_loss`; "topk" combines with "forward_kl" only (`check_divergence`).
+        divergence, jsd_beta, skew_alpha: as for `kd_loss`; "topk" combines with "forward_kl" only
+            (`check_divergence`).
         check_indices: False leaves the check of the top-k index values to the caller (`check_encoded_logits`),
             which the chunked and vocab-parallel paths allow: they read only the entries in range, so wrong
             indices give a wrong value, never an out-of-bounds read. The plain path always checks.
@@ -189,11 +210,12 @@ def kd_loss_encoded(
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     plain = chunk_size is None and not isinstance(student_logits, DTensor)
     mode = check_encoded_logits(teacher, student_logits.shape, check_indices=check_indices or plain)
-    check_divergence(divergence, jsd_beta, mode)
+    check_divergence(divergence, jsd_beta, mode, skew_alpha=skew_alpha)
     if mode != "topk":
         return kd_loss(
             student_logits, teacher["logits"], labels, temperature=temperature, ignore_index=ignore_index,
             num_valid_tokens=num_valid_tokens, chunk_size=chunk_size, divergence=divergence, jsd_beta=jsd_beta,
+            skew_alpha=skew_alpha,
         )  # fmt: skip
     if not math.isclose(teacher["temperature"], temperature, rel_tol=1e-9):
         raise ValueError(

@@ -407,6 +407,14 @@ def _reference_divergence(student, teacher, labels, temperature, divergence, bet
             terms.append((p * (p.log() - q.log())).sum())
         elif divergence == "reverse_kl":
             terms.append((q * (q.log() - p.log())).sum())
+        elif divergence == "skew_forward_kl":  # DistiLLM eq. 2, alpha = beta
+            m = beta * p + (1 - beta) * q
+            terms.append((p * (p.log() - m.log())).sum())
+        elif divergence == "skew_reverse_kl":  # DistiLLM eq. 3
+            m = (1 - beta) * p + beta * q
+            terms.append((q * (q.log() - m.log())).sum())
+        elif divergence == "tvd":
+            terms.append(0.5 * (p - q).abs().sum())
         else:
             m = beta * p + (1 - beta) * q
             terms.append(beta * (p * (p.log() - m.log())).sum() + (1 - beta) * (q * (q.log() - m.log())).sum())
@@ -416,26 +424,33 @@ def _reference_divergence(student, teacher, labels, temperature, divergence, bet
 
 
 @pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.1),
-                                             ("jsd", 0.9)])
+                                             ("jsd", 0.9), ("skew_forward_kl", 0.1), ("skew_forward_kl", 0.7),
+                                             ("skew_reverse_kl", 0.1), ("skew_reverse_kl", 0.7), ("tvd", 0.5)])
 @pytest.mark.parametrize("chunk_size", [None, 3])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_divergences_match_the_written_out_formula_and_its_gradient(divergence, beta, chunk_size, temperature):
     student, teacher, labels = _inputs()
     want, want_grad = _reference_divergence(student, teacher, labels, temperature, divergence, beta)
     got, got_grad = _value_and_grad(kd_loss, student, teacher, labels, temperature=temperature,
-                                    chunk_size=chunk_size, divergence=divergence, jsd_beta=beta)
+                                    chunk_size=chunk_size, divergence=divergence, jsd_beta=beta, skew_alpha=beta)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-9, atol=1e-13)
 
 
 def test_divergences_are_zero_at_the_teacher_and_order_as_expected():
     student, teacher, labels = _inputs()
-    for divergence in ("reverse_kl", "jsd"):
+    for divergence in ("reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"):
         same = kd_loss(teacher.clone().requires_grad_(), teacher, labels, divergence=divergence, chunk_size=4)
         assert abs(same.item()) < 1e-12
-    # JSD is bounded by log 2 per token (beta 0.5); reverse and forward KL are not symmetric.
+    # JSD is bounded by log 2 per token (beta 0.5), TVD by 1; reverse and forward KL are not symmetric.
     jsd = kd_loss(student, teacher, labels, divergence="jsd")
     assert 0 < jsd.item() <= math.log(2)
+    assert 0 < kd_loss(student, teacher, labels, divergence="tvd").item() <= 1
+    # The skew bounds the KL by -log(alpha) per token (the mixture holds alpha of the target), and the skewed
+    # KL lies below the plain one.
+    for skewed, plain in (("skew_forward_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")):
+        value = kd_loss(student, teacher, labels, divergence=skewed, skew_alpha=0.1).item()
+        assert 0 < value < min(-math.log(0.1), kd_loss(student, teacher, labels, divergence=plain).item())
     assert kd_loss(student, teacher, labels, divergence="reverse_kl").item() != pytest.approx(
         kd_loss(student, teacher, labels).item())
 
@@ -443,9 +458,14 @@ def test_divergences_are_zero_at_the_teacher_and_order_as_expected():
 def test_divergence_errors_and_full_encodings():
     student, teacher, labels = _inputs()
     with pytest.raises(ValueError, match="divergence must be one of"):
-        kd_loss(student, teacher, labels, divergence="tvd")
+        kd_loss(student, teacher, labels, divergence="total_variation")
     with pytest.raises(ValueError, match="jsd_beta must lie strictly between 0 and 1"):
         kd_loss(student, teacher, labels, divergence="jsd", jsd_beta=1.0)
+    with pytest.raises(ValueError, match="skew_alpha must lie strictly between 0 and 1"):
+        kd_loss(student, teacher, labels, divergence="skew_reverse_kl", skew_alpha=0.0)
+    for divergence in ("skew_forward_kl", "tvd"):
+        with pytest.raises(ValueError, match="needs the teacher's whole distribution"):
+            kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence=divergence)
     with pytest.raises(ValueError, match="needs the teacher's whole distribution"):
         kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence="reverse_kl")
     for mode in ("full", "full_bf16"):
@@ -600,15 +620,16 @@ def check_vocab_parallel_communication():
 
 def check_divergences_vocab_parallel():
     # Reverse KL and JSD on uneven shards (vocab 10 on tp 4: 3, 3, 3, 1), one more SUM per chunk than KD.
-    for divergence, beta in (("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2)):
+    for divergence, beta in (("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2), ("skew_forward_kl", 0.1),
+                             ("skew_reverse_kl", 0.3), ("tvd", 0.5)):
         for vocab, dtype, rtol in ((10, torch.float64, 1e-10), (5, torch.float32, 1e-5)):
             student, teacher, labels = _inputs((2, 5, vocab), dtype=dtype, seed=vocab + 1)
             for chunk_size in (None, 3):
                 _compare(kd_loss, _tp4(), student, labels, teacher=teacher, rtol=rtol, temperature=1.5,
-                         chunk_size=chunk_size, divergence=divergence, jsd_beta=beta)  # fmt: skip
+                         chunk_size=chunk_size, divergence=divergence, jsd_beta=beta, skew_alpha=beta)  # fmt: skip
             want, _ = _reference_divergence(student, teacher, labels, 1.5, divergence, beta)
             got = kd_loss(_sharded(student, _tp4()), teacher, labels, temperature=1.5, divergence=divergence,
-                          jsd_beta=beta)
+                          jsd_beta=beta, skew_alpha=beta)
             assert got.item() == pytest.approx(want.item(), rel=rtol)
 
 

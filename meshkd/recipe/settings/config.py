@@ -104,8 +104,9 @@ class KDConfig:
     max_skipped_steps: int = 10  # with skip_step: the run fails at the next non-finite step after this many
     mode: str = "off_policy"  # off_policy: dataset text | on_policy: also the student's own completions
     on_policy_fraction: float = 1.0  # with on_policy: the share of micro-batches the student completes
-    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd (meshkd.core.loss)
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | skew_forward_kl | skew_reverse_kl | tvd
     jsd_beta: float = 0.5  # beta of jsd, in (0, 1)
+    skew_alpha: float = 0.1  # alpha of skew_forward_kl and skew_reverse_kl, in (0, 1)
     router_aux_loss_coef: float | None = None  # MoE student's load-balancing loss weight; None: its config's
     generation: GenerationSettingsConfig = field(default_factory=GenerationSettingsConfig)  # student completions
     cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one

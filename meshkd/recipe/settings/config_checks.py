@@ -184,9 +184,9 @@ def check_on_policy(config: KDRecipeConfig) -> None:
     """The divergence, `kd.mode` and `kd.generation`: completions that fit a row, a live teacher to score them."""
     kd, generation = config.kd, config.kd.generation
     try:
-        check_divergence(kd.divergence, kd.jsd_beta, kd.logits_transport)
+        check_divergence(kd.divergence, kd.jsd_beta, kd.logits_transport, skew_alpha=kd.skew_alpha)
     except ValueError as error:
-        raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.logits_transport: {error}") from None
+        raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.skew_alpha / kd.logits_transport: {error}") from None
     if kd.mode not in ("off_policy", "on_policy"):
         raise ConfigError(f"kd.mode must be off_policy or on_policy, got {kd.mode!r}")
     if not 0.0 <= kd.on_policy_fraction <= 1.0:

@@ -223,7 +223,8 @@ class Distribution(TeacherAnswer):
         loss = kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
                                ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
-                               divergence=kd.divergence, jsd_beta=kd.jsd_beta, check_indices=not deferred)
+                               divergence=kd.divergence, jsd_beta=kd.jsd_beta, skew_alpha=kd.skew_alpha,
+                               check_indices=not deferred)
         if deferred:
             context.index_checks.append(topk_index_errors(self.encoding, logits.shape[-1]))
         return loss

@@ -59,6 +59,20 @@ def test_a_distributions_loss_is_kd_loss_and_an_ensemble_sums_its_members_by_wei
     assert figures["teacher_rows/a"] == figures["teacher_rows/b"] == ROWS
 
 
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"])
+def test_a_distributions_loss_takes_the_configured_divergence_and_its_parameter(divergence):
+    student, batch, teacher = logits(2).requires_grad_(), micro_batch(), logits(3)
+    kd = KDConfig(temperature=2.0, divergence=divergence, jsd_beta=0.3, skew_alpha=0.2)
+    loss, _ = answer_of(encode_teacher_logits(teacher)).kd_loss(student, batch, LossContext(kd), norm=7.0)
+    expected = kd_loss(student, teacher, batch["labels"], temperature=2.0, num_valid_tokens=7.0,
+                       divergence=divergence, jsd_beta=0.3, skew_alpha=0.2)
+    torch.testing.assert_close(loss, expected)
+    if divergence.startswith("skew_"):  # the parameter reaches the loss
+        other = kd_loss(student, teacher, batch["labels"], temperature=2.0, num_valid_tokens=7.0,
+                        divergence=divergence, skew_alpha=0.5)
+        assert abs(loss.item() - other.item()) > 1e-4
+
+
 def test_the_teacher_makes_the_kind_of_answer_asked_and_the_student_reads_it_back():
     kd = KDConfig(logits_transport="topk", topk=4, topk_tail_samples=2, temperature=2.0)
     context = EncodeContext(kd, seed=7, vocab_size=VOCAB)
