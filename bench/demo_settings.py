@@ -18,12 +18,12 @@ import torch
 
 from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective
 from meshkd.core.masks import attention_windows, layer_masks
-from meshkd.demo import demo_overrides
+from meshkd.demo_runs import demo_overrides
 from meshkd.parallel.pruning import prune_layers
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import iterate_batches, training_rows
 from meshkd.recipe.modeling import models
-from meshkd.recipe.settings.config import load_config
+from meshkd.recipe.settings.config_loading import load_config
 from meshkd.recipe.student import layer_selection
 from meshkd.recipe.student.train_step import lr_factor
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 
 from meshkd import launcher
-from meshkd.recipe.settings.config import ConfigError, load_config, required_world_size
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_checks import required_world_size
+from meshkd.recipe.settings.config_loading import load_config
 
 
 def _world_size(needed: int | None, nproc: int | None, dp_key: str = "distributed.dp_size") -> int:

@@ -1,8 +1,8 @@
 """`meshkd demo`: heal a pruned SmolLM2 student by distilling the full model, on the CPU, and report it.
 
 The demo is a sequence of ordinary `meshkd` commands on the embedded `configs/demo.yaml`, filled in by
-`demo_overrides` with the installed demo teacher (converted once from GGUF to an HF directory): choose the
-student's layers once (`meshkd prune`), optionally write the teacher's answers to a cache
+`demo_overrides` (`meshkd.demo_runs`) with the installed demo teacher (converted once from GGUF to an HF
+directory): choose the student's layers once (`meshkd prune`), optionally write the teacher's answers to a cache
 (`meshkd cache-teacher`), then `meshkd train` the KD run and, with --compare, the run it is compared with
 (CE only; or off-policy at about the same trained tokens for --on-policy), and with --hidden-states the same
 KD run with intermediate-layer KD beside it (`kd.hidden_states`, each kept layer paired with the teacher layer it
@@ -15,34 +15,19 @@ before and after, greedy completions of one prompt, and the loss curves.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 from importlib import resources
 from pathlib import Path
 
 from meshkd import commands
-from meshkd.recipe.settings.config import ConfigError, load_config
+from meshkd.demo_cross_tokenizer import run_cross_tokenizer_demo
+from meshkd.demo_runs import demo_overrides, figures_report, print_curves
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import load_config
 
 _DEMO_CONFIG = "demo.yaml"
 # Ends inside the code, so that the instruct teacher continues the function rather than explaining it.
 _DEMO_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n    return'
-
-
-@functools.lru_cache(maxsize=1)
-def _demo_teacher_directory() -> Path:
-    """The demo teacher as an HF directory; found (the GGUF file hashed) once per process."""
-    from meshkd.recipe.modeling.models import converted_gguf, demo_teacher_source
-
-    source = demo_teacher_source()
-    return converted_gguf(source["path"], source["gguf_file"])
-
-
-def demo_overrides(run_dir: str, extra: list[str]) -> list[str]:
-    """Fill the embedded demo config with the installed teacher, converted once from GGUF to an HF directory
-    (every process of every run then loads it in a fraction of the time, and sharded)."""
-    directory = _demo_teacher_directory()
-    return [f"model.path={directory}", f"teacher_model.path={directory}", f"logging.run_dir={run_dir}", *extra]
 
 
 def _demo_cache(config_path: str, overrides: list[str]) -> int:
@@ -89,8 +74,6 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.on_policy:
         return _demo_on_policy(config_path, args)
     if args.cross_tokenizer:
-        from meshkd.demo_cross_tokenizer import run_cross_tokenizer_demo
-
         return run_cross_tokenizer_demo(config_path, args)
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
@@ -162,26 +145,6 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def figures_report(kd: dict, others: dict[str, dict]) -> None:
-    """Bits per byte (comparable across tokenizers), and the KL to the teacher and top-1 agreement with it
-    (what distillation optimizes) before and after KD, and after each of `others` (label -> its summary); "-"
-    where a run did not report one (a teacher cache holds no distribution for validation rows)."""
-
-    def figure(summary: dict, key: str, spec: str) -> str:
-        return format(summary[key], spec) if key in summary else "-"
-
-    print(f"\n{'':<46} {'bits/byte':>9}  {'KL(teacher||student)':>20}  {'top-1 agreement':>15}")
-    rows = [("teacher", kd, "teacher_val_bits_per_byte", None),
-            ("pruned student before healing", kd, "val_bits_per_byte_before", "_before"),
-            ("after KD healing", kd, "val_bits_per_byte_after", "_after")]
-    rows += [(f"after {label} healing", summary, "val_bits_per_byte_after", "_after")
-             for label, summary in others.items()]
-    for label, summary, bits, suffix in rows:
-        kl = figure(summary, f"val_kl{suffix}", ".4f") if suffix else ""
-        top1 = figure(summary, f"val_top1_agreement{suffix}", ".1%") if suffix else ""
-        print(f"  {label:<44} {figure(summary, bits, '.4f'):>9}  {kl:>20}  {top1:>15}")
-
-
 _LABELS = {"kd": "KD", "ce": "CE only", "hidden": "KD + hidden-state KD"}
 _HIDDEN_STATES = "kd.hidden_states={pairs: kept}"
 
@@ -218,12 +181,3 @@ def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -
         for name, text in texts.items():
             print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     print_curves({_LABELS[name]: run_dir for name, run_dir in run_dirs.items()})
-
-
-def print_curves(run_dirs: dict[str, str]) -> None:
-    """Draw the runs (label -> run directory) on one figure and print its path (a run alone: its own loss
-    terms); where matplotlib is missing the figures printed before stand alone."""
-    with contextlib.suppress(RuntimeError):
-        from meshkd.recipe.lifecycle.plot import plot_runs
-
-        print(f"\ncurves: {plot_runs(list(run_dirs.values()), labels=list(run_dirs))}")

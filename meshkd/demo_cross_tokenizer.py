@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 
 from meshkd import commands
-from meshkd.demo import demo_overrides, figures_report, print_curves
-from meshkd.recipe.settings.config import ConfigError, load_config
+from meshkd.demo_runs import demo_overrides, figures_report, print_curves
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import load_config
 
 STUDENT_VOCAB = 4096
 # The section's defaults: the projection loss, the teacher's rows as long as the student's (256 tokens; a row
@@ -32,7 +33,8 @@ _CROSS = ["kd.cross_tokenizer.loss=projection", "kd.kd_ratio=0.5"]
 
 def student_directory(config, run_dir: str) -> Path:
     """The pruned student with its own tokenizer and transplanted embeddings, written to `<run_dir>_student`."""
-    from meshkd.recipe.corpus.data import reading_arguments, split_texts
+    from meshkd.recipe.corpus.data import split_texts
+    from meshkd.recipe.corpus.documents import reading_arguments
     from meshkd.recipe.modeling.transplant import transplanted_student
 
     train_texts, _ = split_texts(**reading_arguments(config.dataset))

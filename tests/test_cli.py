@@ -128,7 +128,7 @@ def test_local_processes_share_the_cores_and_the_users_thread_count_wins(monkeyp
 
 
 def test_the_demo_reports_bits_per_byte_kl_and_top1_agreement_from_the_summaries(capsys):
-    from meshkd.demo import figures_report
+    from meshkd.demo_runs import figures_report
 
     kd = {"teacher_val_bits_per_byte": 0.9504, "val_bits_per_byte_before": 1.6414, "val_bits_per_byte_after": 1.2554,
           "val_kl_before": 1.9482, "val_kl_after": 1.0434, "val_top1_agreement_before": 0.363,

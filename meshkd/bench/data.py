@@ -65,15 +65,15 @@ def _config(corpus: Path, store: Path, tokenizer: dict) -> dict:
 
 _BASELINE = """
 import sys, time, json
-from meshkd.recipe.settings.config import load_config
-from meshkd.recipe.corpus import data
+from meshkd.recipe.settings.config_loading import load_config
+from meshkd.recipe.corpus import documents
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 from meshkd.recipe.corpus.token_store import _chunks
 config = load_config(sys.argv[1])
 tokenizer = load_section_tokenizer(config.model)
-arguments = {k: v for k, v in data.reading_arguments(config.dataset, tokenizer).items() if k != "val_fraction"}
+arguments = {k: v for k, v in documents.reading_arguments(config.dataset, tokenizer).items() if k != "val_fraction"}
 started, tokens = time.perf_counter(), 0
-for chunk in _chunks(data.corpus_documents(**arguments, encoding_errors="replace")):
+for chunk in _chunks(documents.corpus_documents(**arguments, encoding_errors="replace")):
     tokens += sum(len(ids) for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
 print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 """
@@ -82,7 +82,7 @@ print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 # from the prepared store; "memory": the in-memory path.
 _RANK = """
 import sys, time, json
-from meshkd.recipe.settings.config import load_config
+from meshkd.recipe.settings.config_loading import load_config
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import iterate_batches
 from meshkd.recipe.modeling.loaders import load_section_tokenizer

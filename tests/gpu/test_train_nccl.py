@@ -23,7 +23,7 @@ import yaml
 
 from meshkd.core.local_world import spawn_world
 from meshkd.recipe.common.metrics import read_metrics
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.gpu import CUDA
 from tests.tiny import base_config
 

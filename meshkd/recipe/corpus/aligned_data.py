@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from meshkd.core.aligned_packing import AlignedBatch, GroupTooLongError, pack_aligned_documents
+from meshkd.core.aligned_packing import AlignedBatch, GroupTooLongError, pack_aligned_documents, pad_token_id
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
 from meshkd.core.token_alignment import align_shared_spans, align_token_spans
 from meshkd.core.token_bytes import (
@@ -43,8 +43,8 @@ from meshkd.core.token_bytes import (
     token_bytes,
 )
 from meshkd.recipe.common.metrics import warn0
-from meshkd.recipe.corpus.data import BATCH_KEYS, IGNORE_INDEX, PackedDataset, pad_token_id, padding_rows
 from meshkd.recipe.corpus.records import Document, answer_tokens
+from meshkd.recipe.corpus.rows import BATCH_KEYS, IGNORE_INDEX, PackedDataset, padding_rows
 from meshkd.recipe.settings.config import ConfigError
 
 TEACHER_POSITIONS = "teacher_positions"

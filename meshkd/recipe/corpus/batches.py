@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from meshkd.recipe.corpus.data import PackedDataset
+from meshkd.recipe.corpus.rows import PackedDataset
 
 
 def steps_per_epoch(dataset: PackedDataset, global_batch_size: int) -> int:

@@ -18,7 +18,9 @@ Design:
   that token belongs to the same document and trains (an answer token of a chat row), else -100. The
   losses do no shifting, so any slice of the sequence dim (context-parallel sharding included) carries its
   own targets.
-- Batches of these rows for each data-parallel rank: `meshkd.recipe.corpus.batches`.
+- Batches of these rows for each data-parallel rank: `meshkd.recipe.corpus.batches`. The batch schema
+  (`BATCH_KEYS`, `PackedDataset`, padding rows, first-fit placing) is `meshkd.recipe.corpus.rows`'; the
+  documents of a `dataset` section and the held-out share are `meshkd.recipe.corpus.documents`'.
 
 Batch layout (every tensor int64, [rows, sequence_length]):
 - `input_ids`: token ids; padding holds the pad id (the tokenizer's pad, else its EOS, else 0).
@@ -32,94 +34,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from meshkd.core.aligned_packing import pad_token_id
-from meshkd.recipe.corpus.documents import check_arguments, describe_patterns, iter_documents, match_files
-from meshkd.recipe.corpus.records import Document, prompt_reader, record_reader, tokenize_documents
+from meshkd.recipe.corpus.documents import (
+    check_arguments,
+    corpus_documents,
+    reading_arguments,
+    validation_documents,
+)
+from meshkd.recipe.corpus.records import Document, prompt_reader, tokenize_documents
+from meshkd.recipe.corpus.routing import routed_packing
+from meshkd.recipe.corpus.rows import IGNORE_INDEX, PackedDataset, first_fit, padding_rows
+from meshkd.recipe.corpus.token_store import stored_datasets
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
-
-IGNORE_INDEX = -100
-"""Label of positions without a target (document ends, padding); the losses skip it."""
-
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
-"""Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
-
-class PackedDataset:
-    """NEAT-packed rows of one split: four int64 tensors [num_rows, sequence_length] (see `BATCH_KEYS`).
-
-    `dataset[index]` returns the batch dict of the selected rows (an int, slice or index tensor). `extra`
-    holds more per-row fields, name -> (int64 tensor [num_rows, any length], its padding value), returned
-    with the others (`meshkd.recipe.corpus.aligned_data`: the teacher's own tokenization of each row).
-    """
-
-    def __init__(
-        self,
-        *,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        pad_token_id: int,
-        num_documents: int,
-        extra: dict[str, tuple[torch.Tensor, int]] | None = None,
-    ):
-        tensors = (input_ids, labels, position_ids, attention_mask)
-        assert all(t.dim() == 2 and t.dtype == torch.int64 and t.shape == input_ids.shape for t in tensors)
-        self.extra = dict(extra or {})
-        assert all(t.dim() == 2 and t.shape[0] == len(input_ids) for t, _ in self.extra.values())
-        self.input_ids = input_ids
-        self.labels = labels
-        self.position_ids = position_ids
-        self.attention_mask = attention_mask
-        self.pad_token_id = pad_token_id
-        self.num_documents = num_documents  # source documents, before long ones were cut into pieces
-
-    def __len__(self) -> int:
-        """Number of packed rows."""
-        return self.input_ids.shape[0]
-
-    @property
-    def sequence_length(self) -> int:
-        """Tokens per row."""
-        return self.input_ids.shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of non-padding tokens."""
-        return int((self.attention_mask != 0).sum())
-
-    def tokens_per_row(self) -> list[int]:
-        """Non-padding tokens of each row."""
-        return (self.attention_mask != 0).sum(dim=1).tolist()
-
-    def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch dict of the selected rows; an int selects one row as a batch of one.
-
-        A slice returns views of the dataset's tensors: copy before editing in place.
-        """
-        if isinstance(index, int):
-            index = [index]
-        return {key: getattr(self, key)[index] for key in BATCH_KEYS} | {
-            key: tensor[index] for key, (tensor, _) in self.extra.items()}
-
-    def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
-        """`num_rows` rows of pure padding with every key of a batch (`padding_rows` and the extra fields')."""
-        return padding_rows(num_rows, self.sequence_length, self.pad_token_id) | {
-            key: torch.full((num_rows, tensor.shape[1]), value, dtype=tensor.dtype)
-            for key, (tensor, value) in self.extra.items()}
-
-    def __repr__(self) -> str:
-        return (
-            f"PackedDataset(rows={len(self)}, sequence_length={self.sequence_length}, "
-            f"documents={self.num_documents}, tokens={self.num_tokens})"
-        )
-
 
 def build_datasets(
     tokenizer: PreTrainedTokenizerBase,
@@ -230,37 +163,6 @@ def split_texts(
     return train_texts, val_texts
 
 
-def corpus_documents(*, paths, seed: int, hf_section=None, max_documents: int | None = None,
-                     **reading) -> Iterator[Document]:
-    """The documents `split_texts` reads, in corpus order, one at a time (`documents.iter_documents`'s
-    `reading` arguments); ValueError when there is none."""
-    patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not patterns and hf_section is None:
-        raise ValueError("paths is empty: give at least one file path or glob pattern")
-    files = match_files(patterns)
-    if max_documents is not None:
-        files = [files[i] for i in _permutation(len(files), seed)]
-    count = 0
-    for document in iter_documents(files, max_documents=max_documents, hf_section=hf_section, **reading):
-        count += 1
-        yield document
-    if not count:
-        where = f"the {len(files)} file(s) matched by {describe_patterns(patterns)}" + (
-            f" and dataset.hf {hf_section.path!r}" if hf_section is not None else "")
-        raise ValueError(f"no non-empty document in {where}")
-
-
-def validation_documents(num_documents: int, val_fraction: float, seed: int) -> torch.Tensor:
-    """Indices of the documents held out for validation: a seeded share, at least one when `val_fraction` > 0."""
-    num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * num_documents))
-    if num_val >= num_documents:
-        raise ValueError(
-            f"val_fraction={val_fraction} of {num_documents} document(s) leaves no document, and so no packed "
-            f"row, for training; add documents or lower val_fraction"
-        )
-    return torch.randperm(num_documents, generator=torch.Generator().manual_seed(seed))[:num_val]
-
-
 def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
@@ -282,15 +184,11 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     if text_key is not None:
         dataset = dataclasses.replace(dataset, text_key=text_key)
     if dataset.token_store is not None and (pack_texts is None or aligned):
-        from meshkd.recipe.corpus.token_store import stored_datasets
-
         check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                         dataset.max_document_chars, "replace")
         return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
                                routes=routes, aligned=pack_texts if aligned else None, prompts=prompts)
     if routes is not None:
-        from meshkd.recipe.corpus.routing import routed_packing
-
         pack_texts = routed_packing(pack_texts or packer(tokenizer, sequence_length, pack=pack), routes)
     arguments = reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
     if prompts:
@@ -298,59 +196,8 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     return build_datasets(tokenizer, **arguments, sequence_length=sequence_length, pack=pack, pack_texts=pack_texts)
 
 
-def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
-                      teachers: list[str] | None = None, teacher_tokenizer=None) -> dict:
-    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
-    renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names routed
-    rows may give (`meshkd.recipe.corpus.records.record_reader`)."""
-    from meshkd.recipe.settings.config import expand_path
-
-    return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
-            "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
-            "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,
-            "read_record": record_reader(dataset, tokenizer, teachers, teacher_tokenizer), "hf_section": dataset.hf}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reading
-
-
-def _permutation(size: int, seed: int) -> list[int]:
-    # torch's CPU generator gives the same permutation for the same seed on every machine and version
-    # we support, unlike Python's hash-randomized structures; every seeded choice here goes through it.
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randperm(size, generator=generator).tolist()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizing and packing
-
-
-def first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
-    """Row and offset of each piece, placed first-fit in order into rows of `capacity` tokens.
-
-    A max-tree over the rows' free space finds the first row with room in O(log rows), so packing stays
-    linear-ish on corpora with many rows. Rows not yet opened are empty, so the first row with room is
-    either an open one or the next new one, and rows are numbered in the order they open.
-    """
-    size = 1
-    while size < max(1, len(lengths)):
-        size *= 2
-    free = [capacity] * (2 * size)  # free[size + row] is the free space of row; inner nodes hold maxima
-    rows, offsets = [], []
-    for length in lengths:
-        node = 1
-        while node < size:
-            node = 2 * node if free[2 * node] >= length else 2 * node + 1
-        row = node - size
-        rows.append(row)
-        offsets.append(capacity - free[node])
-        free[node] -= length
-        node //= 2
-        while node:
-            free[node] = max(free[2 * node], free[2 * node + 1])
-            node //= 2
-    return rows, offsets
 
 
 def _pack(documents: list[tuple[torch.Tensor, torch.Tensor | None]], sequence_length: int, pad_token_id: int, *,
@@ -400,16 +247,5 @@ def _pack(documents: list[tuple[torch.Tensor, torch.Tensor | None]], sequence_le
     ):
         batch[key].view(-1)[destination] = values
     return PackedDataset(**batch, pad_token_id=pad_token_id, num_documents=len(documents))
-
-
-def padding_rows(num_rows: int, sequence_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """`num_rows` rows of pure padding: no token, no target, no document."""
-    shape = (num_rows, sequence_length)
-    return {
-        "input_ids": torch.full(shape, pad_token_id, dtype=torch.int64),
-        "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.int64),
-        "position_ids": torch.zeros(shape, dtype=torch.int64),
-        "attention_mask": torch.zeros(shape, dtype=torch.int64),
-    }
 
 

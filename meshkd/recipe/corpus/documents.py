@@ -12,6 +12,10 @@ Files ending in `.parquet`, `.csv`, `.arrow` or `.json` are read with `datasets`
 as is the dataset `dataset.hf` names. Every row of JSONL and those sources becomes a `Document` by
 `dataset.records` (`meshkd.recipe.corpus.records`: text, chat or prompt / completion rows; with `route_key`, several
 teachers' `kd.combine: route`, each also names its teacher).
+
+A recipe's `dataset` section reads as `reading_arguments` says; `corpus_documents` is its documents in corpus
+order, and `validation_documents` the seeded share of them held out (before any packing, so no document
+gives tokens to both splits: the same rule for the rows packed in memory and from the token store).
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
 
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.hf_sources import builder_of, file_rows, section_rows
 from meshkd.recipe.corpus.records import Document, record_reader
+from meshkd.recipe.settings.config_loading import expand_path
+
+if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
+    from transformers import PreTrainedTokenizerBase
 
 
 def describe_patterns(patterns: list) -> str:
@@ -237,3 +248,52 @@ def check_arguments(
         codecs.lookup_error(encoding_errors)
     except LookupError:
         raise ValueError(f"unknown encoding_errors handler {encoding_errors!r} (e.g. 'strict', 'replace')") from None
+
+
+def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
+                      teachers: list[str] | None = None, teacher_tokenizer=None) -> dict:
+    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
+    renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names routed
+    rows may give (`meshkd.recipe.corpus.records.record_reader`)."""
+    return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
+            "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
+            "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,
+            "read_record": record_reader(dataset, tokenizer, teachers, teacher_tokenizer), "hf_section": dataset.hf}
+
+
+def corpus_documents(*, paths, seed: int, hf_section=None, max_documents: int | None = None,
+                     **reading) -> Iterator[Document]:
+    """The documents `split_texts` reads, in corpus order, one at a time (`documents.iter_documents`'s
+    `reading` arguments); ValueError when there is none."""
+    patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not patterns and hf_section is None:
+        raise ValueError("paths is empty: give at least one file path or glob pattern")
+    files = match_files(patterns)
+    if max_documents is not None:
+        files = [files[i] for i in _permutation(len(files), seed)]
+    count = 0
+    for document in iter_documents(files, max_documents=max_documents, hf_section=hf_section, **reading):
+        count += 1
+        yield document
+    if not count:
+        where = f"the {len(files)} file(s) matched by {describe_patterns(patterns)}" + (
+            f" and dataset.hf {hf_section.path!r}" if hf_section is not None else "")
+        raise ValueError(f"no non-empty document in {where}")
+
+
+def validation_documents(num_documents: int, val_fraction: float, seed: int) -> torch.Tensor:
+    """Indices of the documents held out for validation: a seeded share, at least one when `val_fraction` > 0."""
+    num_val = 0 if val_fraction == 0 else max(1, round(val_fraction * num_documents))
+    if num_val >= num_documents:
+        raise ValueError(
+            f"val_fraction={val_fraction} of {num_documents} document(s) leaves no document, and so no packed "
+            f"row, for training; add documents or lower val_fraction"
+        )
+    return torch.randperm(num_documents, generator=torch.Generator().manual_seed(seed))[:num_val]
+
+
+def _permutation(size: int, seed: int) -> list[int]:
+    # torch's CPU generator gives the same permutation for the same seed on every machine and version
+    # we support, unlike Python's hash-randomized structures; every seeded choice here goes through it.
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(size, generator=generator).tolist()

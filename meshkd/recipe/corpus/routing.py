@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from meshkd.core.teacher_ensemble import ROUTE
-from meshkd.recipe.corpus.data import BATCH_KEYS, PackedDataset
+from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 
 PackTexts = Callable[[list[str]], PackedDataset]
 

@@ -14,6 +14,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from meshkd.core.aligned_packing import GroupTooLongError, cut_document, pad_token_id, place_pieces
+from meshkd.core.teacher_ensemble import ROUTE
+from meshkd.recipe.corpus.aligned_data import (
+    GROUP_ENDS,
+    TEACHER_GROUP_ENDS,
+    TEACHER_POSITIONS,
+    row_too_short,
+    teacher_padding,
+)
+from meshkd.recipe.corpus.rows import first_fit, padding_rows
+
 if TYPE_CHECKING:
     from meshkd.recipe.corpus.token_store import TokenStore
 
@@ -36,8 +47,6 @@ class StoredRows:
         self.num_documents = int(plan["documents"][0])  # source documents with a token, as PackedDataset counts
         self.extra: dict = {}
         if "routes" in plan:
-            from meshkd.core.teacher_ensemble import ROUTE
-
             self.extra[ROUTE] = (torch.from_numpy(np.array(plan["routes"], dtype=np.int64)).view(-1, 1), -1)
 
     def __len__(self) -> int:
@@ -52,8 +61,6 @@ class StoredRows:
         return np.add.reduceat(self.plan["lengths"], self.plan["row_starts"][:-1]).tolist() if len(self) else []
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
-        from meshkd.recipe.corpus.data import padding_rows
-
         rows = self._rows(index)
         batch = padding_rows(len(rows), self.sequence_length, self.pad_token_id)
         plan = self.plan
@@ -71,8 +78,6 @@ class StoredRows:
         return torch.as_tensor(index).reshape(-1).tolist()
 
     def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
-        from meshkd.recipe.corpus.data import padding_rows
-
         return padding_rows(num_rows, self.sequence_length, self.pad_token_id) | {
             key: torch.full((num_rows, tensor.shape[1]), value, dtype=tensor.dtype)
             for key, (tensor, value) in self.extra.items()}
@@ -108,18 +113,12 @@ class StoredAlignedRows(StoredRows):
     `group_counts`: rows of the store's group bounds)."""
 
     def __init__(self, store: TokenStore, plan: dict[str, np.ndarray], aligned) -> None:
-        from meshkd.recipe.corpus.aligned_data import teacher_padding
-        from meshkd.recipe.corpus.data import pad_token_id
-
         super().__init__(store, plan, sequence_length=aligned.sequence_length,
                          pad_token_id=pad_token_id(aligned.student_tokenizer))
         self.teacher_sequence_length = aligned.teacher_sequence_length
         self.teacher_padding = teacher_padding(aligned.teacher_tokenizer)
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
-        from meshkd.recipe.corpus.aligned_data import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS
-        from meshkd.recipe.corpus.data import padding_rows
-
         rows, plan = self._rows(index), self.plan
         student = padding_rows(len(rows), self.sequence_length, self.pad_token_id)
         teacher = padding_rows(len(rows), self.teacher_sequence_length, self.teacher_padding["input_ids"])
@@ -145,9 +144,6 @@ class StoredAlignedRows(StoredRows):
         return student | {f"teacher_{key}": value for key, value in teacher.items()} | columns
 
     def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
-        from meshkd.recipe.corpus.aligned_data import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS
-        from meshkd.recipe.corpus.data import padding_rows
-
         teacher = padding_rows(num_rows, self.teacher_sequence_length, self.teacher_padding["input_ids"])
         return (padding_rows(num_rows, self.sequence_length, self.pad_token_id)
                 | {f"teacher_{key}": value for key, value in teacher.items()}
@@ -167,9 +163,6 @@ def plan_aligned(store: TokenStore, documents: np.ndarray, aligned) -> dict[str,
     """The packing plan of a two-sided store's `documents` (indices, in order), as `aligned.pack_aligned_documents`
     packs them: each cut into pieces of whole groups (`cut_document`), placed first-fit on both sides at once
     (`place_pieces`). ConfigError naming the key when a row cannot hold a group."""
-    from meshkd.core.aligned_packing import GroupTooLongError, cut_document, place_pieces
-    from meshkd.recipe.corpus.aligned_data import row_too_short
-
     length, teacher_length = aligned.sequence_length, aligned.teacher_sequence_length
     pieces = []
     try:
@@ -200,8 +193,6 @@ def plan_aligned(store: TokenStore, documents: np.ndarray, aligned) -> dict[str,
 
 def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
     """The packing plan of documents (token `lengths`, `starts` in the store), in order, as `data._pack` packs."""
-    from meshkd.recipe.corpus.data import first_fit
-
     full, rest = np.divmod(lengths, sequence_length)
     pieces_per_document = full + (rest > 0)
     piece_lengths = np.full(int(pieces_per_document.sum()), sequence_length, dtype=np.int64)

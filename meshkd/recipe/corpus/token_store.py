@@ -52,8 +52,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshkd.core.aligned_packing import pad_token_id
+from meshkd.core.token_alignment import Alignment
 from meshkd.recipe.common.files import file_sha256
+from meshkd.recipe.corpus import documents
+from meshkd.recipe.corpus.aligned_data import encode_aligned
+from meshkd.recipe.corpus.documents import match_files, to_document
+from meshkd.recipe.corpus.hf_sources import hf_fingerprint
+from meshkd.recipe.corpus.records import (
+    TOKENIZE_CHUNK,
+    prompt_reader,
+    record_reader,
+    tokenize_documents,
+    tokenizer_fingerprint,
+)
 from meshkd.recipe.corpus.stored_rows import StoredAlignedRows, StoredRows, plan_aligned, plan_routed, plan_split
+from meshkd.recipe.settings.config_loading import expand_path
 
 FORMAT, VERSION = "meshkd-token-store", 1
 BLOCK = 1 << 20
@@ -269,8 +283,6 @@ class TokenStore:
 
     def alignment(self, document: int):
         """The `meshkd.core.token_alignment.Alignment` of a document of a two-sided store."""
-        from meshkd.core.token_alignment import Alignment
-
         bounds = self.group_bounds(int(self.group_offsets[document]), int(self.group_offsets[document + 1]))
         return Alignment(*(tuple(bounds[:, side].tolist()) for side in range(3)))
 
@@ -296,19 +308,13 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     `prompts`: the store holds each chat or prompt / completion row's on-policy prompt in place of the row
     (`records.prompt_reader`), a corpus of its own under its own key. The on-policy prompts of text rows under
     `dataset.prompt_key` need nothing more: they are the corpus of that column (`dataset.text_key` set to it)."""
-    from meshkd.recipe.corpus import data
-    from meshkd.recipe.corpus.records import prompt_reader
-    from meshkd.recipe.settings.config import expand_path
-
     teacher = None if aligned is None else aligned.teacher_tokenizer
     rendering = teacher if dataset.records != "text" else None  # the teacher renders chat rows its own way
-    arguments = data.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=rendering)
+    arguments = documents.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=rendering)
     if prompts:
         arguments["read_record"] = prompt_reader(arguments["read_record"])
     key = store_key(tokenizer, dataset, arguments) | {"routes": routes} | ({"prompts": True} if prompts else {})
     if teacher is not None:
-        from meshkd.recipe.corpus.records import tokenizer_fingerprint
-
         key["teacher"] = {"tokenizer": tokenizer_fingerprint(teacher),
                           "chat_template": None if rendering is None else teacher.chat_template}
     root = Path(expand_path(dataset.token_store))
@@ -335,7 +341,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
         if not plans.exists():
             lengths = store.document_lengths()
             held_out = np.zeros(len(lengths), dtype=bool)
-            held_out[data.validation_documents(len(lengths), dataset.val_fraction, dataset.seed).numpy()] = True
+            held_out[documents.validation_documents(len(lengths), dataset.val_fraction, dataset.seed).numpy()] = True
             starts = store.offsets[:-1]
 
             def plan(chosen: np.ndarray) -> dict[str, np.ndarray]:
@@ -350,7 +356,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
                                for split, chosen in (("train", ~held_out), ("validation", held_out))})
     if aligned is not None:
         return tuple(StoredAlignedRows(store, load_plan(plans / split), aligned) for split in ("train", "validation"))
-    pad = data.pad_token_id(tokenizer)
+    pad = pad_token_id(tokenizer)
     train, val = (StoredRows(store, load_plan(plans / split), sequence_length=sequence_length, pad_token_id=pad)
                   for split in ("train", "validation"))
     return train, val
@@ -364,11 +370,9 @@ def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, al
     `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in order), the
     rows are read here and turned into documents and tokens in worker processes, `imap` keeping the order;
     `prompts`: the workers read each row's on-policy prompt, as `arguments["read_record"]` does."""
-    from meshkd.recipe.corpus import data, documents
-
     reading = {name: value for name, value in arguments.items() if name != "val_fraction"}
     if dataset.tokenize_workers <= 1 or dataset.max_documents is not None:
-        corpus = data.corpus_documents(**reading, encoding_errors="replace")
+        corpus = documents.corpus_documents(**reading, encoding_errors="replace")
         yield from (_tokenize_chunk(tokenizer, chunk, routes, aligned) for chunk in _chunks(corpus))
         return
     files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
@@ -389,12 +393,8 @@ def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None, aligned=No
     `meshkd.recipe.corpus.aligned_data.encode_aligned` gives them to the in-memory packing."""
     indices = [None if routes is None else routes.index(document.route) for document in chunk]
     if aligned is None:
-        from meshkd.recipe.corpus.records import tokenize_documents
-
         return [(ids, trains, index) for (ids, trains), index
                 in zip(tokenize_documents(tokenizer, chunk, keep_empty=True), indices)]
-    from meshkd.recipe.corpus.aligned_data import encode_aligned
-
     sides = encode_aligned(chunk, aligned.student_tokenizer, aligned.teacher_tokenizer)
     return [(np.array(student.ids, dtype=np.int64), student_trains, index, np.array(teacher.ids, dtype=np.int64),
              teacher_trains, np.array([alignment.student_bounds, alignment.teacher_bounds, alignment.byte_bounds],
@@ -406,8 +406,6 @@ _WORKER: dict = {}
 
 
 def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None, prompts: bool = False) -> None:
-    from meshkd.recipe.corpus.records import prompt_reader, record_reader
-
     rendering = None if aligned is None or dataset.records == "text" else aligned.teacher_tokenizer
     read = record_reader(dataset, tokenizer, routes, rendering)
     _WORKER.update(tokenizer=tokenizer, read=prompt_reader(read) if prompts else read, routes=routes,
@@ -417,8 +415,6 @@ def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None, pr
 def _tokenize_rows(rows: list) -> list[tuple]:
     """A worker's chunk: rows -> documents -> tokens, as numpy arrays (torch tensors would travel as shared
     memory handles, one per array)."""
-    from meshkd.recipe.corpus.documents import to_document
-
     chunk = [document for document in (to_document(_WORKER["read"], record, where, _WORKER["cut"])
                                         for record, where in rows) if document is not None]
     return [tuple(value.numpy() if isinstance(value, torch.Tensor) else value for value in document)
@@ -427,10 +423,6 @@ def _tokenize_rows(rows: list) -> list[tuple]:
 
 def store_key(tokenizer, dataset, arguments: dict) -> dict:
     """What a store's tokens depend on (see the module docstring)."""
-    from meshkd.recipe.corpus.documents import match_files
-    from meshkd.recipe.corpus.hf_sources import hf_fingerprint
-    from meshkd.recipe.corpus.records import tokenizer_fingerprint
-
     files = match_files(arguments["paths"]) if arguments["paths"] else []
     settings = {name: getattr(dataset, name) for name in
                 ("format", "records", "train_on", "chat_template", "text_key", "messages_key", "prompt_key",
@@ -445,8 +437,6 @@ def store_key(tokenizer, dataset, arguments: dict) -> dict:
 
 
 def _chunks(documents: Iterable) -> Iterator[list]:
-    from meshkd.recipe.corpus.records import TOKENIZE_CHUNK
-
     chunk = []
     for document in documents:
         chunk.append(document)

@@ -21,13 +21,14 @@ from meshkd.parallel.tensor_parallel import check_tensor_parallel, experts_left_
 from meshkd.recipe.common.faults import about
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.common.versions import check_versions
-from meshkd.recipe.corpus import data, documents, hf_sources
+from meshkd.recipe.corpus import documents, hf_sources
 from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
 from meshkd.recipe.lifecycle.world import uses_cuda
 from meshkd.recipe.modeling import models
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
-from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_checks import pairs_of
+from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher import teacher_cache
 from meshkd.recipe.teacher.hidden_states import check_pairs
 
@@ -130,7 +131,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     steps, dataset = config.step_scheduler, config.dataset
 
     with about("dataset"):
-        data.check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+        documents.check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
                               dataset.max_document_chars, "replace")
     with about("dataset.paths"):
         files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
@@ -142,7 +143,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     found = None
     if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
         with about("dataset.paths"):
-            arguments = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
+            arguments = documents.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
             found = documents.read_documents(files, format=dataset.format, max_documents=None,
                                              max_document_chars=None, encoding_errors="replace",
                                              on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])
@@ -150,7 +151,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                 raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
     if check_data and dataset.hf is not None:
         with about("dataset.hf"):  # opened, not read whole: its path and split, and its first row's columns
-            read = data.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)["read_record"]
+            routes = teachers if dataset.teacher_key else None
+            read = documents.reading_arguments(dataset, tokenizer, routes)["read_record"]
             for row, where in itertools.islice(hf_sources.section_rows(replace(dataset.hf, streaming=True)), 1):
                 read(row, where)
     with about("model"):
@@ -252,7 +254,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
         if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
             with about("dataset.paths"):
-                arguments = data.reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
+                arguments = documents.reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
                 found = documents.read_documents(files, format=dataset.format, max_documents=None,
                                                  max_document_chars=None, encoding_errors="replace",
                                                  on_bad_file=dataset.on_bad_file,

@@ -1,16 +1,14 @@
-"""Recipe configuration: typed dataclasses (YAML is their serialized form), built by `load_config` (`config_loading`)
-and checked once at load (`config_checks`). A value derived from keys is a property that says so; none is rewritten."""
+"""Recipe configuration: typed dataclasses (YAML is their serialized form), built by `load_config`
+(`config_loading`) and checked once at load (`config_checks`), both of which import this module and not the
+reverse. A value derived from keys is a property that says so; none is rewritten."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from meshkd.recipe.settings.config_checks import required_world_size
-from meshkd.recipe.settings.config_loading import config_from_dict, expand_path, load_config
 from meshkd.recipe.settings.typed_yaml import ConfigError, apply_override
 
-__all__ = ["ConfigError", "KDRecipeConfig", "apply_override", "config_from_dict", "expand_path", "load_config",
-           "required_world_size"]
+__all__ = ["ConfigError", "KDRecipeConfig", "apply_override"]
 
 
 @dataclass

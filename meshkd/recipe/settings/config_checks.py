@@ -13,14 +13,11 @@ keys (timeouts, device); and last the layout of the student and every teacher ag
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_teacher_layouts
+from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
 from meshkd.recipe.settings.typed_yaml import ConfigError
-
-if TYPE_CHECKING:  # meshkd.recipe.settings.config imports this module (required_world_size): its types annotate only
-    from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
 
 RECORD_FORMATS = ("text", "chat", "prompt_completion")
 TRAIN_ON = ("answers", "last_answer", "all")

@@ -3,29 +3,23 @@
 `load_config(path, overrides)` reads YAML, applies `a.b=value` overrides (values parsed as YAML) and builds the
 dataclass tree, rejecting unknown keys and mistyped values with the dotted key in the message
 (`meshkd.recipe.settings.typed_yaml`); `meshkd.recipe.settings.config_checks.validate` then checks the rules across
-keys. Both functions are importable from `meshkd.recipe.settings.config`, which imports this module for them: the
-dataclasses are read from there only when a config is built.
+keys.
 """
 
 from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
+from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.settings.config_checks import validate
 from meshkd.recipe.settings.typed_yaml import ConfigError, apply_override, build, parse_yaml
-
-if TYPE_CHECKING:
-    from meshkd.recipe.settings.config import KDRecipeConfig
 
 
 def config_from_dict(data: dict, overrides: list[str] = ()) -> KDRecipeConfig:
     """Build and validate a config from a dict plus overrides."""
-    from meshkd.recipe.settings.config import KDRecipeConfig  # imports this module: read once it is whole
-
     data = dict(data or {})
     for assignment in overrides:
         apply_override(data, assignment)

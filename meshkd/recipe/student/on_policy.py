@@ -40,7 +40,8 @@ from typing import Protocol
 import torch
 
 from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
-from meshkd.recipe.corpus.data import PackedDataset, build_run_datasets, padding_rows
+from meshkd.recipe.corpus.data import build_run_datasets
+from meshkd.recipe.corpus.rows import PackedDataset, padding_rows
 from meshkd.recipe.student.train_step import TrainStep, step_items, sum_over_ranks
 
 

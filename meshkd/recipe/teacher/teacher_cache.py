@@ -54,7 +54,8 @@ from meshkd.recipe.corpus.batches import to_device, training_rows
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
 from meshkd.recipe.corpus.records import tokenizer_fingerprint
 from meshkd.recipe.modeling import models
-from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, expand_path
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
+from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.teacher_answers import Distribution
 

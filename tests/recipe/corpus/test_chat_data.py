@@ -17,6 +17,8 @@ import torch
 
 from meshkd.bench.corpora import stdlib_chat_rows
 from meshkd.recipe.corpus import data
+from meshkd.recipe.corpus.records import record_reader
+from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.settings.config import DatasetConfig, HFDatasetConfig
 from tests.core.tokenizers_on_the_fly import smollm2_tokenizer
@@ -35,7 +37,7 @@ def chat_rows(count: int = 12) -> list[dict]:
     return list(stdlib_chat_rows(max_rows=count, max_answer_chars=300))
 
 
-def trained_text(dataset: data.PackedDataset, tokenizer=TOKENIZER) -> list[str]:
+def trained_text(dataset: PackedDataset, tokenizer=TOKENIZER) -> list[str]:
     """Per document (in row order), the text of the targets that count in the loss."""
     texts = []
     for row in range(len(dataset)):
@@ -46,7 +48,7 @@ def trained_text(dataset: data.PackedDataset, tokenizer=TOKENIZER) -> list[str]:
     return texts
 
 
-def all_documents(tmp_path: Path, rows: list[dict], **settings) -> data.PackedDataset:
+def all_documents(tmp_path: Path, rows: list[dict], **settings) -> PackedDataset:
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, **settings)
     train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=4096, pack=False)
     return train
@@ -141,7 +143,7 @@ def test_parquet_save_to_disk_and_jsonl_give_the_same_rows(tmp_path):
     built = {name: data.build_run_datasets(TOKENIZER, DatasetConfig(records="prompt_completion", seed=4, **source),
                                            sequence_length=64) for name, source in sources.items()}
     for name, (train, val) in built.items():
-        for key in data.BATCH_KEYS:
+        for key in BATCH_KEYS:
             assert torch.equal(getattr(train, key), getattr(built["jsonl"][0], key)), (name, key)
             assert torch.equal(getattr(val, key), getattr(built["jsonl"][1], key)), (name, key)
 
@@ -166,7 +168,7 @@ def test_answer_only_kd_equals_a_hand_computation_on_two_rows():
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "Say a"}, {"role": "assistant", "content": "aaa"}]},
             {"messages": [{"role": "user", "content": "Name b?"}, {"role": "assistant", "content": "bb"}]}]
-    read = data.record_reader(DatasetConfig(records="chat"), TOKENIZER)
+    read = record_reader(DatasetConfig(records="chat"), TOKENIZER)
     documents = [read(row, f"row {i}") for i, row in enumerate(rows)]
     batch = data.packer(TOKENIZER, 128, pack=False)(documents)[0:2]
     labels = batch["labels"]

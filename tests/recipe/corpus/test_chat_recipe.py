@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.recipe.lifecycle.test_recipe import curve
 from tests.recipe.teacher.test_teacher_cache import run_all, train_records, variant
 from tests.tiny import STEPS, base_config

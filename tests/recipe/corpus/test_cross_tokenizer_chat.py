@@ -17,8 +17,10 @@ import torch
 
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.aligned_data import TEACHER_POSITIONS, aligned_packing
+from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
-from meshkd.recipe.settings.config import ConfigError, DatasetConfig, config_from_dict
+from meshkd.recipe.settings.config import ConfigError, DatasetConfig
+from meshkd.recipe.settings.config_loading import config_from_dict
 
 STUDENT = byte_tokenizer()
 BPE = Path(__file__).parents[3] / "examples" / "data" / "stdlib_json_bpe"
@@ -58,7 +60,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def cross_rows(tmp_path: Path, rows: list[dict], teacher, *, sequence_length: int = 1024,
-               teacher_sequence_length: int = 1024, pack: bool = False, **settings) -> data.PackedDataset:
+               teacher_sequence_length: int = 1024, pack: bool = False, **settings) -> PackedDataset:
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, **settings)
     packing = aligned_packing(STUDENT, teacher, sequence_length=sequence_length,
                               teacher_sequence_length=teacher_sequence_length, pack=pack)
@@ -72,7 +74,7 @@ def targets(ids: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, to
     return [tokenizer.decode(labels[(documents == d) & (labels != -100)]) for d in range(1, int(documents.max()) + 1)]
 
 
-def kd_pairs(rows: data.PackedDataset, teacher) -> list[tuple[bytes, bytes]]:
+def kd_pairs(rows: PackedDataset, teacher) -> list[tuple[bytes, bytes]]:
     """Per position KD counts: the bytes of the rest of its document from the target on, in the student's tokens
     and in the teacher's (from the teacher position paired with it)."""
     from meshkd.core.token_bytes import token_bytes
@@ -118,7 +120,7 @@ def test_each_side_trains_its_own_answers_and_kd_pairs_them_by_their_bytes(tmp_p
     # The student's side is the one-tokenizer chat rows, token for token: its answers and ChatML's end marker.
     alone, _ = data.build_run_datasets(STUDENT, DatasetConfig(paths=[str(tmp_path / "rows.jsonl")], val_fraction=0.0,
                                                               records="chat"), sequence_length=1024, pack=False)
-    for key in data.BATCH_KEYS:
+    for key in BATCH_KEYS:
         assert torch.equal(train[:][key], alone[:][key]), key
     for row, contents in enumerate(answers):
         batch = train[row]

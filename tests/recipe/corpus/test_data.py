@@ -23,12 +23,8 @@ from meshkd.recipe.corpus.batches import (
     steps_per_epoch,
     training_rows,
 )
-from meshkd.recipe.corpus.data import (
-    BATCH_KEYS,
-    IGNORE_INDEX,
-    PackedDataset,
-    build_datasets,
-)
+from meshkd.recipe.corpus.data import build_datasets
+from meshkd.recipe.corpus.rows import BATCH_KEYS, IGNORE_INDEX, PackedDataset
 
 ALPHABET = string.ascii_letters + string.digits + ' .,:;!?-_(){}"\n'
 

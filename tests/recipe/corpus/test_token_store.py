@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from meshkd.recipe.corpus import data
+from meshkd.recipe.corpus.rows import BATCH_KEYS
 from meshkd.recipe.corpus.token_store import token_dtype
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.settings.config import DatasetConfig
@@ -246,7 +247,7 @@ def test_processes_starting_together_tokenize_once_and_read_the_same_rows(tmp_pa
     results = [torch.load(out) for out in outs]
     assert sum("tokenizing the corpus once" in result["log"] for result in results) == 1
     for result in results[1:]:
-        for key in data.BATCH_KEYS:
+        for key in BATCH_KEYS:
             assert torch.equal(result["rows"][key], results[0]["rows"][key])
     assert not [path for path in Path(tmp_path / "store").iterdir() if ".tmp-" in path.name]
 
@@ -351,7 +352,7 @@ def test_prepare_data_writes_the_stores_of_the_rows_and_of_the_on_policy_prompts
     import yaml
 
     from meshkd.commands import prepare_data_command
-    from meshkd.recipe.settings.config import config_from_dict
+    from meshkd.recipe.settings.config_loading import config_from_dict
     from meshkd.recipe.student.step_data import run_datasets
     from tests.recipe.corpus.test_cross_tokenizer_chat import chat_rows as short_chat_rows
     from tests.tiny import base_config

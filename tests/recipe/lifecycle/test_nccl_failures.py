@@ -38,7 +38,7 @@ from meshkd.core.wire import SenderError
 from meshkd.recipe.common.faults import FaultWatch, PeerLostError
 from meshkd.recipe.lifecycle import world
 from meshkd.recipe.lifecycle.run import KDRecipe
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.tiny import base_config, with_layout
 
 BLOCKING_WAIT = meshkd_groups.BLOCKING_WAIT_ENV

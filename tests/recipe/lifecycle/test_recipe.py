@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshkd.recipe.common.metrics import read_metrics
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.tiny import STEPS, base_config, with_layout
 from tests.world import WorldsBySize, run_world
 
@@ -63,7 +63,7 @@ def train_in_world(world_size: int, config: dict, *, resume: bool = False) -> li
 
 
 def config_world_size(config: dict) -> int:
-    from meshkd.recipe.settings.config import required_world_size
+    from meshkd.recipe.settings.config_checks import required_world_size
 
     return required_world_size(config_from_dict(config))
 

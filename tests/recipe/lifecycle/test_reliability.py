@@ -38,7 +38,8 @@ import yaml
 
 from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.modeling import checkpoint as ckpt
-from meshkd.recipe.settings.config import ConfigError, config_from_dict
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.tiny import base_config, tiny_llama, with_layout
 from tests.world import run_world
 

@@ -16,7 +16,7 @@ import torch
 from meshkd import cli, launcher
 from meshkd.recipe.lifecycle.run import KDRecipe
 from meshkd.recipe.lifecycle.world import check_gpu_count, init_world
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.collectives import audited_collectives
 from tests.tiny import base_config
 

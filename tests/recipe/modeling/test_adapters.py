@@ -14,7 +14,8 @@ import torch
 from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.modeling.adapters import add_adapters, export_adapters, trainable_parameters
 from meshkd.recipe.modeling.models import load_causal_lm, save_hf_model
-from meshkd.recipe.settings.config import ConfigError, PeftConfig, config_from_dict
+from meshkd.recipe.settings.config import ConfigError, PeftConfig
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.recipe.lifecycle.test_recipe import RecipeRuns, curve
 from tests.recipe.modeling.test_export import num_parameters, plain_val_loss
 from tests.tiny import base_config, tiny_llama, with_layout

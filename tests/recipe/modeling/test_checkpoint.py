@@ -53,7 +53,7 @@ class ExpectFailure:
 
     def __call__(self) -> None:
         from meshkd.recipe.lifecycle.run import KDRecipe
-        from meshkd.recipe.settings.config import config_from_dict
+        from meshkd.recipe.settings.config_loading import config_from_dict
 
         try:
             KDRecipe(config_from_dict(self.config), resume=True).run()

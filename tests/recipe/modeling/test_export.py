@@ -20,7 +20,7 @@ from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import eval_batches
 from meshkd.recipe.modeling.models import byte_tokenizer, load_causal_lm, save_hf_model
-from meshkd.recipe.settings.config import config_from_dict
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.recipe.lifecycle.test_recipe import TrainRun
 from tests.tiny import base_config, with_layout
 from tests.world import WorldsBySize

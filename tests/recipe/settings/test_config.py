@@ -3,13 +3,9 @@
 import pytest
 import yaml
 
-from meshkd.recipe.settings.config import (
-    ConfigError,
-    apply_override,
-    config_from_dict,
-    load_config,
-    required_world_size,
-)
+from meshkd.recipe.settings.config import ConfigError, apply_override
+from meshkd.recipe.settings.config_checks import required_world_size
+from meshkd.recipe.settings.config_loading import config_from_dict, load_config
 from tests.tiny import base_config, with_layout
 
 

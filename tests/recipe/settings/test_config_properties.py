@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshkd.recipe.lifecycle.preflight import preflight
-from meshkd.recipe.settings.config import KDRecipeConfig, config_from_dict
+from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.tiny import base_config, with_layout
 
 RANDOM_INIT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -7,7 +7,8 @@ import torch
 
 from meshkd.parallel.stages import decoder_of
 from meshkd.recipe.modeling import models
-from meshkd.recipe.settings.config import ConfigError, config_from_dict
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
 from meshkd.recipe.student import layer_selection
 from tests.tiny import base_config
 

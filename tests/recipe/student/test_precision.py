@@ -20,7 +20,8 @@ import torch
 
 from meshkd.parallel.mixed_precision import rounded_update_share
 from meshkd.recipe.common.metrics import read_metrics
-from meshkd.recipe.settings.config import ConfigError, config_from_dict
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
 from tests.tiny import base_config, with_layout
 from tests.world import WorldsBySize
 

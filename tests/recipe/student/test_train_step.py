@@ -26,7 +26,8 @@ from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student
 from meshkd.recipe.common.metrics import read_metrics
-from meshkd.recipe.settings.config import ConfigError, KDConfig, config_from_dict
+from meshkd.recipe.settings.config import ConfigError, KDConfig
+from meshkd.recipe.settings.config_loading import config_from_dict
 from meshkd.recipe.student.train_step import TrainStep, enable_activation_checkpointing, micro_batches, step_items
 from tests.tiny import base_config, tiny_llama_model, with_layout
 from tests.world import run_world

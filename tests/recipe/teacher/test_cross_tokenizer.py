@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from meshkd.recipe.common.metrics import read_metrics
-from meshkd.recipe.settings.config import ConfigError, config_from_dict
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
 from meshkd.recipe.settings.typed_yaml import parse_yaml
 from tests.recipe.lifecycle.test_recipe import TrainRun, config_world_size, curve
 from tests.recipe.teacher.test_teacher_cache import WriteCache

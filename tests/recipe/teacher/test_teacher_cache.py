@@ -27,7 +27,8 @@ from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import training_rows
 from meshkd.recipe.lifecycle.preflight import preflight
-from meshkd.recipe.settings.config import ConfigError, config_from_dict
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
 from meshkd.recipe.teacher.teacher_cache import MANIFEST, CachedTeacher, rows_asked
 from tests.recipe.lifecycle.test_recipe import TrainRun
 from tests.tiny import base_config, tiny_llama, with_layout
