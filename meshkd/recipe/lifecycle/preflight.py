@@ -103,58 +103,21 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         FileNotFoundError: naming the missing file or path.
     """
     check_versions()
-    student_layout = config.distributed
     from_cache = config.kd.teacher_cache is not None and not writing_cache
     separate = config.separate_meshes and not from_cache
-    if student_layout.sequence_parallel:
-        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
-    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
-        raise ConfigError(
-            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
-            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
-        )
-    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
-        raise ConfigError(
-            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
-        )
-    if separate:
-        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
-            if layout is not None and layout.dp_size is None:
-                raise ConfigError(
-                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
-                )
+    _check_student_layout(config, separate)
     outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
     for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
         _check_writable_directory(key, path)
-    teacher_key = "teacher_distributed" if separate else "distributed"
-    teacher_layout = config.teacher_layout if not from_cache else student_layout
-    steps, dataset = config.step_scheduler, config.dataset
-
+    dataset = config.dataset
     with about("dataset"):
-        documents.check_arguments(steps.sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
-                              dataset.max_document_chars, "replace")
+        documents.check_arguments(config.step_scheduler.sequence_length, dataset.val_fraction, dataset.format,
+                                  dataset.max_documents, dataset.max_document_chars, "replace")
     with about("dataset.paths"):
         files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
     with about("model.tokenizer"):
         tokenizer = load_section_tokenizer(config.model)
-    # Every file is read (and checked for being text, by `dataset.on_bad_file`, and each row for its columns);
-    # a large corpus or a Hugging Face dataset is left to the students' setup, whose errors reach every rank
-    # too. `check_data` False: read already.
-    found = None
-    if check_data and dataset.hf is None and sum(os.path.getsize(path) for path in files) <= _PREFLIGHT_READ_BYTES:
-        with about("dataset.paths"):
-            arguments = documents.reading_arguments(dataset, tokenizer, teachers if dataset.teacher_key else None)
-            found = documents.read_documents(files, format=dataset.format, max_documents=None,
-                                             max_document_chars=None, encoding_errors="replace",
-                                             on_bad_file=dataset.on_bad_file, read_record=arguments["read_record"])
-            if not found:
-                raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
-    if check_data and dataset.hf is not None:
-        with about("dataset.hf"):  # opened, not read whole: its path and split, and its first row's columns
-            routes = teachers if dataset.teacher_key else None
-            read = documents.reading_arguments(dataset, tokenizer, routes)["read_record"]
-            for row, where in itertools.islice(hf_sources.section_rows(replace(dataset.hf, streaming=True)), 1):
-                read(row, where)
+    found = _read_data(config, tokenizer, files, teachers) if check_data else None
     with about("model"):
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
@@ -172,72 +135,55 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         with about("teacher_model"):
             teacher = load_section_skeleton(config.teacher_model, "teacher_model")
         teacher_rows, teacher_width = _embedding_rows(teacher), teacher.config.get_text_config().hidden_size
-    with about("model.tokenizer / teacher_model.tokenizer"):
-        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=_embedding_rows(student),
-                                              teacher_vocab_size=teacher_rows,
-                                              cross_tokenizer=config.kd.cross_tokenizer is not None)
-        if config.kd.cross_tokenizer is not None:  # byte spans come from the fast tokenizers' offset mappings
-            for name, side in (("model", tokenizer), ("teacher_model", teacher_tokenizer)):
-                if not getattr(side, "is_fast", False):
-                    raise ValueError(f"{name}.tokenizer: kd.cross_tokenizer aligns tokens by their byte offsets, "
-                                     f"which {type(side).__name__} (not a fast tokenizer) does not give")
-
-    checked = Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
-                        student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
-                        cache_manifest=manifest, teacher_width=teacher_width)
-    roles = [("distributed", student_layout, "model", student, config.model)]
+    vocab_size = _common_vocabulary(config, tokenizer, teacher_tokenizer, _embedding_rows(student), teacher_rows)
+    roles = [Role("distributed", config.distributed, "model", student, config.model)]
     if teacher is not None:
-        roles.append((teacher_key, teacher_layout, "teacher_model", teacher, config.teacher_model))
-    for _, _, label, model, section in roles:
-        with about(label):
-            attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
-        shape = model.config
-        head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
-        if section.attn_implementation == "flex_attention" and uses_cuda(config) and head_dim < 16:
-            raise ConfigError(f"{label}.attn_implementation: flex_attention on CUDA needs head_dim >= 16 (the "
-                              f"compiled kernel's smallest); {label} has head_dim {head_dim}: use sdpa")
-        limit = getattr(model.config, "max_position_embeddings", None)
-        key, length = "step_scheduler.sequence_length", steps.sequence_length
-        if label == "teacher_model" and config.kd.cross_tokenizer is not None:
-            key, length = "kd.cross_tokenizer.teacher_sequence_length", config.teacher_sequence_length
-        if limit is not None and length > limit:
-            raise ConfigError(f"{key}({length}) exceeds {label}'s max_position_embeddings({limit})")
-    for key, layout, label, _, _ in roles:
-        if layout.ep_size > 1 and layout.ep_size != layout.tp_size:  # whole experts over the data-parallel ranks
-            if label == "teacher_model":
+        roles.append(Role("teacher_distributed" if separate else "distributed", config.teacher_layout,
+                          "teacher_model", teacher, config.teacher_model))
+    for role in roles:
+        _check_role(config, role)
+    _check_student_against_teacher(config, student, teacher, vocab_size)
+    if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
+        if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
+            found = _read_data(config, tokenizer, files, teachers, teacher_tokenizer=teacher_tokenizer)
+        check_row_lengths(config, found, tokenizer, teacher_tokenizer)
+    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                     student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
+                     cache_manifest=manifest, teacher_width=teacher_width)
+
+
+@dataclass
+class Role:
+    """A model preflight checks against its layout: its layout key, its section's label, its skeleton."""
+
+    key: str
+    layout: object
+    label: str
+    model: torch.nn.Module
+    section: object
+
+
+def _check_student_layout(config: KDRecipeConfig, separate: bool) -> None:
+    """The student layouts meshkd does not run, and each role's dp_size on separate meshes."""
+    student_layout = config.distributed
+    if student_layout.sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
+    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
+        raise ConfigError(
+            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
+            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
+        )
+    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
+        raise ConfigError(
+            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
+        )
+    if separate:
+        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
+            if layout is not None and layout.dp_size is None:
                 raise ConfigError(
-                    f"{key}.ep_size({layout.ep_size}) would spread the teacher's experts over its data-parallel "
-                    "ranks, which answer different requests and do not run forward in step; use ep_size equal "
-                    "to tp_size"
+                    f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
                 )
-            try:
-                check_experts_over_dp(layout)
-            except ValueError as error:
-                raise ConfigError(f"{key}.{error}") from None
-    for key, layout, label, model, _ in roles:
-        try:
-            check_tensor_parallel(model, layout.tp_size, layout.ep_size)
-        except ValueError as error:
-            sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
-            raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
-        if layout.tp_size > 1 and layout.ep_size == 1 and experts_left_whole(model):
-            warn0(f"{key}.ep_size: {label}'s experts stay whole on each of its {layout.tp_size} tp ranks (this "
-                  f"transformers release's tensor-parallel plan does not shard experts); set ep_size: "
-                  f"{layout.tp_size} to spread them over the tp ranks")
-    for key, layout, label, model, section in roles:
-        num_layers = model.config.num_hidden_layers
-        if layout.pp_size > num_layers:
-            raise ConfigError(
-                f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
-                + (" (after keep_layers)" if section.keep_layers is not None else "")
-            )
-    if config.kd.hidden_states is not None:
-        try:
-            check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
-                        student_layers=student.config.num_hidden_layers,
-                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else None)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    steps = config.step_scheduler
     dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
     micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
     if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:
@@ -246,21 +192,110 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
             f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
             "step_scheduler.global_batch_size or use pp_schedule: gpipe"
         )
-    if student_layout.tp_size > 1 and _embedding_rows(student) != vocab_size:
+
+
+def _read_data(config: KDRecipeConfig, tokenizer, files: list[str], teachers: list[str] | None,
+               teacher_tokenizer=None) -> list | None:
+    """The corpus's documents when its files are small enough to read here (each checked for being text, by
+    `dataset.on_bad_file`, and each row for its columns), else None: a large corpus is left to the students'
+    setup, whose errors reach every rank too. A `dataset.hf` dataset is opened, not read: its path and
+    split, and its first row's columns."""
+    dataset = config.dataset
+    routes = teachers if dataset.teacher_key else None
+    if dataset.hf is not None:
+        with about("dataset.hf"):
+            read = documents.reading_arguments(dataset, tokenizer, routes)["read_record"]
+            for row, where in itertools.islice(hf_sources.section_rows(replace(dataset.hf, streaming=True)), 1):
+                read(row, where)
+        return None
+    if sum(os.path.getsize(path) for path in files) > _PREFLIGHT_READ_BYTES:
+        return None
+    with about("dataset.paths"):
+        arguments = documents.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=teacher_tokenizer)
+        found = documents.read_documents(files, format=dataset.format, max_documents=None, max_document_chars=None,
+                                         encoding_errors="replace", on_bad_file=dataset.on_bad_file,
+                                         read_record=arguments["read_record"])
+        if not found:
+            raise ValueError(f"no non-empty document in the {len(files)} file(s) matched by {dataset.paths}")
+    return found
+
+
+def _common_vocabulary(config: KDRecipeConfig, tokenizer, teacher_tokenizer, student_rows: int,
+                       teacher_rows: int) -> int:
+    """The vocabulary both sides share (`models.common_vocab_size`); with `kd.cross_tokenizer`, fast tokenizers."""
+    with about("model.tokenizer / teacher_model.tokenizer"):
+        vocab_size = models.common_vocab_size(tokenizer, teacher_tokenizer, student_vocab_size=student_rows,
+                                              teacher_vocab_size=teacher_rows,
+                                              cross_tokenizer=config.kd.cross_tokenizer is not None)
+        if config.kd.cross_tokenizer is not None:  # byte spans come from the fast tokenizers' offset mappings
+            for name, side in (("model", tokenizer), ("teacher_model", teacher_tokenizer)):
+                if not getattr(side, "is_fast", False):
+                    raise ValueError(f"{name}.tokenizer: kd.cross_tokenizer aligns tokens by their byte offsets, "
+                                     f"which {type(side).__name__} (not a fast tokenizer) does not give")
+    return vocab_size
+
+
+def _check_role(config: KDRecipeConfig, role: Role) -> None:
+    """One model against the run: its layer kinds against the masks meshkd prepares, FlexAttention's head
+    size on CUDA, the sequence length against its positions, and its layout (experts, tp plan, pp stages)."""
+    key, layout, label, model, section = role.key, role.layout, role.label, role.model, role.section
+    with about(label):
+        attention_windows(model.config, model)  # the masks meshkd prepares fit every layer kind
+    shape = model.config
+    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+    if section.attn_implementation == "flex_attention" and uses_cuda(config) and head_dim < 16:
+        raise ConfigError(f"{label}.attn_implementation: flex_attention on CUDA needs head_dim >= 16 (the "
+                          f"compiled kernel's smallest); {label} has head_dim {head_dim}: use sdpa")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    length_key, length = "step_scheduler.sequence_length", config.step_scheduler.sequence_length
+    if label == "teacher_model" and config.kd.cross_tokenizer is not None:
+        length_key, length = "kd.cross_tokenizer.teacher_sequence_length", config.teacher_sequence_length
+    if limit is not None and length > limit:
+        raise ConfigError(f"{length_key}({length}) exceeds {label}'s max_position_embeddings({limit})")
+    if layout.ep_size > 1 and layout.ep_size != layout.tp_size:  # whole experts over the data-parallel ranks
+        if label == "teacher_model":
+            raise ConfigError(
+                f"{key}.ep_size({layout.ep_size}) would spread the teacher's experts over its data-parallel "
+                "ranks, which answer different requests and do not run forward in step; use ep_size equal "
+                "to tp_size"
+            )
+        try:
+            check_experts_over_dp(layout)
+        except ValueError as error:
+            raise ConfigError(f"{key}.{error}") from None
+    try:
+        check_tensor_parallel(model, layout.tp_size, layout.ep_size)
+    except ValueError as error:
+        sizes = f"tp_size({layout.tp_size})" + (f", ep_size({layout.ep_size})" if layout.ep_size > 1 else "")
+        raise ConfigError(f"{key}.{sizes} does not fit {label}: {error}") from None
+    if layout.tp_size > 1 and layout.ep_size == 1 and experts_left_whole(model):
+        warn0(f"{key}.ep_size: {label}'s experts stay whole on each of its {layout.tp_size} tp ranks (this "
+              f"transformers release's tensor-parallel plan does not shard experts); set ep_size: "
+              f"{layout.tp_size} to spread them over the tp ranks")
+    num_layers = model.config.num_hidden_layers
+    if layout.pp_size > num_layers:
+        raise ConfigError(
+            f"{key}.pp_size({layout.pp_size}) exceeds {label}'s {num_layers} decoder layers"
+            + (" (after keep_layers)" if section.keep_layers is not None else "")
+        )
+
+
+def _check_student_against_teacher(config: KDRecipeConfig, student: torch.nn.Module,
+                                   teacher: torch.nn.Module | None, vocab_size: int) -> None:
+    """The hidden-state pairs against both models' layers, and a TP student's vocabulary against the common one."""
+    if config.kd.hidden_states is not None:
+        try:
+            check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
+                        student_layers=student.config.num_hidden_layers,
+                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else None)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    tp_size = config.distributed.tp_size
+    if tp_size > 1 and _embedding_rows(student) != vocab_size:
         raise ConfigError(
             f"model: vocabulary {_embedding_rows(student)} differs from the common vocabulary {vocab_size} (the "
-            f"teacher's): distributed.tp_size({student_layout.tp_size}) > 1 needs them equal"
+            f"teacher's): distributed.tp_size({tp_size}) > 1 needs them equal"
         )
-    if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
-        if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
-            with about("dataset.paths"):
-                arguments = documents.reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)
-                found = documents.read_documents(files, format=dataset.format, max_documents=None,
-                                                 max_document_chars=None, encoding_errors="replace",
-                                                 on_bad_file=dataset.on_bad_file,
-                                                 read_record=arguments["read_record"])
-        check_row_lengths(config, found, tokenizer, teacher_tokenizer)
-    return checked
 
 
 def _existing_ancestor(path: str) -> str:
