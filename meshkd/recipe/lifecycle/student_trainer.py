@@ -14,9 +14,7 @@ step's pairs. With `kd.mode: on_policy` each step's micro-batches are first comp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import functools
 import json
 import time
 from pathlib import Path
@@ -28,31 +26,24 @@ import yaml
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.packing import configure_packing
 from meshkd.core.teacher_ensemble import TeacherEnsemble
-from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherFeed, TeacherSource
+from meshkd.core.teacher_protocol import TeacherFeed, TeacherSource
 from meshkd.core.token_bytes import token_byte_lengths
 from meshkd.core.topology import TeacherSetups
-from meshkd.parallel.data_parallel import parallelize_student
 from meshkd.parallel.mixed_precision import rounded_update_warning
-from meshkd.parallel.sharded_loading import is_empty, load_shards
-from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.faults import FaultWatch, PeerLostError, StopRequest, about
 from meshkd.recipe.common.metrics import MetricsSink, is_logging_rank, print0, progress_bar, warn0
 from meshkd.recipe.corpus.aligned_data import completion_aligner
 from meshkd.recipe.lifecycle.preflight import Preflight
 from meshkd.recipe.lifecycle.run_report import RunFigures, run_report
 from meshkd.recipe.modeling import checkpoint as ckpt
-from meshkd.recipe.modeling.adapters import add_adapters, checkpoint_names, export_adapters, init_adapters
-from meshkd.recipe.modeling.loaders import load_section_model, load_section_model_for_layout
-from meshkd.recipe.modeling.models import resolve_dtype
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
-from meshkd.recipe.student.router_loss import RouterLoss
 from meshkd.recipe.student.step_data import StepData, run_datasets
-from meshkd.recipe.student.train_step import TrainStep, build_optimizer, enable_activation_checkpointing
-from meshkd.recipe.teacher.hidden_states import HiddenStateProjections, LayerTap, StudentHiddenStates, paired_layers
-from meshkd.recipe.teacher.teacher_cache import CachedTeacher, rows_asked
-from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
+from meshkd.recipe.student.student_model import export_student, lay_out_student, load_student, student_hidden_states
+from meshkd.recipe.student.train_step import TrainStep, build_optimizer
+from meshkd.recipe.teacher.teacher_sources import teacher_source
+from meshkd.recipe.teacher.teacher_worker import load_teacher, teacher_vocabulary_map
 
 
 class StudentTrainer:
@@ -93,21 +84,7 @@ class StudentTrainer:
         checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         self._teacher_width = checked.teacher_width
-        # DDP replicates the whole student, so it loads whole; FSDP2 reads its share once laid out. Its
-        # parameters are float32 master weights unless model.pure_half_precision (meshkd.parallel.mixed_precision).
-        # A LoRA student's frozen base: in the compute dtype (meshkd.recipe.modeling.adapters).
-        dtype = config.model.dtype if config.peft is not None else config.model.parameter_dtype()
-        section = dataclasses.replace(config.model, dtype=dtype)
-        with about("model"):
-            if self.setup.strategy == "fsdp2":
-                self._model, self._checkpoint = load_section_model_for_layout(section)
-            else:
-                self._model, self._checkpoint = load_section_model(section), None
-            if config.model.activation_checkpointing:
-                enable_activation_checkpointing(self._model)
-        if config.peft is not None:  # before any layout (meshkd.recipe.modeling.adapters)
-            with about("peft"):
-                add_adapters(self._model, config.peft, seed=config.model.seed)
+        self._model, self._checkpoint = load_student(config, self.setup)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
                           if not self.setups.separate(name) and name not in self._manifests}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
@@ -130,14 +107,23 @@ class StudentTrainer:
 
         `bridges`: to each teacher on ranks of its own, by name."""
         self.vocab_size, self.bridges = vocab_size, bridges
-        self.teacher_sources = self._teacher_sources()
+        datasets = {"train": self.train_set, "validation": self.val_set}
+        self.teacher_sources = {  # meshkd.recipe.teacher.teacher_sources
+            name: teacher_source(view, manifest=self._manifests.get(name), bridge=bridges.get(name),
+                                 loaded=self._teachers.pop(name, None), setup=self.setup, device=self.device,
+                                 datasets=datasets, vocab_size=vocab_size, vocabulary_map=self._vocabulary_map)
+            for name, view in self.views.items()}
         # One teacher is the list of one: its own source; several are asked as one.
         self.teacher = TeacherEnsemble.of(
             self.teacher_sources, roles={name: TeacherSetups.role(name) for name in self.teacher_sources},
             watch=self.faults.watch, transports={name: view.kd.logits_transport for name, view in self.views.items()},
             route=self.config.kd.combine == "route")
-        self.model, self.pipeline = self._setup_model()
-        self.hidden_states = self._student_hidden_states()
+        self.model, self.pipeline, self.router_loss = lay_out_student(
+            self._model, self._checkpoint, self.config, self.setup, device=self.device,
+            num_micro_batches=self.num_micro_batches)
+        del self._model, self._checkpoint
+        self.hidden_states = student_hidden_states(self.model, self.config, teacher_width=self._teacher_width,
+                                                   device=self.device)
         # The hidden-state projections' weights (widths that differ): trained with the student, checkpointed beside it.
         learned = self.hidden_states.parameters() if self.hidden_states else []
         self.checkpointed = self.model if not learned else torch.nn.ModuleDict(
@@ -149,51 +135,6 @@ class StudentTrainer:
                                              dtype=self.config.model.dtype, group=self.student_group)
             if warning:
                 warn0(warning)
-
-    def _teacher_sources(self) -> dict[str, TeacherSource]:
-        """Each teacher's source, by name: its cache, on these ranks (laid out here) or on ranks of its own."""
-        config = self.config
-        datasets = {"train": self.train_set, "validation": self.val_set}
-        sources = {}
-        for name, view in self.views.items():
-            if name in self._manifests:
-                sources[name] = CachedTeacher(view.kd.teacher_cache, self._manifests[name], datasets,
-                                              device=self.device, asked=rows_asked(view, datasets,
-                                                                                   dp_size=self.dp_size))
-            elif name in self.bridges:
-                sources[name] = TeacherClient(self.bridges[name])
-            else:
-                runner = lay_out_teacher(*self._teachers.pop(name), self.setup, device=self.device)
-                sources[name] = LocalTeacher(TeacherForward(runner, vocab_size=self.vocab_size, kd=view.kd,
-                                                            seed=config.seed, vocabulary_map=self._vocabulary_map,
-                                                            hidden_layers=paired_layers(view, "teacher")))
-        return sources
-
-    def _setup_model(self) -> tuple[torch.nn.Module, StudentPipeline | None]:
-        """The student laid out (pipeline stages, or TP / CP / FSDP2 / DDP), its weights read if not yet."""
-        config, setup, model = self.config, self.setup, self._model
-        # Hooks on the routers the model declares, on the whole model: pipeline stages keep theirs.
-        self.router_loss = RouterLoss.for_student(model, config.kd.router_aux_loss_coef)
-        compute_dtype = resolve_dtype(config.model.dtype)
-        pipeline = None
-        if setup.pp_size > 1:
-            pipeline = StudentPipeline(model, setup, device=self.device, schedule=setup.pp_schedule,
-                                       num_micro_batches=self.num_micro_batches, router_loss=self.router_loss,
-                                       compute_dtype=compute_dtype)
-            laid_out = pipeline.stage_model
-        else:
-            # TeacherRunner and StudentPipeline move their model; parallelize_student leaves that to us.
-            if not is_empty(model):  # else `load_shards` gives it storage on the device
-                model.to(self.device)
-            laid_out = parallelize_student(model, setup, compute_dtype=compute_dtype)
-        if self._checkpoint is not None:
-            names = checkpoint_names(laid_out) if config.peft is not None else None
-            with about("model"):
-                load_shards(laid_out, self._checkpoint, device=self.device, names=names)
-            if config.peft is not None:
-                init_adapters(laid_out, seed=config.model.seed)
-        del self._model, self._checkpoint
-        return laid_out, pipeline
 
     def _setup_step(self) -> None:
         """The training step (on-policy: wrapped in the completions' step) and the evaluations."""
@@ -226,18 +167,6 @@ class StudentTrainer:
         self.evaluation = TeachersEvaluation.of(
             {name: evaluation(name, source) for name, source in self.teacher_sources.items()},
             weights=config.teacher_weights())
-
-    def _student_hidden_states(self) -> StudentHiddenStates | None:
-        """`kd.hidden_states`' student side: a tap on the laid-out student's paired layers, and projections onto
-        the teacher's width (the identity, without parameters, where the widths agree)."""
-        hidden_states, layers = self.config.kd.hidden_states, paired_layers(self.config, "student")
-        if hidden_states is None:
-            return None
-        model = getattr(self.model, "module", self.model)  # DDP's
-        width = model.config.get_text_config().hidden_size
-        projections = HiddenStateProjections(layers, student_width=width, teacher_width=self._teacher_width)
-        return StudentHiddenStates(LayerTap(model, layers), weight=hidden_states.weight,
-                                   projections=projections.to(self.device))
 
     def resume(self, resume: bool) -> None:
         """With `resume`, continue from the newest intact checkpoint; open the metrics and the run directory.
@@ -409,17 +338,12 @@ class StudentTrainer:
                                  scheduler=self.scheduler, group=self.student_group)
 
     def export_hf(self) -> Path:
-        """The trained student as an HF directory (safetensors, config, tokenizer) under RUN_DIR/hf_student;
-        a LoRA student's adapters also under RUN_DIR/hf_adapter (`meshkd.recipe.modeling.adapters`)."""
-        merge = None
-        if self.config.peft is not None:
-            model = getattr(self.model, "module", self.model)
-            merge = functools.partial(export_adapters, config=model.config, section=self.config.peft,
-                                      base_path=self.config.model.path, adapter_dir=self.run_dir / "hf_adapter")
-            self.summary["hf_adapter_dir"] = str((self.run_dir / "hf_adapter").resolve())
-        return ckpt.export_hf(self.run_dir / "hf_student", model=self.model, pipeline=self.pipeline,
-                              tokenizer=self.tokenizer, group=self.student_group,
-                              dtype=resolve_dtype(self.config.model.dtype), merge_adapters=merge)
+        """The trained student as an HF directory under RUN_DIR/hf_student (`export_student`)."""
+        exported, adapters = export_student(self.model, self.pipeline, self.config, self.run_dir,
+                                            tokenizer=self.tokenizer, group=self.student_group)
+        if adapters is not None:
+            self.summary["hf_adapter_dir"] = str(adapters.resolve())
+        return exported
 
     def close(self) -> None:
         if self.metrics is not None:
