@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from meshkd.core.aligned_packing import AlignedBatch, GroupTooLongError, pack_aligned_documents, pad_token_id
-from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, uld_loss
 from meshkd.core.token_alignment import align_shared_spans, align_token_spans
 from meshkd.core.token_bytes import (
     TokenSpans,
@@ -44,17 +43,17 @@ from meshkd.core.token_bytes import (
 )
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.records import Document, answer_tokens
-from meshkd.recipe.corpus.rows import BATCH_KEYS, IGNORE_INDEX, PackedDataset, padding_rows
+from meshkd.recipe.corpus.rows import (
+    BATCH_KEYS,
+    GROUP_ENDS,
+    IGNORE_INDEX,
+    TEACHER_GROUP_ENDS,
+    TEACHER_POSITIONS,
+    PackedDataset,
+    padding_rows,
+)
 from meshkd.recipe.settings.config import ConfigError
 
-TEACHER_POSITIONS = "teacher_positions"
-GROUPS = "groups"
-"""The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
-GROUP_ENDS, TEACHER_GROUP_ENDS = "group_ends", "teacher_group_ends"
-"""Beside `teacher_positions`, at a group's first student column: the columns of the logits predicting the
-group's last token, the student's and the teacher's (what `uld` and `gold` merge a group over)."""
-TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
-"""The teacher's side of a row: its `input_ids`, `labels`, `position_ids`, `attention_mask`."""
 TEACHER_LENGTH_KEY = "kd.cross_tokenizer.teacher_sequence_length"
 ROW_FILL_SAMPLE_CHARS = 64 << 10
 """`check_row_lengths` packs the corpus's first documents up to this many characters (packing is pure Python
@@ -243,52 +242,6 @@ def group_columns(aligned: AlignedBatch) -> dict[str, torch.Tensor]:
         columns[key] = torch.full_like(aligned.student["input_ids"], -1)
         columns[key][at] = positions - groups.row * length
     return columns
-
-
-def group_positions(batch: dict, key: str | None, length: int, ignore_index: int) -> torch.Tensor:
-    """Flat positions (row * `length` + column) held by `batch[key]` (None: the first student columns
-    themselves) at the groups KD counts (`kd_labels`), in row-major order of their first student column:
-    the order in which both sides list a micro-batch's groups."""
-    paired = kd_labels(batch, ignore_index) != ignore_index
-    rows = torch.arange(len(paired), device=paired.device)[:, None].expand_as(paired)
-    columns = torch.arange(paired.shape[1], device=paired.device).expand_as(paired) if key is None else batch[key]
-    return rows[paired] * length + columns[paired]
-
-
-def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
-                            ignore_index: int) -> torch.Tensor:
-    """[groups, teacher vocab]: the teacher's chain-rule distribution of each group KD counts
-    (`meshkd.core.cross_tokenizer_loss.group_log_probs`), from its logits of the batch's teacher side."""
-    teacher = teacher_side(batch)
-    length = teacher["input_ids"].shape[1]
-    # The next token: inside a group it is the same document's, and the group's merge reads only those.
-    targets = torch.roll(teacher["input_ids"], -1, dims=1)
-    return group_log_probs(logits, targets, group_positions(batch, TEACHER_POSITIONS, length, ignore_index),
-                           group_positions(batch, TEACHER_GROUP_ENDS, length, ignore_index), temperature=temperature)
-
-
-def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
-                  num_valid_tokens: float | torch.Tensor, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
-    """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
-    group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
-    length, ignore = batch["input_ids"].shape[1], kd.ignore_index
-    common = {"student_first": group_positions(batch, None, length, ignore),
-              "student_last": group_positions(batch, GROUP_ENDS, length, ignore),
-              "temperature": kd.temperature, "num_valid_tokens": num_valid_tokens}
-    if kd.cross_tokenizer.loss == "uld":
-        return uld_loss(logits, batch["labels"], teacher_log_probs, **common)
-    return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
-
-
-def teacher_side(batch: dict) -> dict:
-    """The teacher's tokenization of a cross-tokenizer batch, under the plain keys (itself otherwise)."""
-    return {key: batch[f"teacher_{key}"] for key in BATCH_KEYS} if TEACHER_POSITIONS in batch else batch
-
-
-def kd_labels(batch: dict, ignore_index: int) -> torch.Tensor:
-    """The labels KD counts: a cross-tokenizer batch's aligned positions only, else all of `labels`."""
-    positions = batch.get(TEACHER_POSITIONS)
-    return batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
 
 
 def completion_aligner(config, student_tokenizer, teacher_tokenizer) -> CompletionAligner | None:

@@ -16,14 +16,8 @@ import torch
 
 from meshkd.core.aligned_packing import GroupTooLongError, cut_document, pad_token_id, place_pieces
 from meshkd.core.teacher_ensemble import ROUTE
-from meshkd.recipe.corpus.aligned_data import (
-    GROUP_ENDS,
-    TEACHER_GROUP_ENDS,
-    TEACHER_POSITIONS,
-    row_too_short,
-    teacher_padding,
-)
-from meshkd.recipe.corpus.rows import first_fit, padding_rows
+from meshkd.recipe.corpus.aligned_data import row_too_short, teacher_padding
+from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, first_fit, padding_rows
 
 if TYPE_CHECKING:
     from meshkd.recipe.corpus.token_store import TokenStore

@@ -56,8 +56,8 @@ from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import is_logging_rank, read_metrics, warn0
-from meshkd.recipe.corpus.aligned_data import teacher_side
 from meshkd.recipe.corpus.batches import eval_batches, to_device
+from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshkd.core.cross_tokenizer_loss import VocabularyMap, project_teacher_logits
+from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
     LOGITS_MODES,
@@ -54,19 +54,46 @@ from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
 from meshkd.core.teacher_protocol import Encoded
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_teacher_logits
-from meshkd.recipe.corpus.aligned_data import (
-    GROUPS,
+from meshkd.recipe.corpus.rows import (
+    GROUP_ENDS,
+    TEACHER_GROUP_ENDS,
     TEACHER_POSITIONS,
-    group_kd_loss,
     group_positions,
     kd_labels,
-    teacher_group_log_probs,
     teacher_side,
 )
 from meshkd.recipe.settings.config import KDConfig
 from meshkd.recipe.teacher.hidden_states import HIDDEN_STATES, HiddenStateProjections, hidden_state_loss
 
+GROUPS = "groups"
+"""The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
+
 Figures = dict[str, torch.Tensor]
+
+
+def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
+                            ignore_index: int) -> torch.Tensor:
+    """[groups, teacher vocab]: the teacher's chain-rule distribution of each group KD counts
+    (`meshkd.core.cross_tokenizer_loss.group_log_probs`), from its logits of the batch's teacher side."""
+    teacher = teacher_side(batch)
+    length = teacher["input_ids"].shape[1]
+    # The next token: inside a group it is the same document's, and the group's merge reads only those.
+    targets = torch.roll(teacher["input_ids"], -1, dims=1)
+    return group_log_probs(logits, targets, group_positions(batch, TEACHER_POSITIONS, length, ignore_index),
+                           group_positions(batch, TEACHER_GROUP_ENDS, length, ignore_index), temperature=temperature)
+
+
+def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
+                  num_valid_tokens: float | torch.Tensor, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
+    """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
+    group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
+    length, ignore = batch["input_ids"].shape[1], kd.ignore_index
+    common = {"student_first": group_positions(batch, None, length, ignore),
+              "student_last": group_positions(batch, GROUP_ENDS, length, ignore),
+              "temperature": kd.temperature, "num_valid_tokens": num_valid_tokens}
+    if kd.cross_tokenizer.loss == "uld":
+        return uld_loss(logits, batch["labels"], teacher_log_probs, **common)
+    return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
 
 
 @dataclass

@@ -49,10 +49,10 @@ from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
 from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.corpus import documents
-from meshkd.recipe.corpus.aligned_data import teacher_side
 from meshkd.recipe.corpus.batches import to_device, training_rows
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
 from meshkd.recipe.corpus.records import tokenizer_fingerprint
+from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.modeling import models
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_loading import expand_path

@@ -29,7 +29,7 @@ from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.stages import decoder_of, stage_layers
 from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.common.faults import FaultWatch, about
-from meshkd.recipe.corpus.aligned_data import teacher_side
+from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.modeling.loaders import load_section_model_for_layout
 from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.teacher.hidden_states import LayerTap, paired_layers

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from meshkd.recipe.corpus import data
-from meshkd.recipe.corpus.aligned_data import TEACHER_POSITIONS, aligned_packing
-from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
+from meshkd.recipe.corpus.aligned_data import aligned_packing
+from meshkd.recipe.corpus.rows import BATCH_KEYS, TEACHER_POSITIONS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.settings.config import ConfigError, DatasetConfig
 from meshkd.recipe.settings.config_loading import config_from_dict
