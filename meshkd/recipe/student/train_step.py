@@ -98,8 +98,9 @@ def build_optimizer(model: torch.nn.Module, config, extra: list[torch.nn.Paramet
 def parameter_groups(parameters: list[torch.nn.Parameter]) -> list[dict]:
     """The parameters in groups a multi-tensor (fused) optimizer kernel can step at once: one for each device
     mesh their DTensors lie on, one for plain tensors (`kd.hidden_states`' projections, a parameter no layout
-    shards), in the order each kind first appears. torch's fused AdamW refuses a group that mixes DTensors and
-    plain tensors, or DTensors of different meshes (a student's experts over dp beside its FSDP2 shards)."""
+    shards), in the order each kind first appears. torch's multi-tensor AdamW refuses a group that mixes
+    DTensors and plain tensors ("mixed torch.Tensor and DTensor"); each mesh's DTensors (a student's experts
+    over dp beside its FSDP2 shards) get a group of their own too, so no kernel call spans two meshes."""
     groups: dict = {}
     for parameter in parameters:
         mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
