@@ -3,11 +3,12 @@
 Design. The tested ranges live in one place, the `recipe` extra of pyproject.toml; pip installs within them
 and this module reads them back from meshkd's installed metadata (importlib.metadata), so the two cannot
 disagree. CI tests both ends of each range (`.ci/run`: the newest allowed in the main run, the oldest in a
-second run of the tests that lean on them most and in the torch 2.11 run). `check_versions` refuses an installed release outside its range in one line naming the
-installed version, the range and the pip command that installs a tested one; with the environment variable
-MESHKD_ALLOW_UNTESTED_VERSIONS=1 it warns instead (transformers' parallel styles change from one minor release
-to the next, so an untested release may fail only once a run is laid out). A library that is not installed is
-not checked here: the feature that needs it says so when used.
+second run of the tests that lean on them most and in the torch 2.11 run). `check_versions` refuses an
+installed release outside its range in one line naming the installed version, the range and the pip command
+that installs a tested one; with the environment variable MESHKD_ALLOW_UNTESTED_VERSIONS=1 it warns instead
+(transformers' parallel styles change from one minor release to the next, so an untested release may fail
+only once a run is laid out). A library that is not installed is not checked here: the feature that needs it
+says so when used.
 """
 
 from __future__ import annotations
