@@ -4,7 +4,7 @@ With `kd.cross_tokenizer` the documents are read and split as `meshkd.recipe.cor
 tokenizations are packed into the same rows (`meshkd.core.aligned_packing.pack_aligned`: NEAT rows,
 documents never mixed, each side its own sequence length: both checked against the corpus's first
 documents at preflight, `check_row_lengths`, and their fill logged, `row_fill`). A row holds the student's keys
-(`data.BATCH_KEYS`), the teacher's under `teacher_` names (`TEACHER_KEYS`), and `teacher_positions`
+(`rows.BATCH_KEYS`), the teacher's under `teacher_` names (`TEACHER_KEYS`), and `teacher_positions`
 [rows, student sequence length]: at each student position that predicts an aligned group's first token, the
 teacher position that predicts that group's first token on its side (both models have read the same bytes
 there); -1 elsewhere. The teacher answers at those positions, projected onto the student's vocabulary

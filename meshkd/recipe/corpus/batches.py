@@ -1,6 +1,6 @@
 """Batches of packed rows: each data-parallel rank's share of every training step, and of the held-out rows.
 
-Training batches: epoch e visits the rows (`meshkd.recipe.corpus.data.PackedDataset`) in a permutation seeded by
+Training batches: epoch e visits the rows (`meshkd.recipe.corpus.rows.PackedDataset`) in a permutation seeded by
 `seed + e`; step s is a pure function of (seed, s), so a resumed run jumps straight to its step. Each global
 batch is split contiguously over the data-parallel ranks, so the global batch does not depend on `dp_size`.
 Held-out batches cover the rows once, in order, the last step padded so that every rank runs as many.

@@ -26,7 +26,7 @@ _IGNORE = -100
 
 
 class StoredRows:
-    """A split's NEAT-packed rows read from a token store: the interface of `meshkd.recipe.corpus.data.PackedDataset`.
+    """A split's NEAT-packed rows read from a token store: the interface of `meshkd.recipe.corpus.rows.PackedDataset`.
 
     A plan lists the split's pieces by row: `starts` (in the store's tokens), `lengths` and `offsets` (in the
     row), and `row_starts` [rows + 1] (the row's first piece); the k-th piece of a row is its document k + 1.
