@@ -105,7 +105,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     check_versions()
     from_cache = config.kd.teacher_cache is not None and not writing_cache
     separate = config.separate_meshes and not from_cache
-    _check_student_layout(config, separate)
+    _check_sizes_given(config, separate)
     outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
     for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
         _check_writable_directory(key, path)
@@ -163,35 +163,14 @@ class Role:
     section: object
 
 
-def _check_student_layout(config: KDRecipeConfig, separate: bool) -> None:
-    """The student layouts meshkd does not run, and each role's dp_size on separate meshes."""
-    student_layout = config.distributed
-    if student_layout.sequence_parallel:
-        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
-    if student_layout.pp_size > 1 and student_layout.strategy == "ddp":
-        raise ConfigError(
-            f"distributed.pp_size({student_layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
-            f"with FSDP2 over the data-parallel axes); got strategy 'ddp'"
-        )
-    if student_layout.strategy == "ddp" and student_layout.tp_size > 1:
-        raise ConfigError(
-            f"distributed.strategy 'ddp' with tp_size({student_layout.tp_size}) > 1 is not supported; use fsdp2"
-        )
+def _check_sizes_given(config: KDRecipeConfig, separate: bool) -> None:
+    """On separate meshes each role's dp_size (a run from a teacher cache, or writing one, has one role)."""
     if separate:
-        for key, layout in (("distributed", student_layout), ("teacher_distributed", config.teacher_distributed)):
+        for key, layout in (("distributed", config.distributed), ("teacher_distributed", config.teacher_distributed)):
             if layout is not None and layout.dp_size is None:
                 raise ConfigError(
                     f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"
                 )
-    steps = config.step_scheduler
-    dp_size = student_layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
-    micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
-    if student_layout.pp_size > 1 and student_layout.pp_schedule == "1f1b" and micro_batches < student_layout.pp_size:
-        raise ConfigError(
-            f"distributed.pp_schedule '1f1b' needs at least pp_size({student_layout.pp_size}) micro-batches per "
-            f"step, got global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
-            "step_scheduler.global_batch_size or use pp_schedule: gpipe"
-        )
 
 
 def _read_data(config: KDRecipeConfig, tokenizer, files: list[str], teachers: list[str] | None,

@@ -6,7 +6,8 @@ process group or model exists. Every check raises `ConfigError` naming the key.
 one-teacher keys together, or `teachers`' names, weights and combining rule), then each teacher's model
 section and `kd` (with its `generation` and `cross_tokenizer`) in its one-teacher view, errors of one of
 several prefixed `teachers.NAME:`; `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
-keys (timeouts, device); and last the layout of the student and every teacher against the world it needs
+keys (timeouts, device); the student layouts meshkd does not run; and last the layout of the student and every
+teacher against the world it needs
 (`validate_teacher_layouts`, for one teacher as for several).
 """
 
@@ -50,6 +51,7 @@ def validate(config: KDRecipeConfig) -> None:
     check_optimizer(config.optimizer)
     check_lr_scheduler(config)
     check_run(config)
+    check_student_layout(config)
     check_world(config)
 
 
@@ -463,6 +465,27 @@ def required_world_size(config: KDRecipeConfig) -> int | None:
     if not own:
         return student
     return None if student is None or None in own else student + sum(own)
+
+
+def check_student_layout(config: KDRecipeConfig) -> None:
+    """The student layouts meshkd does not run: sequence parallel, a pipeline or tp under DDP, and a 1F1B
+    pipeline with fewer micro-batches a step than stages."""
+    layout, steps = config.distributed, config.step_scheduler
+    if layout.sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel is not supported for the student; set it to false")
+    if layout.pp_size > 1 and layout.strategy == "ddp":
+        raise ConfigError(f"distributed.pp_size({layout.pp_size}) > 1 needs strategy fsdp2 (the stages are sharded "
+                          f"with FSDP2 over the data-parallel axes); got strategy 'ddp'")
+    if layout.strategy == "ddp" and layout.tp_size > 1:
+        raise ConfigError(f"distributed.strategy 'ddp' with tp_size({layout.tp_size}) > 1 is not supported; use fsdp2")
+    dp_size = layout.dp_size or 1  # shared meshes without dp_size: dp is resolved from the world later
+    micro_batches = steps.global_batch_size // (steps.local_batch_size * dp_size)
+    if layout.pp_size > 1 and layout.pp_schedule == "1f1b" and micro_batches < layout.pp_size:
+        raise ConfigError(
+            f"distributed.pp_schedule '1f1b' needs at least pp_size({layout.pp_size}) micro-batches per step, got "
+            f"global_batch_size / (local_batch_size * dp_size) = {micro_batches}; raise "
+            "step_scheduler.global_batch_size or use pp_schedule: gpipe"
+        )
 
 
 def check_world(config: KDRecipeConfig) -> None:

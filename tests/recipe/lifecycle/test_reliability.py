@@ -496,6 +496,18 @@ CONFIG_CASES = {
     "unknown_optimizer": ({"optimizer__name": "adam"}, r"optimizer\.name must be adamw or sgd"),
     "unknown_decay": ({"lr_scheduler__decay": "step"}, r"lr_scheduler\.decay"),
     "unknown_device": ({"device": "tpu"}, r"device must be auto, cpu or cuda"),
+    "student_pp_with_ddp": ({"separate_meshes": False, "teacher_distributed": _DELETE,
+                             "distributed": {"strategy": "ddp", "dp_size": 1, "pp_size": 2}},
+                            r"distributed\.pp_size\(2\) > 1 needs strategy fsdp2"),
+    "student_1f1b_with_too_few_micro_batches": ({"distributed": {"dp_size": 2, "pp_size": 2},
+                                                 "step_scheduler__global_batch_size": 2},
+                                                r"distributed\.pp_schedule '1f1b' needs at least pp_size\(2\) "
+                                                r"micro-batches per step, got .* = 1"),
+    "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}},
+                                  r"distributed\.sequence_parallel is not supported for the student"),
+    "ddp_with_tp_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
+                                      "distributed": {"strategy": "ddp", "dp_size": 1, "tp_size": 2}},
+                                     r"distributed\.strategy 'ddp' with tp_size\(2\)"),
 }
 
 
@@ -622,13 +634,6 @@ def preflight_cases(tmp: Path) -> dict:
                                            r"teacher_distributed\.dp_size is required with separate_meshes: true"),
         "student_pp_above_layers": ({"distributed": {"dp_size": 1, "pp_size": 3}}, ConfigError,
                                     r"distributed\.pp_size\(3\) exceeds model's 2 decoder layers"),
-        "student_pp_with_ddp": ({"separate_meshes": False, "teacher_distributed": _DELETE,
-                                 "distributed": {"strategy": "ddp", "dp_size": 1, "pp_size": 2}}, ConfigError,
-                                r"distributed\.pp_size\(2\) > 1 needs strategy fsdp2"),
-        "student_1f1b_with_too_few_micro_batches": ({"distributed": {"dp_size": 2, "pp_size": 2},
-                                                     "step_scheduler__global_batch_size": 2}, ConfigError,
-                                                    r"distributed\.pp_schedule '1f1b' needs at least pp_size\(2\) "
-                                                    r"micro-batches per step, got .* = 1"),
         "expert_parallel_of_a_dense_model": ({"separate_meshes": False, "teacher_distributed": _DELETE,
                                               "distributed": {"dp_size": 1, "tp_size": 2, "ep_size": 2}}, ConfigError,
                                              r"distributed\.tp_size\(2\), ep_size\(2\) does not fit model: .* needs "
@@ -639,8 +644,6 @@ def preflight_cases(tmp: Path) -> dict:
         "student_experts_over_dp_with_cp": ({"distributed": {"dp_size": 2, "cp_size": 2, "ep_size": 2}}, ConfigError,
                                             r"distributed\.ep_size\(2\) spreads experts over the data-parallel "
                                             r"ranks, .*; got cp_size\(2\)"),
-        "student_sequence_parallel": ({"distributed": {"dp_size": 1, "sequence_parallel": True}}, ConfigError,
-                                      r"distributed\.sequence_parallel is not supported for the student"),
         "negative_model_size": ({"model__random_init__hidden_size": -64}, ValueError,
                                 r"model\.random_init\.hidden_size \(-64\): .*negative dimension -64"),
         "negative_head_count": ({"teacher_model": llama(num_attention_heads=-4)}, ValueError,
@@ -661,9 +664,6 @@ def preflight_cases(tmp: Path) -> dict:
                                                      "flex_attention"}, ConfigError,
                                                     r"teacher_model\.attn_implementation: flex_attention on CUDA "
                                                     r"needs head_dim >= 16 .*; teacher_model has head_dim 8: use sdpa"),
-        "ddp_with_tp_on_shared_meshes": ({"separate_meshes": False, "teacher_distributed": _DELETE,
-                                          "distributed": {"strategy": "ddp", "dp_size": 1, "tp_size": 2}},
-                                         ConfigError, r"distributed\.strategy 'ddp' with tp_size\(2\)"),
     }
 
 
@@ -673,10 +673,10 @@ PREFLIGHT_CASES = [
     "tokenizer_larger_than_embedding", "missing_tokenizer_directory", "missing_model_directory",
     "student_tp_splits_heads", "teacher_tp_splits_kv_heads", "teacher_pp_above_layers", "teacher_pp_above_kept_layers",
     "student_tp_with_a_larger_vocabulary", "keep_layers_out_of_range", "misspelled_model_size", "unknown_model_type",
-    "teacher_layout_without_dp_size", "student_pp_above_layers", "student_pp_with_ddp",
-    "student_1f1b_with_too_few_micro_batches", "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
-    "student_experts_over_dp_with_cp", "student_sequence_parallel",
-    "ddp_with_tp_on_shared_meshes", "negative_model_size", "flex_attention_with_small_heads_on_cuda",
+    "teacher_layout_without_dp_size", "student_pp_above_layers",
+    "expert_parallel_of_a_dense_model", "teacher_experts_over_dp",
+    "student_experts_over_dp_with_cp",
+    "negative_model_size", "flex_attention_with_small_heads_on_cuda",
     "missing_hf_dataset", "hf_dataset_without_the_text_column",
     "run_dir_is_a_file", "checkpoint_dir_under_a_file", "model_config_not_json", "negative_head_count",
     "garbage_safetensors",
