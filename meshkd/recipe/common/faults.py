@@ -293,11 +293,13 @@ class FaultWatch:
         with contextlib.suppress(OSError):  # no pid directory yet: nobody can read the mark anyway
             _lost_file(self.run_dir, dist.get_rank()).touch()
         dead = self.dead_ranks()
-        exited = f"; {_ranks(dead)} exited" if dead else ""
         if len(self.roles) == 1:
+            exited = f"; {_ranks(dead)} exited" if dead else ""
             return f"lost a peer ({_ranks(self._ranks)}{exited}) during {operation}: {brief(error)}"
-        # Ranks that exited because they lost a peer themselves do not tell which role failed first.
+        # Ranks that exited because they lost a peer themselves do not tell which role failed first: the
+        # message names those that failed first (how many casualties are gone by now is a matter of timing).
         causes = [rank for rank in dead if not _lost_file(self.run_dir, rank).exists()] or dead
+        exited = f"; {_ranks(causes)} exited" if causes else ""
         roles = {self.role_of(rank) for rank in causes}
         if len(roles) == 1:  # the pid files know better than the operation which role is gone
             role = roles.pop()
