@@ -147,8 +147,7 @@ def tensor_parallel_plan(model: nn.Module, *, expert_parallel: bool = False) -> 
     resolved = _expand(model, plan)
     if expert_parallel:
         experts = tuple(_expand(model, _declared_plan(model, "ep")))
-        resolved = {name: style for name, style in resolved.items()
-                    if not any(name == expert or name.startswith(expert + ".") for expert in experts)}
+        resolved = {name: style for name, style in resolved.items() if not _under(name, experts)}
     return resolved
 
 
@@ -188,7 +187,12 @@ def experts_left_whole(model: nn.Module) -> bool:
     experts = tuple(key.replace("*", "0") for key in _declared_plan(model, "ep"))
     if not experts:
         return False
-    return not any(key.replace("*", "0").startswith(experts) for key in _declared_plan(model))
+    return not any(_under(key.replace("*", "0"), experts) for key in _declared_plan(model))
+
+
+def _under(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether `name` is one of `modules` or inside one of them."""
+    return any(name == module or name.startswith(module + ".") for module in modules)
 
 
 def _check_expert_parallel(model: nn.Module, ep_size: int) -> None:

@@ -16,6 +16,7 @@ IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 """Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
 
+
 class PackedDataset:
     """NEAT-packed rows of one split: four int64 tensors [num_rows, sequence_length] (see `BATCH_KEYS`).
 
@@ -123,6 +124,7 @@ def first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node //= 2
     return rows, offsets
+
 
 TEACHER_POSITIONS = "teacher_positions"
 GROUP_ENDS, TEACHER_GROUP_ENDS = "group_ends", "teacher_group_ends"

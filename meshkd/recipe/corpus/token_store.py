@@ -57,7 +57,6 @@ from meshkd.core.token_alignment import Alignment
 from meshkd.recipe.common.files import file_sha256
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.corpus.aligned_data import encode_aligned
-from meshkd.recipe.corpus.documents import match_files, to_document
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
 from meshkd.recipe.corpus.records import (
     TOKENIZE_CHUNK,
@@ -415,7 +414,7 @@ def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None, pr
 def _tokenize_rows(rows: list) -> list[tuple]:
     """A worker's chunk: rows -> documents -> tokens, as numpy arrays (torch tensors would travel as shared
     memory handles, one per array)."""
-    chunk = [document for document in (to_document(_WORKER["read"], record, where, _WORKER["cut"])
+    chunk = [document for document in (documents.to_document(_WORKER["read"], record, where, _WORKER["cut"])
                                         for record, where in rows) if document is not None]
     return [tuple(value.numpy() if isinstance(value, torch.Tensor) else value for value in document)
             for document in _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["routes"], _WORKER["aligned"])]
@@ -423,7 +422,7 @@ def _tokenize_rows(rows: list) -> list[tuple]:
 
 def store_key(tokenizer, dataset, arguments: dict) -> dict:
     """What a store's tokens depend on (see the module docstring)."""
-    files = match_files(arguments["paths"]) if arguments["paths"] else []
+    files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
     settings = {name: getattr(dataset, name) for name in
                 ("format", "records", "train_on", "chat_template", "text_key", "messages_key", "prompt_key",
                  "completion_key", "system_key", "context_key", "max_documents", "max_document_chars", "on_bad_file")}

@@ -83,7 +83,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
     corpus only when it is at most 64 MiB. Checks: transformers, peft and datasets within their tested ranges
-    (`meshkd.recipe.common.versions`); unsupported student layouts; flex_attention on CUDA against head_dim;
+    (`meshkd.recipe.common.versions`); each role's dp_size on separate meshes; flex_attention on CUDA against
+    head_dim;
     data files exist, are text (binary and non-UTF-8 files by `dataset.on_bad_file`) and hold a document; a
     `dataset.hf` dataset opens (streamed: its split, and its first row's columns);
     both tokenizers load and agree, and fit both embedding tables; each model directory's safetensors headers;
