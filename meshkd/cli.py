@@ -1,4 +1,4 @@
-"""The `meshkd` command line: train, cache-teacher, prepare-data, prune, demo, bench, plot.
+"""The `meshkd` command line: train, cache-teacher, serve-teacher, prepare-data, prune, demo, bench, plot.
 
 Each subcommand parses its arguments and calls its function in `meshkd.commands` (the demo: `meshkd.demo`;
 the benchmarks: `meshkd.bench`); a bad config or input found before any process started is one
@@ -47,6 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with several teachers: the one whose answers to write to its teachers[i].cache")
     cache.add_argument("--quiet", action="store_true", help="no closing line (logging.summary=false)")
 
+    serve = commands.add_parser("serve-teacher", help="serve the config's teacher over HTTP to students that name "
+                                                      "it by address (teacher_model.url)")
+    serve.add_argument("config", help="YAML config file: its teacher_model and the teacher's layout are served")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value (repeatable)")
+    serve.add_argument("--nproc", type=int, default=None,
+                       help="local processes to start (default: the ranks the teacher's layout needs)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; another needs MESHKD_TEACHER_TOKEN)")
+    serve.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100; 0: any free one)")
+    serve.add_argument("--max-batch-tokens", type=int, default=8192,
+                       help="tokens of queued requests one forward takes at most (default 8192)")
+    serve.add_argument("--max-request-tokens", type=int, default=65536,
+                       help="a request holding more tokens is refused (default 65536)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate file: serve HTTPS (with --tls-key)")
+    serve.add_argument("--tls-key", default=None, help="PEM private key file of --tls-cert")
+    serve.add_argument("--address-file", default=None, help="write the address here once it listens")
+
     demo = commands.add_parser("demo", help="heal a pruned SmolLM2 student by distilling the full model (CPU)")
     demo.add_argument("--compare", action="store_true", help="also heal with CE only and print both results")
     demo.add_argument("--cache", action="store_true",
@@ -89,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_options(args: argparse.Namespace):
+    from meshkd.recipe.lifecycle.teacher_service import ServeOptions
+
+    return ServeOptions(host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
+                        max_request_tokens=args.max_request_tokens, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        address_file=args.address_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own options, parsed by meshkd.bench
@@ -107,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return commands.train_command(args.config, args.set, args.nproc, args.resume)
         if args.command == "cache-teacher":
             return commands.cache_teacher_command(args.config, args.set, args.nproc, args.shard_rows, args.teacher)
+        if args.command == "serve-teacher":
+            return commands.serve_teacher_command(args.config, args.set, args.nproc, serve_options(args))
         if args.command == "demo":
             from meshkd.demo import run_demo
 

@@ -1,6 +1,7 @@
 """The `meshkd` commands as functions: train, cache-teacher, prepare-data, prune, plot (`meshkd.cli` parses
 the command line and calls them; `meshkd.demo` runs a sequence of them).
 
+`serve_teacher_command` serves the config's teacher over HTTP (`meshkd.recipe.lifecycle.teacher_service`).
 `train_command` validates the config and runs the recipe's preflight checks in the calling process (a typo
 or a missing file fails in seconds, before any process starts), then starts the local processes through
 torch's own launcher (`meshkd.launcher`: gloo on CPU, NCCL on CUDA). Inside an existing torchrun world it
@@ -92,6 +93,10 @@ def cached_teacher(config, teacher: str | None):
     """The one-teacher config whose cache `meshkd cache-teacher` writes: the only teacher's, or with several
     teachers (`teachers`) the view of the one named by `--teacher` (its `cache`, its `distributed` layout)."""
     views = config.teacher_views()
+    served = [name for name, view in views.items() if view.teacher_model.url is not None]
+    if served and (teacher in served or (teacher is None and len(views) == 1)):
+        raise ConfigError("meshkd cache-teacher runs the teacher itself: not yet from a served teacher "
+                          "(teacher_model.url); point it at the served teacher's own config")
     if teacher is not None and config.teachers is None:
         raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
     if teacher is None and len(views) > 1:
@@ -118,18 +123,52 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
 
         return launcher.run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
     from meshkd.recipe.lifecycle.preflight import preflight
-    from meshkd.recipe.lifecycle.world import check_gpu_count
 
     preflight(config, writing_cache=True)
+    world_size = _teacher_world_size(config, nproc)
+    extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
+    extra += ["--teacher", teacher] if teacher is not None else []
+    return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
+
+
+def _teacher_world_size(config, nproc: int | None) -> int:
+    """The processes a world of the teacher's ranks alone needs (cache-teacher, serve-teacher), checked against
+    `nproc` and the GPUs this node sees."""
+    from meshkd.recipe.lifecycle.world import check_gpu_count
+
     layout = config.teacher_layout
     sizes = (layout.dp_size, layout.tp_size, layout.cp_size, layout.pp_size)
     needed = None if layout.dp_size is None else math.prod(sizes)
     dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
     world_size = _world_size(needed, nproc, dp_key)
     check_gpu_count(config, world_size)
-    extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
-    extra += ["--teacher", teacher] if teacher is not None else []
-    return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
+    return world_size
+
+
+def serve_teacher_command(config_path: str, overrides: list[str], nproc: int | None, options) -> int:
+    """`meshkd serve-teacher`: the teacher's checks here, then its ranks (`meshkd.recipe.lifecycle.teacher_service`)
+    serve until stopped. `options`: a `ServeOptions`."""
+    overrides = _resolved(config_path, overrides)
+    config = load_config(config_path, overrides)
+    section = config.teacher_model
+    if config.teachers is not None or (section.path is None and section.random_init is None):
+        raise ConfigError("meshkd serve-teacher serves teacher_model as its path or random_init give it (its url is "
+                          "where students find it); this config " + ("has several teachers (teachers)" if
+                          config.teachers is not None else "gives neither"))
+    options.check()
+    if launcher.inside_torchrun():
+        from meshkd.recipe.lifecycle.teacher_service import serve_teacher
+
+        return launcher.run_here(lambda: serve_teacher(config, options))
+    from meshkd.recipe.lifecycle.preflight import preflight_teacher
+
+    preflight_teacher(config)
+    world_size = _teacher_world_size(config, nproc)
+    flags = {"--host": options.host, "--port": options.port, "--max-batch-tokens": options.max_batch_tokens,
+             "--max-request-tokens": options.max_request_tokens, "--tls-cert": options.tls_cert,
+             "--tls-key": options.tls_key, "--address-file": options.address_file}
+    extra = [str(item) for flag, value in flags.items() if value is not None for item in (flag, value)]
+    return launcher.launch(world_size, ["serve-teacher", config_path, *_set_args(overrides), *extra])
 
 
 def prune_command(config_path: str, overrides: list[str]) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import torch
@@ -295,3 +296,32 @@ def receive_nbytes(leaves: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
 def receive_buffer(leaves: list[tuple[torch.dtype, tuple[int, ...]]], device: torch.device) -> torch.Tensor:
     """An empty uint8 buffer the size `pack_leaves` produces for these leaves."""
     return torch.empty(receive_nbytes(leaves), dtype=torch.uint8, device=device)
+
+
+def to_bytes(value: Any) -> bytes:
+    """A nested value as one self-describing byte string (a file or an HTTP body): the spec's length as an
+    8-byte little-endian word, the spec (`spec_bytes`), then the packed tensor bytes (`pack_leaves`), each
+    leaf little-endian (the byte order of every host torch runs on; a big-endian host is refused)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("meshkd's byte strings are little-endian: this host is big-endian")
+    tensors: list[torch.Tensor] = []
+    spec = spec_bytes(tree_spec(value, tensors))
+    data = pack_leaves([tensor.detach().cpu() for tensor in tensors], torch.device("cpu")) if tensors else None
+    return b"".join([len(spec).to_bytes(8, "little"), spec, data.numpy().tobytes() if data is not None else b""])
+
+
+def from_bytes(data: bytes) -> Any:
+    """The value `to_bytes` made; WireFormatError naming what is wrong with any other byte string, checked
+    before a tensor is allocated. The tensors are CPU tensors owning their memory."""
+    if len(data) < 8:
+        raise WireFormatError(f"{len(data)} bytes are too few for a spec length")
+    length = checked_spec_length(int.from_bytes(data[:8], "little"))
+    if len(data) < 8 + length:
+        raise WireFormatError(f"spec length {length} exceeds the {len(data) - 8} bytes that follow it")
+    tree = decode_spec(bytes_tensor(data[8 : 8 + length]))
+    leaves = leaf_specs(tree)
+    expected = receive_nbytes(leaves) if leaves else 0
+    if len(data) - 8 - length != expected:
+        raise WireFormatError(f"the spec describes {expected} bytes of tensors, {len(data) - 8 - length} follow it")
+    tensors = unpack_leaves(bytes_tensor(data[8 + length :]), leaves) if leaves else []
+    return tree_from_spec(tree, tensors)

@@ -124,3 +124,19 @@ def test_pack_leaves_into_a_given_buffer():
         wire.pack_leaves(tensors, torch.device("cpu"), out=torch.empty(size + 1, dtype=torch.uint8))
     assert wire.packs_in_place([torch.ones(3)], torch.device("cpu"))
     assert not wire.packs_in_place([torch.ones(3, 2).t()], torch.device("cpu"))
+
+
+def test_a_value_survives_its_byte_string_and_a_damaged_one_is_refused():
+    value = {"batch": {"input_ids": torch.arange(6).view(2, 3), "mask": torch.ones(2, 3, dtype=torch.bool)},
+             "mode": "topk", "values": [torch.randn(2, 3, 4, dtype=torch.bfloat16), 1.5, None]}
+    back = wire.from_bytes(wire.to_bytes(value))
+    assert back["mode"] == "topk" and back["values"][1:] == [1.5, None]
+    torch.testing.assert_close(back["batch"]["input_ids"], value["batch"]["input_ids"])
+    assert torch.equal(back["values"][0], value["values"][0]) and back["batch"]["mask"].dtype == torch.bool
+    assert wire.from_bytes(wire.to_bytes({"none": []})) == {"none": []}
+    data = wire.to_bytes(value)
+    for damaged, message in ((data[:5], "too few"), (data[:-1], "bytes of tensors"), (data + b"x", "bytes of tensors"),
+                             ((1 << 30).to_bytes(8, "little") + data[8:], "outside"),
+                             (data[:8] + b"}" + data[9:], "not valid JSON")):
+        with pytest.raises(wire.WireFormatError, match=message):
+            wire.from_bytes(damaged)

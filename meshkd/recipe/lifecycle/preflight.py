@@ -29,7 +29,7 @@ from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_t
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
-from meshkd.recipe.teacher import teacher_cache
+from meshkd.recipe.teacher import served_protocol, served_teacher, teacher_cache
 from meshkd.recipe.teacher.hidden_states import check_pairs
 
 # The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
@@ -46,6 +46,7 @@ class Preflight:
     teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
     cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
     teacher_width: int | None = None  # the teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)
+    served: dict | None = None  # a teacher at teacher_model.url: its server's health report, checked against the run
 
 
 def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
@@ -105,7 +106,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     """
     check_versions()
     from_cache = config.kd.teacher_cache is not None and not writing_cache
-    separate = config.separate_meshes and not from_cache
+    separate = config.separate_meshes and not from_cache and config.teacher_model.url is None
     _check_sizes_given(config, separate)
     outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
     for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
@@ -122,8 +123,11 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     with about("model"):
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
-    manifest = teacher = None
-    if from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
+    manifest = teacher = served = None
+    if config.teacher_model.url is not None:  # the server stands for the teacher, with the student's tokenizer
+        served = check_served_teacher(config, tokenizer)
+        teacher_tokenizer, teacher_rows, teacher_width = tokenizer, served["vocab_rows"], served["hidden_size"]
+    elif from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
         teacher_tokenizer = tokenizer
         if config.kd.cross_tokenizer is not None:
             teacher_tokenizer = cross_teacher_tokenizer(config)
@@ -150,7 +154,41 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         check_row_lengths(config, found, tokenizer, teacher_tokenizer)
     return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
                      student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
-                     cache_manifest=manifest, teacher_width=teacher_width)
+                     cache_manifest=manifest, teacher_width=teacher_width, served=served)
+
+
+def preflight_teacher(config: KDRecipeConfig) -> None:
+    """`meshkd serve-teacher`'s checks: the teacher's tokenizer and skeleton, against its layout (`_check_role`)."""
+    check_versions()
+    with about("teacher_model.tokenizer"):
+        load_section_tokenizer(config.teacher_model)
+    with about("teacher_model"):
+        teacher = load_section_skeleton(config.teacher_model, "teacher_model")
+    key = "teacher_distributed" if config.teacher_layout is config.teacher_distributed else "distributed"
+    _check_role(config, Role(key, config.teacher_layout, "teacher_model", teacher, config.teacher_model))
+
+
+def check_served_teacher(config: KDRecipeConfig, tokenizer) -> dict:
+    """The health report of the teacher at `teacher_model.url`: it answers, speaks this protocol, is the teacher
+    `teacher_model`'s other keys describe, if given (`teacher_cache.teacher_identity`), and reads token ids as
+    the student's tokenizer writes them."""
+    url = config.teacher_model.url
+    report = served_teacher.health(url)
+    if report.get("protocol") != served_protocol.PROTOCOL_VERSION:
+        raise ConfigError(f"teacher_model.url: the server at {url} speaks protocol {report.get('protocol')!r}, this "
+                          f"meshkd {served_protocol.PROTOCOL_VERSION}: run the same meshkd release on both")
+    section = config.teacher_model
+    if section.path is not None or section.random_init is not None:  # the teacher the config describes
+        mine = teacher_cache.teacher_identity(config)
+        differ = [key for key in mine if mine[key] != report.get("teacher", {}).get(key)]
+        if differ:
+            raise ConfigError(f"teacher_model: the teacher served at {url} is not the one this config describes "
+                              f"({differ[0]}: served {report.get('teacher', {}).get(differ[0])!r}, here "
+                              f"{mine[differ[0]]!r}); leave teacher_model's other keys out to take it as it is")
+    if report.get("vocabulary") != served_protocol.vocabulary_fingerprint(tokenizer):
+        raise ConfigError(f"teacher_model.url: the teacher at {url} has another vocabulary than model.tokenizer "
+                          "(their token -> id mappings differ); a served teacher reads the student's token ids")
+    return report
 
 
 @dataclass

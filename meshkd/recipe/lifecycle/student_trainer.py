@@ -81,12 +81,13 @@ class StudentTrainer:
         # Teachers read from a cache: the cache's manifest, checked against the run.
         self._manifests = {name: check.cache_manifest for name, check in checked.items()
                            if check.cache_manifest is not None}
+        self._served = {name: check.served for name, check in checked.items() if check.served is not None}
         checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         self._teacher_width = checked.teacher_width
         self._model, self._checkpoint = load_student(config, self.setup)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
-                          if not self.setups.separate(name) and name not in self._manifests}
+                          if not self.setups.separate(name) and name not in self._manifests | self._served}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
             config, checked, losses=("projection", "gold") if self._teachers else ("gold",))
@@ -100,6 +101,7 @@ class StudentTrainer:
         """Output-embedding rows of the models held here (the student, teachers on its ranks), by name."""
         rows = {name: model.get_output_embeddings().weight.shape[0] for name, (model, _) in self._teachers.items()}
         rows.update({name: manifest["teacher_vocab_rows"] for name, manifest in self._manifests.items()})
+        rows.update({name: report["vocab_rows"] for name, report in self._served.items()})
         return {"student": self._model.get_output_embeddings().weight.shape[0], **rows}
 
     def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:

@@ -13,8 +13,10 @@ __all__ = ["ConfigError", "KDRecipeConfig", "apply_override"]
 
 @dataclass
 class ModelConfig:
-    """Where a model comes from: exactly one of `path` (HF directory or .gguf file) or `random_init`."""
+    """Where a model comes from: exactly one of `path` (HF directory or .gguf file) or `random_init`; a teacher
+    may instead be served elsewhere (`url`)."""
     path: str | None = None  # an HF model directory, or the directory of `gguf_file`
+    url: str | None = None  # teacher: served by `meshkd serve-teacher` at http(s)://host:port, no ranks in training
     gguf_file: str | None = None  # a GGUF file inside `path`
     random_init: dict | None = None  # HF config kwargs with `model_type`: random weights, tiny models for tests
     keep_layers: list[int] | dict | None = None  # decoder layers kept, in order; {auto: N}: layer_selection
@@ -279,8 +281,10 @@ class KDRecipeConfig:
             logits_transport=teacher.logits_transport or self.kd.logits_transport)) for teacher in self.teachers}
 
     def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
-        """Derived: teacher name -> the layout of its own ranks in training; None: the student's, or its cache."""
-        return {teacher.name: teacher.distributed if teacher.cache is None else None for teacher in self.teacher_list()}
+        """Derived: teacher name -> the layout of its own ranks in training; None: the student's, its cache, or a
+        server elsewhere (`model.url`)."""
+        return {teacher.name: teacher.distributed if teacher.cache is None and teacher.model.url is None else None
+                for teacher in self.teacher_list()}
 
     def teacher_weights(self) -> dict[str, float]:
         """Derived: teacher name -> its weight, normalized to sum to 1."""

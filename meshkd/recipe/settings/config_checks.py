@@ -44,6 +44,8 @@ def validate(config: KDRecipeConfig) -> None:
         try:
             check_models(view)
             check_kd(view)
+            if view.teacher_model.url is not None:
+                check_served_teacher(view)
         except ConfigError as error:
             raise error if config.teachers is None else ConfigError(f"teachers.{name}: {error}") from None
     check_dataset(config)
@@ -61,8 +63,8 @@ def check_one_teacher(config: KDRecipeConfig) -> None:
     if config.dataset.teacher_key is not None:
         raise ConfigError("dataset.teacher_key routes rows to one of several teachers: give them in teachers "
                           "(with kd.combine route), or leave the key out")
-    if config.kd.teacher_cache is not None:
-        return
+    if config.kd.teacher_cache is not None or config.teacher_model.url is not None:
+        return  # no teacher ranks (check_served_teacher refuses a layout given for a served one)
     if not config.separate_meshes and config.teacher_distributed is not None:
         raise ConfigError("teacher_distributed is set but separate_meshes is false: on shared meshes the teacher uses "
                           "the 'distributed' section; set separate_meshes: true to give the teacher its own ranks")
@@ -74,10 +76,12 @@ def check_one_teacher(config: KDRecipeConfig) -> None:
 
 def check_models(config: KDRecipeConfig) -> None:
     """Each model section: one source, a known dtype and attention; precision keys for the student alone."""
+    if config.model.url is not None:
+        raise ConfigError("model.url: the student is trained here; only a teacher (teacher_model.url) may be served")
     for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
-        if (label == "teacher_model" and config.kd.teacher_cache is not None and model.path is None
-                and model.random_init is None):
-            continue  # no teacher given: the cache's stands
+        if (label == "teacher_model" and (config.kd.teacher_cache is not None or model.url is not None)
+                and model.path is None and model.random_init is None):
+            continue  # no teacher given: the cache's, or the server's, stands
         if (model.path is None) == (model.random_init is None):
             raise ConfigError(f"{label}: set exactly one of {label}.path or {label}.random_init")
         if isinstance(model.keep_layers, dict):
@@ -300,6 +304,22 @@ def check_hidden_states(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.hidden_states with distributed.pp_size({config.distributed.pp_size}) > 1 is not "
                           "supported: the student's pipeline computes its loss on the last stage, which holds only "
                           "some of the paired layers; use dp, tp or cp for the student")
+
+
+def check_served_teacher(config: KDRecipeConfig) -> None:
+    """A teacher at `teacher_model.url` (one teacher's view): an address, one source of answers, and what a
+    served teacher answers. Its other keys may describe it (their identity is checked against the server's at
+    preflight), and its layout keys are the server's: `meshkd serve-teacher` reads them, training does not."""
+    url = config.teacher_model.url
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"teacher_model.url must be an http:// or https:// address, got {url!r}")
+    if config.kd.teacher_cache is not None:
+        raise ConfigError("teacher_model.url and kd.teacher_cache: give one source of the teacher's answers")
+    kd = config.kd
+    for key, value in (("kd.cross_tokenizer", kd.cross_tokenizer), ("kd.hidden_states", kd.hidden_states)):
+        if value is not None:
+            raise ConfigError(f"{key} does not yet work with a served teacher (teacher_model.url); run the teacher "
+                              "on ranks of this run for it")
 
 
 # ------------------------------------------------------------------------------------------- teachers (several at once)

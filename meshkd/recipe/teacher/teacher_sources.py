@@ -2,6 +2,7 @@
 
 - its cache (`kd.teacher_cache`, a manifest checked at preflight): `CachedTeacher`, no teacher process;
 - ranks of its own (separate meshes, a bridge to them): `TeacherClient`;
+- a server elsewhere (`teacher_model.url`, `meshkd serve-teacher`): `ServedTeacher`, asked over HTTP;
 - the student's own ranks (shared meshes, the teacher loaded there): `LocalTeacher` over its `TeacherForward`,
   laid out here.
 A new kind of source is one more case here and its module.
@@ -10,13 +11,16 @@ A new kind of source is one more case here and its module.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherSource
-from meshkd.core.topology import DistributedSetup
+from meshkd.core.topology import DistributedSetup, last_stage_ranks
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.teacher.hidden_states import paired_layers
+from meshkd.recipe.teacher.served_protocol import answer_settings
+from meshkd.recipe.teacher.served_teacher import ServedTeacher
 from meshkd.recipe.teacher.teacher_cache import CachedTeacher, rows_asked
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher
 
@@ -30,6 +34,11 @@ def teacher_source(view: KDRecipeConfig, *, manifest: dict | None, bridge: KDMes
     if manifest is not None:
         return CachedTeacher(view.kd.teacher_cache, manifest, datasets, device=device,
                              asked=rows_asked(view, datasets, dp_size=setup.dp_size))
+    if view.teacher_model.url is not None:
+        receives = any(dist.get_rank() in ranks for ranks in last_stage_ranks(setup))
+        return ServedTeacher(view.teacher_model.url, device=device, receives=receives,
+                             wait_s=view.collective_timeout_s,
+                             settings=answer_settings(view.kd, seed=view.seed, vocab_size=vocab_size))
     if bridge is not None:
         return TeacherClient(bridge)
     runner = lay_out_teacher(*loaded, setup, device=device)

@@ -1,0 +1,164 @@
+"""A teacher served elsewhere (`meshkd serve-teacher`, `teacher_model.url`), asked over HTTP: a student's
+`meshkd.core.teacher_protocol.TeacherSource`.
+
+Design. `ServedTeacher` owns one event loop, on a thread of its own, with one aiohttp session; a request is a
+coroutine on that loop and the caller only waits on its future, so several requests can be in flight at once:
+`prefetch` asks for up to `depth` micro-batches beyond the one the caller trains on. Every student rank that
+computes a loss asks for its own micro-batch (the ranks of one replica ask for the same rows; the server
+computes identical requests once), other ranks ask nothing. A request that finds no server (refused, reset,
+timed out, or 503 from a server that is draining) is retried with backoff, 0.25 s doubling to 4 s, until
+`wait_s` (the run's `collective_timeout_s`) has passed since its first try: a server restarted meanwhile costs
+a wait, and since an answer is a pure function of its request (`served_protocol`) the run's curve is the
+same. After that the run ends with one line naming the address. A 4xx is the server refusing the request:
+raised at once, with its message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import datetime
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from meshkd.core import wire
+from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
+from meshkd.recipe.corpus.rows import BATCH_KEYS
+from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, HEALTH_PATH, AnswerRequest, auth_headers
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 4.0
+
+
+class ServedTeacherError(ConnectionError):
+    """A served teacher that refused a request, or did not answer within the wait."""
+
+
+def health(url: str, *, label: str = "teacher_model.url", timeout_s: float = 10.0) -> dict:
+    """The server's `GET /health` report; ServedTeacherError naming `label` and the address when there is none."""
+    request = urllib.request.Request(url.rstrip("/") + HEALTH_PATH, headers=auth_headers())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise ServedTeacherError(f"{label}: the served teacher at {url} answered HTTP {error.code}: "
+                                 f"{_message(error.read())}") from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        raise ServedTeacherError(f"{label}: no served teacher answers at {url} ({reason}); start it with "
+                                 "`meshkd serve-teacher CONFIG`") from None
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+class ServedTeacher:
+    """The student side of a served teacher at `url`.
+
+    Args:
+        settings: what every request carries besides its rows and kind of answer
+            (`meshkd.recipe.teacher.served_protocol.answer_settings`).
+        device: where the answers' tensors go.
+        receives: whether this rank computes a loss (asks at all); elsewhere answers are None.
+        wait_s: how long a request is retried while no server answers.
+        label: the config key errors name.
+    """
+
+    def __init__(self, url: str, *, settings: dict, device: torch.device, receives: bool = True,
+                 wait_s: float = 600.0, label: str = "teacher_model.url") -> None:
+        import aiohttp
+
+        self.url, self.settings, self.device = url.rstrip("/"), settings, device
+        self.receives, self.wait_s, self.label = receives, wait_s, label
+        self.retries = 0  # requests sent again after no server answered
+        self._aiohttp = aiohttp
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="meshkd-served-teacher", daemon=True)
+        self._thread.start()
+        self._session = self._submit(self._open()).result()
+
+    async def _open(self):
+        return self._aiohttp.ClientSession(headers=auth_headers(), timeout=self._aiohttp.ClientTimeout(
+            total=None, sock_connect=10))
+
+    def _submit(self, coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+        if not self.receives:
+            return None
+        return self._answer(self._ask(TeacherRequest(batch, logits_transport)))
+
+    def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
+        body = AnswerRequest({key: request.batch[key] for key in BATCH_KEYS},
+                             {"transport": request.logits_transport, **self.settings}).to_bytes()
+        return self._submit(self._post(body))
+
+    async def _post(self, body: bytes) -> bytes:
+        aiohttp, started, delay = self._aiohttp, time.monotonic(), RETRY_FIRST_S
+        while True:
+            try:
+                async with self._session.post(self.url + ANSWER_PATH, data=body) as response:
+                    payload = await response.read()
+                    if response.status == 200:
+                        return payload
+                    if response.status < 500:
+                        raise ServedTeacherError(f"{self.label}: the served teacher at {self.url} refused a request "
+                                                 f"(HTTP {response.status}): {_message(payload)}")
+                    last = f"HTTP {response.status}: {_message(payload)}"
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as error:
+                last = str(error) or type(error).__name__
+            if time.monotonic() - started + delay > self.wait_s:
+                raise ServedTeacherError(f"{self.label}: the served teacher at {self.url} did not answer for "
+                                         f"{self.wait_s:.0f} s (collective_timeout_s): {last}")
+            self.retries += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+
+    def _answer(self, future: concurrent.futures.Future) -> Encoded:
+        answer = wire.from_bytes(future.result())
+        return {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
+                for key, value in answer.items()}
+
+    def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
+                 depth: int = 1) -> TeacherFeed:
+        """(item, answer) in order, with up to `depth` requests in flight beyond the item the caller holds."""
+        if not self.receives:
+            return TeacherFeed((item, None) for item in items)
+        items, pending = iter(items), collections.deque()
+
+        def pairs():
+            while True:
+                while len(pending) <= depth and (item := next(items, pending)) is not pending:
+                    pending.append((item, self._ask(batch_fn(item))))
+                if not pending:
+                    return
+                item, future = pending.popleft()
+                yield item, self._answer(future)
+
+        def close(timeout: float | None) -> bool:
+            for _, future in pending:
+                future.cancel()
+            pending.clear()
+            return True
+
+        return TeacherFeed(pairs(), close=close)
+
+    def close(self, timeout: datetime.timedelta | None = None) -> None:
+        """Close the session and end the loop's thread (requests in flight are dropped)."""
+        if not self._thread.is_alive():
+            return
+        self._submit(self._session.close()).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

@@ -1,0 +1,324 @@
+"""A served teacher: `meshkd serve-teacher` answers students that name it by `teacher_model.url`.
+
+Real processes on the CPU: one server (a tp 2 teacher on two ranks, with a bearer token) serves students that
+train at the same time, each on the curve of a run with the teacher in its own job (top-k and full answers,
+within 1e-6), while a third student is killed mid-run. The server refuses a wrong token (401, no answer) and
+100 malformed bodies (4xx each, still serving), and drains on SIGTERM. A server killed mid-run and started
+again on its address costs the student a wait, not the run, nor its curve. Preflight names the key and the
+address of a teacher that is not there, or not the one the config describes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshkd.core import wire
+from meshkd.recipe.lifecycle.preflight import preflight
+from meshkd.recipe.settings.config import ConfigError
+from meshkd.recipe.settings.config_loading import config_from_dict
+from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, TOKEN_VARIABLE, AnswerRequest
+from meshkd.recipe.teacher.served_teacher import ServedTeacherError
+from tests.recipe.lifecycle.test_recipe import TrainRun
+from tests.recipe.teacher.test_teacher_cache import TOPK, train_records
+from tests.tiny import base_config, with_layout
+from tests.world import run_world
+
+pytestmark = pytest.mark.world
+
+TOKEN = "served-teacher-test-token"
+FULL = {"logits_transport": "full"}
+
+
+def server_config(tmp: Path) -> dict:
+    """The tiny run, its teacher laid out as tp 2 on ranks of its own (what the server runs)."""
+    config = with_layout(base_config(tmp), {"dp_size": 1}, {"dp_size": 1, "tp_size": 2})
+    config["step_scheduler"]["max_steps"] = 8
+    return config
+
+
+def student(config: dict, tmp: Path, name: str, url: str, kd: dict) -> dict:
+    config = copy.deepcopy(config)
+    config["teacher_model"]["url"] = url
+    config["kd"].update(kd)
+    config["logging"]["run_dir"] = str(tmp / name)
+    return config
+
+
+def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
+    """Every record of a run equals the reference run's: the same keys, the losses and held-out figures within
+    1e-6 (perplexities, exp of a loss, relative), the gradient norm within a relative 1e-5 (a tp 2 teacher's and
+    a batched forward's sums differ from one rank's in their last bits, which the norm of a gradient moves by
+    more than the losses)."""
+    timing = ("teacher_wait_s", "step_time_s", "tokens_per_s")
+    assert [sorted(record) for record in records] == [sorted(record) for record in expected]
+    for record, reference in zip(records, expected):
+        for key, value in reference.items():
+            relative = key.endswith("perplexity") or key == "grad_norm"
+            close = dict(abs=0, rel=1e-5 if key == "grad_norm" else 1e-6) if relative else dict(abs=1e-6, rel=0)
+            if key not in timing:
+                assert record[key] == (pytest.approx(value, **close) if isinstance(value, float) else value), key
+
+
+def write(config: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """`meshkd serve-teacher` in a process group of its own, on `port`."""
+
+    def __init__(self, config_path: Path, port: int, log: Path) -> None:
+        self.address_file = log.with_suffix(".address")
+        self.address_file.unlink(missing_ok=True)
+        self.log = log
+        command = [sys.executable, "-m", "meshkd", "serve-teacher", str(config_path), "--port", str(port),
+                   "--address-file", str(self.address_file)]
+        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}), start_new_session=True)
+        deadline = time.monotonic() + 180
+        while not self.address_file.exists():
+            assert self.process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        self.url = self.address_file.read_text()
+
+    def health(self) -> dict:
+        request = urllib.request.Request(self.url + "/health", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> int:
+        """SIGTERM, as a scheduler sends it: the server drains and exits."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def train(config_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "meshkd", "train", str(config_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}),
+                            start_new_session=True)
+
+
+def finished(process: subprocess.Popen) -> str:
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    return output
+
+
+def wait_for_metrics(run_dir: str, process: subprocess.Popen) -> None:
+    """Until the run has logged its first record (its first evaluation, before any step)."""
+    deadline = time.monotonic() + 120
+    while not Path(run_dir, "metrics.jsonl").exists() or not Path(run_dir, "metrics.jsonl").read_text():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict:
+    """One server, three students at once (top-k, full, and one killed mid-run), and the in-job runs."""
+    tmp = tmp_path_factory.mktemp("served")
+    config = server_config(tmp)
+    server = Server(write(config, tmp / "server.yaml"), 0, tmp / "server.log")
+    runs = {}
+    try:
+        for name, kd in (("topk", TOPK), ("full", FULL), ("killed", TOPK)):
+            runs[f"served_{name}"] = student(config, tmp, f"served_{name}", server.url, kd)
+        students = {name: train(write(runs[f"served_{name}"], tmp / f"{name}.yaml")) for name in ("topk", "full",
+                                                                                                  "killed")}
+        wait_for_metrics(runs["served_killed"]["logging"]["run_dir"], students["killed"])
+        os.killpg(students["killed"].pid, signal.SIGKILL)
+        for name in ("topk", "full"):
+            finished(students[name])
+        runs["health"] = server.health()
+        runs["server"], runs["url"] = server, server.url
+        yield runs
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def in_job(served, tmp_path_factory) -> dict:
+    """The same students with the teacher in their own job (on the student's rank)."""
+    tmp = tmp_path_factory.mktemp("in_job")
+    runs = {}
+    for name in ("topk", "full"):
+        config = copy.deepcopy(served[f"served_{name}"])
+        del config["teacher_model"]["url"]
+        config.pop("separate_meshes"), config.pop("teacher_distributed")
+        config["logging"]["run_dir"] = str(tmp / name)
+        runs[name] = config
+    results = run_world(1, [TrainRun(config, name=name) for name, config in runs.items()], timeout_s=60,
+                        deadline_s=300)
+    for name in runs:
+        results.check(name)
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["topk", "full"])
+def test_students_of_one_served_teacher_follow_the_in_job_curve(served, in_job, mode):
+    """Two students trained at once against one server (a third killed beside them) each follow the curve of
+    their run with the teacher in their own job, held-out figures of the teacher's distribution included."""
+    records = train_records(served[f"served_{mode}"])
+    assert_same_curve(records, train_records(in_job[mode]))
+    assert any(record.get("kd_loss", 0) > 0 for record in records)
+    assert "val_kl" in records[0] and "teacher_val_loss" in records[0]
+
+
+def test_the_server_reports_its_teacher_and_load_and_drains_on_sigterm(served):
+    health = served["health"]
+    assert health["vocab_rows"] == 262 and health["hidden_size"] == 32 and health["protocol"] == 1
+    assert health["teacher"]["teacher_model.seed"] == 2
+    load = health["load"]
+    assert load["served_requests"] > 0 and load["served_tokens"] >= 32 * load["served_requests"]
+    assert 0 < load["busy_share"] <= 1 and load["queued_requests"] == 0
+    # Two students asking at once: some forwards answered requests of both.
+    assert load["forwards"] < load["served_requests"]
+
+
+def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url + ANSWER_PATH, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> AnswerRequest:
+    ids = torch.randint(0, 262, (rows, length))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
+             "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
+    settings = {"transport": transport, "vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 4,
+                "temperature": 2.0, "ignore_index": -100}
+    return AnswerRequest(batch, settings)
+
+
+def test_a_wrong_or_missing_token_gets_401_and_no_answer(served):
+    body = a_request().to_bytes()
+    for token in ("not-the-token", None):
+        status, answer = post(served["url"], body, token)
+        assert status == 401 and b"bearer token" in answer and b"log_probs" not in answer
+    status, answer = post(served["url"], body)
+    assert status == 200 and wire.from_bytes(answer)["mode"] == "topk"
+
+
+def malformed_bodies(count: int) -> list[bytes]:
+    """Random bytes, cut and flipped requests, and well-formed byte strings of wrong requests."""
+    rng, good = random.Random(0), a_request().to_bytes()
+    bodies = [b"", b"{}", good[:7], good[:-1], good + b"\0"]
+    wrong = [a_request(transport="groups"), a_request(rows=0), a_request(length=70000)]
+    bodies += [request.to_bytes() for request in wrong]
+    request = a_request()
+    request.batch["input_ids"][0, 0] = 10**6
+    bodies.append(request.to_bytes())
+    request = a_request()
+    bodies.append(wire.to_bytes({"batch": request.batch, "settings": {**request.settings, "topk": -1}}))
+    bodies.append(wire.to_bytes({"batch": {**request.batch, "labels": request.batch["labels"].float()},
+                                 "settings": request.settings}))
+    bodies.append(wire.to_bytes({"batch": request.batch}))
+    while len(bodies) < count:
+        kind = rng.randrange(3)
+        if kind == 0:
+            bodies.append(rng.randbytes(rng.randrange(1, 400)))
+        else:
+            flipped = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):  # kind 1: in the spec; 2: anywhere
+                position = rng.randrange(8, 200) if kind == 1 else rng.randrange(len(flipped))
+                flipped[position] ^= 1 << rng.randrange(8)
+            bodies.append(bytes(flipped))
+    return bodies[:count]
+
+
+def test_malformed_bodies_get_a_4xx_each_and_the_server_keeps_serving(served):
+    statuses = []
+    for body in malformed_bodies(100):
+        status, answer = post(served["url"], body)
+        if status == 200:  # a flipped bit in the tensor bytes can still be a valid request
+            wire.from_bytes(answer)
+        else:
+            assert 400 <= status < 500 and json.loads(answer)["error"], (status, answer)
+        statuses.append(status)
+    assert statuses.count(200) < 60 and 413 in statuses and 400 in statuses
+    status, _ = post(served["url"], a_request().to_bytes())
+    assert status == 200 and served["server"].health()["load"]["queued_requests"] == 0
+
+
+def test_a_server_killed_and_started_again_costs_a_wait_not_the_run(tmp_path, in_job):
+    config = server_config(tmp_path)
+    port = free_port()
+    path = write(config, tmp_path / "server.yaml")
+    server = Server(path, port, tmp_path / "first.log")
+    config = student(config, tmp_path, "student", server.url, TOPK)
+    run = train(write(config, tmp_path / "student.yaml"))
+    try:
+        wait_for_metrics(config["logging"]["run_dir"], run)
+        server.kill()
+        server = Server(path, port, tmp_path / "second.log")
+        finished(run)
+        assert server.health()["load"]["served_requests"] > 0  # the run went on against the new server
+    finally:
+        server.stop()
+    assert_same_curve(train_records(config), train_records(in_job["topk"]))
+
+
+def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(served, monkeypatch):
+    config = copy.deepcopy(served["served_topk"])
+    config["teacher_model"]["url"] = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServedTeacherError, match=r"teacher_model.url: no served teacher answers at http://127"):
+        preflight(config_from_dict(config))
+    config["teacher_model"]["url"] = served["url"]
+    config["teacher_model"]["seed"] = 5
+    with pytest.raises(ServedTeacherError, match="teacher_model.url: .* answered HTTP 401: a bearer token"):
+        preflight(config_from_dict(config))
+    monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
+    with pytest.raises(ConfigError, match=r"teacher_model: the teacher served at .*\(teacher_model.seed: served 2, "):
+        preflight(config_from_dict(config))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kd": {"teacher_cache": "cache"}}, "teacher_model.url and kd.teacher_cache"),
+    ({"kd": {"cross_tokenizer": {}}}, "kd.cross_tokenizer does not yet work with a served teacher"),
+    ({"teacher_model": {"url": "127.0.0.1:8100"}}, "teacher_model.url must be an http"),
+    ({"model": {"url": "http://127.0.0.1:8100"}}, "model.url: the student is trained here"),
+])
+def test_a_served_teacher_config_that_cannot_work_is_refused_naming_the_key(tmp_path, change, message):
+    config = student(server_config(tmp_path), tmp_path, "run", "http://127.0.0.1:8100", {})
+    for section, values in change.items():
+        config[section].update(values)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(config)
+
+
+def test_sigterm_drains_the_server_and_every_rank_exits_cleanly(served):
+    """The module's last test of the shared server: like `meshkd train`, a stop every rank obeyed is 128 + the
+    signal's number."""
+    assert served["server"].stop() == 128 + signal.SIGTERM
+    log = served["server"].log.read_text()
+    assert "answering the 0 queued request(s), then stopping" in log and "ended with" not in log, log
