@@ -29,7 +29,7 @@ from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_t
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
-from meshkd.recipe.teacher import served_protocol, served_teacher, teacher_cache
+from meshkd.recipe.teacher import completions_teacher, served_protocol, served_teacher, teacher_cache
 from meshkd.recipe.teacher.hidden_states import check_pairs
 
 # The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
@@ -125,7 +125,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = served = None
     if config.teacher_model.url is not None:  # the server stands for the teacher, with the student's tokenizer
-        served = check_served_teacher(config, tokenizer)
+        served = check_served_teacher(config, tokenizer, student_rows=_embedding_rows(student))
         teacher_tokenizer, teacher_rows, teacher_width = tokenizer, served["vocab_rows"], served["hidden_size"]
     elif from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
         teacher_tokenizer = tokenizer
@@ -168,11 +168,15 @@ def preflight_teacher(config: KDRecipeConfig) -> None:
     _check_role(config, Role(key, config.teacher_layout, "teacher_model", teacher, config.teacher_model))
 
 
-def check_served_teacher(config: KDRecipeConfig, tokenizer) -> dict:
+def check_served_teacher(config: KDRecipeConfig, tokenizer, *, student_rows: int) -> dict:
     """The health report of the teacher at `teacher_model.url`: it answers, speaks this protocol, is the teacher
     `teacher_model`'s other keys describe, if given (`teacher_cache.teacher_identity`), and reads token ids as
-    the student's tokenizer writes them."""
+    the student's tokenizer writes them. A completions server (`teacher_model.api: completions`) is only asked
+    whether it answers: its vocabulary is taken to be the student's (`student_rows`)."""
     url = config.teacher_model.url
+    if config.teacher_model.api == "completions":  # reachable; its vocabulary is taken to be the student's
+        served_teacher.health(url, path=completions_teacher.MODELS_PATH)
+        return {"vocab_rows": student_rows, "hidden_size": None}
     report = served_teacher.health(url)
     if report.get("protocol") != served_protocol.PROTOCOL_VERSION:
         raise ConfigError(f"teacher_model.url: the server at {url} speaks protocol {report.get('protocol')!r}, this "

@@ -17,6 +17,8 @@ class ModelConfig:
     may instead be served elsewhere (`url`)."""
     path: str | None = None  # an HF model directory, or the directory of `gguf_file`
     url: str | None = None  # teacher: served by `meshkd serve-teacher` at http(s)://host:port, no ranks in training
+    api: str = "meshkd"  # with url: meshkd (`meshkd serve-teacher`) | completions (vLLM's OpenAI-compatible server)
+    served_model: str | None = None  # with api completions: the `model` its requests name; None: the server's default
     gguf_file: str | None = None  # a GGUF file inside `path`
     random_init: dict | None = None  # HF config kwargs with `model_type`: random weights, tiny models for tests
     keep_layers: list[int] | dict | None = None  # decoder layers kept, in order; {auto: N}: layer_selection

@@ -316,6 +316,15 @@ def check_served_teacher(config: KDRecipeConfig) -> None:
     if config.kd.teacher_cache is not None:
         raise ConfigError("teacher_model.url and kd.teacher_cache: give one source of the teacher's answers")
     kd = config.kd
+    if config.teacher_model.api not in ("meshkd", "completions"):
+        raise ConfigError(f"teacher_model.api must be meshkd or completions, got {config.teacher_model.api!r}")
+    if config.teacher_model.api == "completions":  # top-k log-probabilities at temperature 1, nothing sampled
+        needs = {"kd.logits_transport": ("topk", kd.logits_transport),
+                 "kd.topk_tail_samples": (0, kd.topk_tail_samples), "kd.temperature": (1.0, kd.temperature)}
+        for key, (needed, given) in needs.items():
+            if given != needed:
+                raise ConfigError(f"{key}: a completions server's prompt_logprobs give the top k log-probabilities "
+                                  f"at temperature 1 and no tail samples; set {key}: {needed} (got {given!r})")
     for key, value in (("kd.cross_tokenizer", kd.cross_tokenizer), ("kd.hidden_states", kd.hidden_states)):
         if value is not None:
             raise ConfigError(f"{key} does not yet work with a served teacher (teacher_model.url); run the teacher "

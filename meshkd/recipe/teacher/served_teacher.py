@@ -41,9 +41,10 @@ class ServedTeacherError(ConnectionError):
     """A served teacher that refused a request, or did not answer within the wait."""
 
 
-def health(url: str, *, label: str = "teacher_model.url", timeout_s: float = 10.0) -> dict:
-    """The server's `GET /health` report; ServedTeacherError naming `label` and the address when there is none."""
-    request = urllib.request.Request(url.rstrip("/") + HEALTH_PATH, headers=auth_headers())
+def health(url: str, *, path: str = HEALTH_PATH, label: str = "teacher_model.url", timeout_s: float = 10.0) -> dict:
+    """The server's `GET path` report (`/health`); ServedTeacherError naming `label` and the address when there is
+    none."""
+    request = urllib.request.Request(url.rstrip("/") + path, headers=auth_headers())
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
@@ -101,15 +102,17 @@ class ServedTeacher:
         return self._answer(self._ask(TeacherRequest(batch, logits_transport)))
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
+        """The future of the answer's body (what `_answer` reads)."""
         body = AnswerRequest({key: request.batch[key] for key in BATCH_KEYS},
                              {"transport": request.logits_transport, **self.settings}).to_bytes()
-        return self._submit(self._post(body))
+        return self._submit(self._post(ANSWER_PATH, body))
 
-    async def _post(self, body: bytes) -> bytes:
+    async def _post(self, path: str, body: bytes | None = None, *, json_body: dict | None = None) -> bytes:
+        """POST to `path` until a server answers (with retries, see the module docstring); the answer's bytes."""
         aiohttp, started, delay = self._aiohttp, time.monotonic(), RETRY_FIRST_S
         while True:
             try:
-                async with self._session.post(self.url + ANSWER_PATH, data=body) as response:
+                async with self._session.post(self.url + path, data=body, json=json_body) as response:
                     payload = await response.read()
                     if response.status == 200:
                         return payload
@@ -127,7 +130,9 @@ class ServedTeacher:
             delay = min(2 * delay, RETRY_MAX_S)
 
     def _answer(self, future: concurrent.futures.Future) -> Encoded:
-        answer = wire.from_bytes(future.result())
+        return self._on_device(wire.from_bytes(future.result()))
+
+    def _on_device(self, answer: Encoded) -> Encoded:
         return {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
                 for key, value in answer.items()}
 

@@ -2,7 +2,8 @@
 
 - its cache (`kd.teacher_cache`, a manifest checked at preflight): `CachedTeacher`, no teacher process;
 - ranks of its own (separate meshes, a bridge to them): `TeacherClient`;
-- a server elsewhere (`teacher_model.url`, `meshkd serve-teacher`): `ServedTeacher`, asked over HTTP;
+- a server elsewhere (`teacher_model.url`): `ServedTeacher` (`meshkd serve-teacher`), or `CompletionsTeacher`
+  (`teacher_model.api: completions`: vLLM's OpenAI-compatible server), asked over HTTP;
 - the student's own ranks (shared meshes, the teacher loaded there): `LocalTeacher` over its `TeacherForward`,
   laid out here.
 A new kind of source is one more case here and its module.
@@ -18,6 +19,7 @@ from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.teacher_protocol import LocalTeacher, TeacherClient, TeacherSource
 from meshkd.core.topology import DistributedSetup, last_stage_ranks
 from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.teacher.completions_teacher import CompletionsTeacher
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.served_protocol import answer_settings
 from meshkd.recipe.teacher.served_teacher import ServedTeacher
@@ -34,11 +36,14 @@ def teacher_source(view: KDRecipeConfig, *, manifest: dict | None, bridge: KDMes
     if manifest is not None:
         return CachedTeacher(view.kd.teacher_cache, manifest, datasets, device=device,
                              asked=rows_asked(view, datasets, dp_size=setup.dp_size))
-    if view.teacher_model.url is not None:
+    section = view.teacher_model
+    if section.url is not None:
         receives = any(dist.get_rank() in ranks for ranks in last_stage_ranks(setup))
-        return ServedTeacher(view.teacher_model.url, device=device, receives=receives,
-                             wait_s=view.collective_timeout_s,
-                             settings=answer_settings(view.kd, seed=view.seed, vocab_size=vocab_size))
+        options = {"device": device, "receives": receives, "wait_s": view.collective_timeout_s,
+                   "settings": answer_settings(view.kd, seed=view.seed, vocab_size=vocab_size)}
+        if section.api == "completions":
+            return CompletionsTeacher(section.url, model=section.served_model, **options)
+        return ServedTeacher(section.url, **options)
     if bridge is not None:
         return TeacherClient(bridge)
     runner = lay_out_teacher(*loaded, setup, device=device)

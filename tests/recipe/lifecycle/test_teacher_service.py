@@ -31,8 +31,9 @@ from meshkd.core import wire
 from meshkd.recipe.lifecycle.preflight import preflight
 from meshkd.recipe.settings.config import ConfigError
 from meshkd.recipe.settings.config_loading import config_from_dict
+from meshkd.recipe.teacher.completions_teacher import CompletionsTeacher
 from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, TOKEN_VARIABLE, AnswerRequest
-from meshkd.recipe.teacher.served_teacher import ServedTeacherError
+from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError
 from tests.recipe.lifecycle.test_recipe import TrainRun, curve
 from tests.recipe.teacher.test_teacher_cache import TOPK, train_records
 from tests.tiny import base_config, with_layout
@@ -42,6 +43,8 @@ pytestmark = pytest.mark.world
 
 TOKEN = "served-teacher-test-token"
 FULL = {"logits_transport": "full"}
+COMPLETIONS = {"logits_transport": "topk", "topk": 8, "topk_tail_samples": 0, "temperature": 1.0}
+"""What a completions server's prompt_logprobs answer: the top k at temperature 1, no tail samples."""
 
 
 def server_config(tmp: Path) -> dict:
@@ -200,9 +203,9 @@ def test_the_server_reports_its_teacher_and_load_and_drains_on_sigterm(served):
     assert load["forwards"] < load["served_requests"]
 
 
-def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, bytes]:
+def post(url: str, body: bytes, token: str | None = TOKEN, *, path: str = ANSWER_PATH) -> tuple[int, bytes]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(url + ANSWER_PATH, data=body, headers=headers, method="POST")
+    request = urllib.request.Request(url + path, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read()
@@ -319,7 +322,7 @@ def in_job_config(config: dict) -> dict:
     """`config` with its teacher on the student's own ranks instead of at its url."""
     config = copy.deepcopy(config)
     for teacher in [config.get("teacher_model", {})] + [entry["model"] for entry in config.get("teachers") or []]:
-        teacher.pop("url", None)
+        teacher.pop("url", None), teacher.pop("api", None)
     config.pop("separate_meshes", None), config.pop("teacher_distributed", None)
     config["logging"]["run_dir"] += "_in_job"
     return config
@@ -338,6 +341,9 @@ def layout_runs(served: dict, tmp: Path) -> dict[str, dict]:
         "mode": "on_policy", "kd_ratio": 1.0, "divergence": "reverse_kl", "logits_transport": "full",
         "generation": {"max_new_tokens": 8, "prompt_tokens": 8}})
     runs["on_policy"]["distributed"] = {"dp_size": 2}
+    runs["completions"] = student(base, tmp, "completions", served["url"], COMPLETIONS)
+    runs["completions"]["teacher_model"]["api"] = "completions"
+    runs["completions"]["distributed"] = {"dp_size": 2}
     teachers = student(base, tmp, "teachers", served["url"], {})
     model = teachers.pop("teacher_model")
     teachers.pop("separate_meshes"), teachers.pop("teacher_distributed")
@@ -372,7 +378,7 @@ def layouts(served, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     return runs
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2", "teachers"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2", "teachers", "completions"])
 def test_every_student_layout_and_a_mix_of_teachers_follow_the_in_job_curve(layouts, name):
     served_run, in_job = layouts[name]
     records = train_records(served_run)
@@ -390,6 +396,45 @@ def test_on_policy_distillation_from_a_served_teacher_follows_the_in_job_curve(l
     generated = [record["generated_tokens"] for record in records if record["kind"] == "train"]
     assert generated == [record["generated_tokens"] for record in expected if record["kind"] == "train"]
     assert sum(generated) > 0
+
+
+def packed_rows() -> dict[str, torch.Tensor]:
+    """Two rows of 16 tokens: three documents and padding, then one document."""
+    documents = torch.tensor([[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2, [1] * 16])
+    ids = torch.randint(0, 262, (2, 16))
+    labels = ids.roll(-1, 1).masked_fill(documents != documents.roll(-1, 1), -100).masked_fill(documents == 0, -100)
+    labels[:, -1] = -100
+    positions = torch.stack([torch.cat([torch.arange(5), torch.arange(6), torch.arange(3), torch.zeros(2).long()]),
+                             torch.arange(16)])
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": documents}
+
+
+def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(served, monkeypatch):
+    """vLLM's fields (`prompt_logprobs` of token-id prompts) against `meshkd serve-teacher`'s subset of them: the same
+    top k, rest and label log-probabilities as the native answer where a loss reads them."""
+    monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
+    settings = {"vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 0, "temperature": 1.0,
+                "ignore_index": -100}
+    batch = packed_rows()
+    native = ServedTeacher(served["url"], settings=settings, device=torch.device("cpu"))
+    client = CompletionsTeacher(served["url"], settings=settings, device=torch.device("cpu"))
+    try:
+        expected = native.request(batch, "topk+label_log_probs")
+        answer = client.request(batch, "topk+label_log_probs")
+    finally:
+        native.close(), client.close()
+    counted = batch["labels"] != -100
+    assert counted.sum() == 4 + 5 + 2 + 15
+    assert torch.equal(answer["indices"][counted], expected["indices"][counted])
+    for key in ("log_probs", "tail_log_prob", "label_log_probs"):
+        torch.testing.assert_close(answer[key][counted], expected[key][counted], rtol=1e-5, atol=1e-6)
+
+
+def test_a_completions_request_beyond_the_subset_is_refused_naming_the_field(served):
+    for body, field in (({"prompt": "text", "prompt_logprobs": 2}, "prompt"), ({"prompt": [1, 2]}, "prompt_logprobs"),
+                        ({"prompt": [1, 2], "prompt_logprobs": 2, "max_tokens": 5}, "max_tokens")):
+        status, answer = post(served["url"], json.dumps(body).encode(), path="/v1/completions")
+        assert status == 400 and json.loads(answer)["error"].startswith(field), answer
 
 
 def test_sigterm_drains_the_server_and_every_rank_exits_cleanly(served):
