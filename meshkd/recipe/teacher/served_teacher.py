@@ -16,6 +16,7 @@ raised at once, with its message.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import datetime
@@ -88,6 +89,7 @@ class ServedTeacher:
         self._thread = threading.Thread(target=self._loop.run_forever, name="meshkd-served-teacher", daemon=True)
         self._thread.start()
         self._session = self._submit(self._open()).result()
+        atexit.register(self.close)  # a run that fails never closes its sources: the session still closes
 
     async def _open(self):
         return self._aiohttp.ClientSession(headers=auth_headers(), timeout=self._aiohttp.ClientTimeout(
@@ -162,6 +164,7 @@ class ServedTeacher:
 
     def close(self, timeout: datetime.timedelta | None = None) -> None:
         """Close the session and end the loop's thread (requests in flight are dropped)."""
+        atexit.unregister(self.close)
         if not self._thread.is_alive():
             return
         self._submit(self._session.close()).result(timeout=10)

@@ -88,14 +88,14 @@ def free_port() -> int:
 
 
 class Server:
-    """`meshkd serve-teacher` in a process group of its own, on `port`."""
+    """`meshkd serve-teacher` in a process group of its own, on `port`; `options`: more of its command line."""
 
-    def __init__(self, config_path: Path, port: int, log: Path) -> None:
+    def __init__(self, config_path: Path, port: int, log: Path, options: tuple[str, ...] = ()) -> None:
         self.address_file = log.with_suffix(".address")
         self.address_file.unlink(missing_ok=True)
         self.log = log
         command = [sys.executable, "-m", "meshkd", "serve-teacher", str(config_path), "--port", str(port),
-                   "--address-file", str(self.address_file)]
+                   "--address-file", str(self.address_file), *options]
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                         env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}), start_new_session=True)
         deadline = time.monotonic() + 180
@@ -120,9 +120,9 @@ class Server:
         return self.process.wait(timeout=60)
 
 
-def train(config_path: Path) -> subprocess.Popen:
+def train(config_path: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "meshkd", "train", str(config_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}),
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}, **env),
                             start_new_session=True)
 
 
@@ -288,6 +288,38 @@ def test_a_server_killed_and_started_again_costs_a_wait_not_the_run(tmp_path, in
     finally:
         server.stop()
     assert_same_curve(train_records(config), train_records(in_job["topk"]))
+
+
+def test_over_tls_a_server_that_does_not_come_back_ends_the_run_naming_its_address(tmp_path):
+    """HTTPS with a certificate the student trusts (SSL_CERT_FILE); the server killed for good: after
+    `collective_timeout_s` of retries the run ends with one line naming the address, its checkpoints kept."""
+    import trustme
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1")
+    certificate.private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    authority.cert_pem.write_to_path(tmp_path / "authority.pem")
+    config = server_config(tmp_path)
+    files = ("--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.pem"))
+    server = Server(write(config, tmp_path / "server.yaml"), 0, tmp_path / "server.log", files)
+    assert server.url.startswith("https://127.0.0.1:")
+    config = student(config, tmp_path, "student", server.url, TOPK)
+    config.update(collective_timeout_s=3, checkpoint={"enabled": True, "save_hf": False})
+    config["step_scheduler"].update(max_steps=400, ckpt_every_steps=1)
+    run = train(write(config, tmp_path / "student.yaml"), SSL_CERT_FILE=str(tmp_path / "authority.pem"))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(Path(config["logging"]["run_dir"], "checkpoints").glob("step_*")):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
+            time.sleep(0.05)
+    finally:
+        server.kill()
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1
+    assert (f"meshkd: error: rank 0: teacher_model.url: the served teacher at {server.url} did not answer for 3 s"
+            in output), output
+    assert "Traceback" not in output and "Unclosed" not in output, output
+    assert list(Path(config["logging"]["run_dir"], "checkpoints").glob("step_*"))
 
 
 def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(served, monkeypatch):
