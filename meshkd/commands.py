@@ -93,10 +93,6 @@ def cached_teacher(config, teacher: str | None):
     """The one-teacher config whose cache `meshkd cache-teacher` writes: the only teacher's, or with several
     teachers (`teachers`) the view of the one named by `--teacher` (its `cache`, its `distributed` layout)."""
     views = config.teacher_views()
-    served = [name for name, view in views.items() if view.teacher_model.url is not None]
-    if served and (teacher in served or (teacher is None and len(views) == 1)):
-        raise ConfigError("meshkd cache-teacher runs the teacher itself: not yet from a served teacher "
-                          "(teacher_model.url); point it at the served teacher's own config")
     if teacher is not None and config.teachers is None:
         raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
     if teacher is None and len(views) > 1:
@@ -140,6 +136,8 @@ def _teacher_world_size(config, nproc: int | None) -> int:
     sizes = (layout.dp_size, layout.tp_size, layout.cp_size, layout.pp_size)
     needed = None if layout.dp_size is None else math.prod(sizes)
     dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
+    if config.teacher_model.url is not None:  # cache-teacher's writers asking a served teacher: 1, or --nproc
+        needed = nproc or 1
     world_size = _world_size(needed, nproc, dp_key)
     check_gpu_count(config, world_size)
     return world_size

@@ -1,7 +1,8 @@
 """`meshkd cache-teacher`: run only the teacher over a run's rows and write its answers to `kd.teacher_cache`.
 
 Every rank of the world is a teacher rank, laid out as the teacher's section says (`teacher_distributed`
-on separate meshes, else `distributed`). Every rank builds the run's datasets and the same plan: the rows
+on separate meshes, else `distributed`); with a served teacher (`teacher_model.url`) every rank is a writer
+that asks it, as a data-parallel replica. Every rank builds the run's datasets and the same plan: the rows
 the run will ask about (`meshkd.recipe.teacher.teacher_cache`), cut into shards of `shard_rows` rows. Rank 0 keeps
 the shards a killed run completed (sidecar matches the plan, bytes match their sha256), removes the rest,
 and checks the space the others need against the free disk. The shards left go round-robin to the
@@ -38,10 +39,11 @@ from meshkd.recipe.corpus.aligned_data import rendering_teacher, run_packing
 from meshkd.recipe.lifecycle.preflight import preflight
 from meshkd.recipe.lifecycle.world import close_world, init_world
 from meshkd.recipe.modeling import models
-from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.teacher_answers import Distribution
+from meshkd.recipe.teacher.teacher_sources import teacher_source
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
@@ -121,7 +123,7 @@ class CacheWriter:
         """Write the cache (every rank of the world calls); returns its summary on every rank."""
         config = self.config
         checked = preflight(config, writing_cache=True)
-        setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
+        setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": writer_layout(config)},
                                               dist.get_world_size(),
                                               timeout=datetime.timedelta(seconds=config.collective_timeout_s))
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
@@ -163,7 +165,8 @@ class CacheWriter:
         directory = self.directory
         key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size,
                               teacher_tokenizer=checked.teacher_tokenizer)
-        identity = cache.teacher_identity(self.config)
+        identity = checked.served["teacher"] if checked.served and "teacher" in checked.served else (
+            cache.teacher_identity(self.config))
         plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
         (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
         done, keep = [], set()
@@ -190,19 +193,11 @@ class CacheWriter:
                  vocab_size: int, tokens: dict, checked) -> bool:
         """Load and lay out the teacher, then compute this replica's shards round by round; False if stopped."""
         config = self.config
-        with faults.on_every_rank("while loading and laying out the teacher", patient=True):
-            model, checkpoint = load_teacher(config)
-            rows = model.get_output_embeddings().weight.shape[0]
-            if rows != checked.teacher_vocab_rows:
-                raise ValueError(f"teacher_model: its output embedding has {rows} rows, its config "
-                                 f"{checked.teacher_vocab_rows}")
-            runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
         replicas = model_replicas(setup)
         mine = next(index for index, replica in enumerate(replicas) if dist.get_rank() in replica.ranks)
         output = dist.get_rank() == replicas[mine].output_rank
-        forward = TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=output,
-                                 vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
-                                 hidden_layers=paired_layers(config, "teacher"))
+        with faults.on_every_rank("while loading and laying out the teacher", patient=True):
+            forward = self._forward(setup, checked, vocab_size, encodes=output)
         progress = None
         if is_logging_rank() and config.logging.progress_bar:
             from tqdm import tqdm
@@ -227,6 +222,23 @@ class CacheWriter:
         if progress is not None:
             progress.close()
         return True
+
+    def _forward(self, setup, checked, vocab_size: int, *, encodes: bool):
+        """request -> answer: the teacher laid out on this world, or a served one asked (`teacher_model.url`)."""
+        config = self.config
+        if config.teacher_model.url is not None:
+            source = teacher_source(config, manifest=None, bridge=None, loaded=None, setup=setup, device=self.device,
+                                    datasets={}, vocab_size=vocab_size, vocabulary_map=None)
+            return lambda request: source.request(request.batch, request.logits_transport)
+        model, checkpoint = load_teacher(config)
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows != checked.teacher_vocab_rows:
+            raise ValueError(f"teacher_model: its output embedding has {rows} rows, its config "
+                             f"{checked.teacher_vocab_rows}")
+        runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
+        return TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=encodes,
+                              vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
+                              hidden_layers=paired_layers(config, "teacher"))
 
     def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
                hashes: dict) -> None:
@@ -285,6 +297,14 @@ class CacheWriter:
                    f"({summary['train_bytes_per_position']:.0f} bytes per training position); computed "
                    f"{computed_tokens} tokens in {seconds:.1f} s{rate}")
         return summary
+
+
+def writer_layout(config: KDRecipeConfig) -> DistributedConfig:
+    """The layout of `meshkd cache-teacher`'s world: the teacher's, or for a served teacher (`teacher_model.url`)
+    data-parallel writers that ask it (1 unless `--nproc` says more)."""
+    if config.teacher_model.url is not None:
+        return DistributedConfig(dp_size=None)
+    return config.teacher_layout
 
 
 def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> dict:

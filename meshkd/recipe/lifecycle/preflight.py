@@ -124,7 +124,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = served = None
-    if config.teacher_model.url is not None:  # the server stands for the teacher, with the student's tokenizer
+    if config.teacher_model.url is not None and not from_cache:  # the server stands for the teacher
         served = check_served_teacher(config, tokenizer, student_rows=_embedding_rows(student))
         teacher_tokenizer, teacher_rows, teacher_width = tokenizer, served["vocab_rows"], served["hidden_size"]
     elif from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it

@@ -307,14 +307,13 @@ def check_hidden_states(config: KDRecipeConfig) -> None:
 
 
 def check_served_teacher(config: KDRecipeConfig) -> None:
-    """A teacher at `teacher_model.url` (one teacher's view): an address, one source of answers, and what a
-    served teacher answers. Its other keys may describe it (their identity is checked against the server's at
-    preflight), and its layout keys are the server's: `meshkd serve-teacher` reads them, training does not."""
+    """A teacher at `teacher_model.url` (one teacher's view): an address, and what a served teacher answers. Its
+    other keys may describe it (their identity is checked against the server's at preflight), its layout keys
+    are the server's (`meshkd serve-teacher` reads them, training does not), and with `kd.teacher_cache` it is
+    what `meshkd cache-teacher` asks, training reading the cache."""
     url = config.teacher_model.url
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ConfigError(f"teacher_model.url must be an http:// or https:// address, got {url!r}")
-    if config.kd.teacher_cache is not None:
-        raise ConfigError("teacher_model.url and kd.teacher_cache: give one source of the teacher's answers")
     kd = config.kd
     if config.teacher_model.api not in ("meshkd", "completions"):
         raise ConfigError(f"teacher_model.api must be meshkd or completions, got {config.teacher_model.api!r}")

@@ -36,6 +36,7 @@ from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, TOKEN_VARIABLE, A
 from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError
 from tests.recipe.lifecycle.test_recipe import TrainRun, curve
 from tests.recipe.teacher.test_teacher_cache import TOPK, train_records
+from tests.recipe.teacher.test_teacher_cache import assert_same_curve as assert_same_cached_curve
 from tests.tiny import base_config, with_layout
 from tests.world import run_world
 
@@ -337,7 +338,8 @@ def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"kd": {"teacher_cache": "cache"}}, "teacher_model.url and kd.teacher_cache"),
+    ({"teacher_model": {"api": "completions"}}, "kd.logits_transport: a completions server's prompt_logprobs"),
+    ({"teacher_model": {"api": "vllm"}}, "teacher_model.api must be meshkd or completions"),
     ({"kd": {"cross_tokenizer": {}}}, "kd.cross_tokenizer does not yet work with a served teacher"),
     ({"teacher_model": {"url": "127.0.0.1:8100"}}, "teacher_model.url must be an http"),
     ({"model": {"url": "http://127.0.0.1:8100"}}, "model.url: the student is trained here"),
@@ -460,6 +462,24 @@ def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(se
     assert torch.equal(answer["indices"][counted], expected["indices"][counted])
     for key in ("log_probs", "tail_log_prob", "label_log_probs"):
         torch.testing.assert_close(answer[key][counted], expected[key][counted], rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_written_from_a_served_teacher_trains_the_served_curve(served, tmp_path):
+    """`meshkd cache-teacher` asks the server (one writer process, no teacher rank), then a run reads the cache
+    and trains as the run that asked the server did (`test_teacher_cache`'s comparison: 1e-6, the gradient norm
+    too, but for the held-out figures of the teacher's distribution, which a cache does not hold)."""
+    config = copy.deepcopy(served["served_topk"])
+    config["kd"]["teacher_cache"] = str(tmp_path / "cache")
+    config["logging"]["run_dir"] = str(tmp_path / "from_cache")
+    command = [sys.executable, "-m", "meshkd", "cache-teacher", str(write(config, tmp_path / "cache.yaml"))]
+    written = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, **{TOKEN_VARIABLE: TOKEN}))
+    assert written.returncode == 0, written.stdout + written.stderr
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["teacher"] == served["health"]["teacher"]
+    results = run_world(1, [TrainRun(config)], timeout_s=60, deadline_s=300)  # no server asked: no token
+    results.check("train")
+    assert_same_cached_curve(train_records(config), train_records(served["served_topk"]))
 
 
 def test_a_completions_request_beyond_the_subset_is_refused_naming_the_field(served):
