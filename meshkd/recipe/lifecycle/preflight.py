@@ -147,7 +147,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
                           "teacher_model", teacher, config.teacher_model))
     for role in roles:
         _check_role(config, role)
-    _check_student_against_teacher(config, student, teacher, vocab_size)
+    _check_student_against_teacher(config, student, teacher, vocab_size,
+                                   served_layers=served.get("num_layers") if served else None)
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
         if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
             found = _read_data(config, tokenizer, files, teachers, teacher_tokenizer=teacher_tokenizer)
@@ -303,13 +304,15 @@ def _check_role(config: KDRecipeConfig, role: Role) -> None:
 
 
 def _check_student_against_teacher(config: KDRecipeConfig, student: torch.nn.Module,
-                                   teacher: torch.nn.Module | None, vocab_size: int) -> None:
-    """The hidden-state pairs against both models' layers, and a TP student's vocabulary against the common one."""
+                                   teacher: torch.nn.Module | None, vocab_size: int, *,
+                                   served_layers: int | None = None) -> None:
+    """The hidden-state pairs against both models' layers (a served teacher's as its server reports them), and a
+    TP student's vocabulary against the common one."""
     if config.kd.hidden_states is not None:
         try:
             check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
                         student_layers=student.config.num_hidden_layers,
-                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else None)
+                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else served_layers)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     tp_size = config.distributed.tp_size

@@ -14,8 +14,8 @@ queued rank 0 broadcasts an idle word every second, so no rank waits past the co
 forward answers its requests with a 500 and the server goes on. SIGINT / SIGTERM (or `meshkd`'s stop file)
 drain: new requests get 503 (students retry them), queued ones are answered, then every rank ends.
 
-Not yet served: a teacher with another tokenizer than its students (`kd.cross_tokenizer`), and hidden states
-(`kd.hidden_states`); their requests would need the student's tokenizer and layer pairs.
+Not yet served: a teacher with another tokenizer than its students (`kd.cross_tokenizer`): its requests would
+need the student's tokenizer (for the projection) or answers per aligned group, not per row.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import concurrent.futures
 import datetime
 import hashlib
 import hmac
+import json
 import ssl
 import threading
 import time
@@ -41,6 +42,7 @@ from meshkd.core.agreement import group_device
 from meshkd.core.logits_codec import with_label_log_probs
 from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
+from meshkd.parallel.stages import decoder_of
 from meshkd.recipe.common.faults import StopRequest, about
 from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.corpus.rows import BATCH_KEYS
@@ -158,6 +160,7 @@ class TeacherService:
                                              timeout=datetime.timedelta(seconds=config.collective_timeout_s)).student
         model, checkpoint = load_teacher(config)
         self.vocab_rows = model.get_output_embeddings().weight.shape[0]
+        self.num_layers = len(decoder_of(model).layers)
         self.runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
         self.replicas = model_replicas(setup)
         self.replica = next(index for index, replica in enumerate(self.replicas) if dist.get_rank() in replica.ranks)
@@ -168,7 +171,7 @@ class TeacherService:
                 self.tokenizer = tokenizer = load_section_tokenizer(config.teacher_model)
             self.model_name = str(config.teacher_model.path or "teacher_model")
             self.health = Health(teacher=teacher_identity(config), vocabulary=vocabulary_fingerprint(tokenizer),
-                                 vocab_rows=self.vocab_rows,
+                                 vocab_rows=self.vocab_rows, num_layers=self.num_layers,
                                  hidden_size=model.config.get_text_config().hidden_size, load={})
             self.http = HttpServer(self)
             self.http.start()
@@ -238,11 +241,12 @@ class TeacherService:
         return answers if self.is_server else None
 
     def _forward(self, settings: dict) -> TeacherForward:
-        key = tuple(sorted((name, value) for name, value in settings.items() if name != "transport"))
+        key = json.dumps({name: value for name, value in settings.items() if name != "transport"}, sort_keys=True)
         if key not in self._forwards:
             self._forwards[key] = TeacherForward(self.runner, vocab_size=settings["vocab_size"],
                                                  kd=answer_kd(self.config.kd, settings), seed=settings["seed"],
-                                                 encodes=self.runner.is_last)
+                                                 encodes=self.runner.is_last,
+                                                 hidden_layers=settings["hidden_layers"] or None)
         return self._forwards[key]
 
     def _send(self, value: dict) -> None:
@@ -377,7 +381,7 @@ class HttpServer:
             return self._error(503, "this teacher is stopping; ask again (another server may take its address)")
         try:
             body = await request.read()
-            parsed = parse_request(body, vocab_rows=self.service.vocab_rows,
+            parsed = parse_request(body, vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
                                    max_tokens=self.options.max_request_tokens)
         except web.HTTPRequestEntityTooLarge as error:
             return self._error(413, f"the body is larger than this server's limit: {error.text}")
@@ -412,8 +416,8 @@ class HttpServer:
             body = await request.json()
             prompts, k = completion_prompts(body, self.service.vocab_rows)
             requests = [parse_request(prompt_request(prompt, k, self.service.vocab_rows).to_bytes(),
-                                      vocab_rows=self.service.vocab_rows, max_tokens=self.options.max_request_tokens)
-                        for prompt in prompts]
+                                      vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
+                                      max_tokens=self.options.max_request_tokens) for prompt in prompts]
         except TooLarge as error:
             return self._error(413, str(error))
         except ValueError as error:
@@ -470,7 +474,8 @@ def prompt_request(prompt: list[int], k: int, vocab_rows: int) -> AnswerRequest:
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1])[None],
              "attention_mask": torch.ones_like(ids)}
     return AnswerRequest(batch, {"transport": with_label_log_probs("topk"), "vocab_size": vocab_rows, "seed": 0,
-                                 "topk": k, "topk_tail_samples": 0, "temperature": 1.0, "ignore_index": -100})
+                                 "topk": k, "topk_tail_samples": 0, "temperature": 1.0, "ignore_index": -100,
+                                 "hidden_layers": []})
 
 
 def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: int, text: Callable) -> dict:

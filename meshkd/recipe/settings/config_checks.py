@@ -324,10 +324,9 @@ def check_served_teacher(config: KDRecipeConfig) -> None:
             if given != needed:
                 raise ConfigError(f"{key}: a completions server's prompt_logprobs give the top k log-probabilities "
                                   f"at temperature 1 and no tail samples; set {key}: {needed} (got {given!r})")
-    for key, value in (("kd.cross_tokenizer", kd.cross_tokenizer), ("kd.hidden_states", kd.hidden_states)):
-        if value is not None:
-            raise ConfigError(f"{key} does not yet work with a served teacher (teacher_model.url); run the teacher "
-                              "on ranks of this run for it")
+    if kd.cross_tokenizer is not None:
+        raise ConfigError("kd.cross_tokenizer does not yet work with a served teacher (teacher_model.url); run the "
+                          "teacher on ranks of this run for it")
 
 
 # ------------------------------------------------------------------------------------------- teachers (several at once)

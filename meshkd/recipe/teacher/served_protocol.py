@@ -10,10 +10,11 @@
 Bodies are `meshkd.core.wire` byte strings (a JSON spec, then little-endian tensor bytes): nothing from the
 network is unpickled. A request carries its rows (`BATCH_KEYS`, int64 [rows, sequence]) and every setting the
 answer depends on besides the teacher (`answer_settings`): the kind of answer, the student's vocabulary size
-(the answer covers its first entries), the tail samples' seed, top-k's size and tail, the temperature and the
-ignored label. The answer is then a pure function of the request and the teacher, so a retried request gets
-the same answer and requests from several students can share a forward. With a token
-(`TOKEN_VARIABLE`, never a config key) every request must carry `Authorization: Bearer TOKEN`.
+(the answer covers its first entries), the tail samples' seed, top-k's size and tail, the temperature, the
+ignored label and the teacher layers whose outputs travel beside a training answer (`kd.hidden_states`). The
+answer is then a pure function of the request and the teacher, so a retried request gets the same answer and
+requests from several students can share a forward. With a token (`TOKEN_VARIABLE`, never a config key)
+every request must carry `Authorization: Bearer TOKEN`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,13 +39,16 @@ ANSWER_PATH = "/v1/answer"
 TOKEN_VARIABLE = "MESHKD_TEACHER_TOKEN"
 """The environment variable holding the bearer token, on the server and on every student rank."""
 
-SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "temperature", "ignore_index")
+SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "temperature", "ignore_index",
+                 "hidden_layers")
 
 
-def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int) -> dict[str, Any]:
-    """The settings a student's requests carry besides the kind of answer (`transport`, set per request)."""
+def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int, hidden_layers: Sequence[int] = ()) -> dict[str, Any]:
+    """The settings a student's requests carry besides the kind of answer (`transport`, set per request);
+    `hidden_layers`: the teacher layers of `kd.hidden_states`' pairs, whose outputs travel beside a training
+    answer ([] for none)."""
     return {"vocab_size": vocab_size, "seed": seed, "topk": kd.topk, "topk_tail_samples": kd.topk_tail_samples,
-            "temperature": kd.temperature, "ignore_index": kd.ignore_index}
+            "temperature": kd.temperature, "ignore_index": kd.ignore_index, "hidden_layers": list(hidden_layers)}
 
 
 def vocabulary_fingerprint(tokenizer) -> str:
@@ -80,11 +85,11 @@ class AnswerRequest:
         return (tuple(sorted(self.settings.items())), self.batch["input_ids"].shape[1])
 
 
-def parse_request(body: bytes, *, vocab_rows: int, max_tokens: int) -> AnswerRequest:
+def parse_request(body: bytes, *, vocab_rows: int, num_layers: int, max_tokens: int) -> AnswerRequest:
     """The request in `body`; ValueError saying what is wrong with it (the server answers 400 or 413 with it).
 
     `vocab_rows`: the teacher's output rows (the largest vocabulary it answers over and the largest token id);
-    `max_tokens`: tokens a request may hold at most."""
+    `num_layers`: its decoder layers; `max_tokens`: tokens a request may hold at most."""
     try:
         value = wire.from_bytes(body)
     except ValueError as error:
@@ -109,7 +114,7 @@ def parse_request(body: bytes, *, vocab_rows: int, max_tokens: int) -> AnswerReq
                          f"{int(ids.max())}]")
     if int(batch["position_ids"].min()) < 0 or int(batch["position_ids"].max()) >= shape[1]:
         raise ValueError(f"batch.position_ids must be in [0, {shape[1]})")
-    _check_settings(settings, vocab_rows)
+    _check_settings(settings, vocab_rows, num_layers)
     return AnswerRequest(batch, settings)
 
 
@@ -117,7 +122,7 @@ class TooLarge(ValueError):
     """A request over the server's limits (HTTP 413)."""
 
 
-def _check_settings(settings: Any, vocab_rows: int) -> None:
+def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
     if not isinstance(settings, dict) or set(settings) != set(SETTINGS_KEYS):
         given = sorted(settings) if isinstance(settings, dict) else type(settings).__name__
         raise ValueError(f"settings must hold exactly {list(SETTINGS_KEYS)}, got {given}")
@@ -128,6 +133,10 @@ def _check_settings(settings: Any, vocab_rows: int) -> None:
     for key, (low, high) in integers.items():
         if type(settings[key]) is not int or not low <= settings[key] <= high:
             raise ValueError(f"settings.{key} must be an integer in [{low}, {high}], got {settings[key]!r}")
+    layers = settings["hidden_layers"]
+    if not isinstance(layers, list) or not all(type(layer) is int and 0 <= layer < num_layers for layer in layers):
+        raise ValueError(f"settings.hidden_layers must be a list of decoder layers in [0, {num_layers}), got "
+                         f"{str(layers)[:80]}")
     temperature = settings["temperature"]
     if type(temperature) not in (int, float) or not 0 < temperature < float("inf"):
         raise ValueError(f"settings.temperature must be a number > 0, got {temperature!r}")
@@ -135,10 +144,10 @@ def _check_settings(settings: Any, vocab_rows: int) -> None:
 
 def answer_kd(kd: KDConfig, settings: dict[str, Any]) -> KDConfig:
     """`kd` with a request's settings: what the teacher encodes its answer with (the kind of answer is the
-    request's own; one tokenizer, no hidden states)."""
+    request's own; one tokenizer)."""
     return replace(kd, topk=settings["topk"], topk_tail_samples=settings["topk_tail_samples"],
                    temperature=float(settings["temperature"]), ignore_index=settings["ignore_index"],
-                   cross_tokenizer=None, hidden_states=None)
+                   cross_tokenizer=None)
 
 
 @dataclass(frozen=True)
@@ -149,5 +158,6 @@ class Health:
     vocabulary: str  # `vocabulary_fingerprint` of its tokenizer
     vocab_rows: int  # its output embedding's rows
     hidden_size: int
+    num_layers: int  # its decoder layers
     load: dict  # requests queued and served, tokens served, seconds busy and up
     protocol: int = PROTOCOL_VERSION

@@ -40,7 +40,8 @@ def teacher_source(view: KDRecipeConfig, *, manifest: dict | None, bridge: KDMes
     if section.url is not None:
         receives = any(dist.get_rank() in ranks for ranks in last_stage_ranks(setup))
         options = {"device": device, "receives": receives, "wait_s": view.collective_timeout_s,
-                   "settings": answer_settings(view.kd, seed=view.seed, vocab_size=vocab_size)}
+                   "settings": answer_settings(view.kd, seed=view.seed, vocab_size=vocab_size,
+                                               hidden_layers=paired_layers(view, "teacher"))}
         if section.api == "completions":
             return CompletionsTeacher(section.url, model=section.served_model, **options)
         return ServedTeacher(section.url, **options)

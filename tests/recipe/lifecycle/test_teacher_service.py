@@ -219,7 +219,7 @@ def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> Answe
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
              "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
     settings = {"transport": transport, "vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 4,
-                "temperature": 2.0, "ignore_index": -100}
+                "temperature": 2.0, "ignore_index": -100, "hidden_layers": []}
     return AnswerRequest(batch, settings)
 
 
@@ -335,6 +335,10 @@ def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(
     monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
     with pytest.raises(ConfigError, match=r"teacher_model: the teacher served at .*\(teacher_model.seed: served 2, "):
         preflight(config_from_dict(config))
+    config["teacher_model"]["seed"] = 2
+    config["kd"]["hidden_states"] = {"pairs": [[0, 3]]}  # the served teacher has 3 decoder layers
+    with pytest.raises(ConfigError, match=r"kd.hidden_states.pairs"):
+        preflight(config_from_dict(config))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -375,6 +379,9 @@ def layout_runs(served: dict, tmp: Path) -> dict[str, dict]:
         "mode": "on_policy", "kd_ratio": 1.0, "divergence": "reverse_kl", "logits_transport": "full",
         "generation": {"max_new_tokens": 8, "prompt_tokens": 8}})
     runs["on_policy"]["distributed"] = {"dp_size": 2}
+    runs["hidden_states"] = student(base, tmp, "hidden_states", served["url"], {
+        "hidden_states": {"pairs": [[0, 0], [1, 2]], "loss": "cosine", "weight": 1.0}})
+    runs["hidden_states"]["distributed"] = {"dp_size": 2}
     runs["completions"] = student(base, tmp, "completions", served["url"], COMPLETIONS)
     runs["completions"]["teacher_model"]["api"] = "completions"
     runs["completions"]["distributed"] = {"dp_size": 2}
@@ -412,7 +419,7 @@ def layouts(served, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     return runs
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2", "teachers", "completions"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2", "teachers", "completions", "hidden_states"])
 def test_every_student_layout_and_a_mix_of_teachers_follow_the_in_job_curve(layouts, name):
     served_run, in_job = layouts[name]
     records = train_records(served_run)
@@ -448,7 +455,7 @@ def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(se
     top k, rest and label log-probabilities as the native answer where a loss reads them."""
     monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
     settings = {"vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 0, "temperature": 1.0,
-                "ignore_index": -100}
+                "ignore_index": -100, "hidden_layers": []}
     batch = packed_rows()
     native = ServedTeacher(served["url"], settings=settings, device=torch.device("cpu"))
     client = CompletionsTeacher(served["url"], settings=settings, device=torch.device("cpu"))
