@@ -125,8 +125,11 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     _warn_if_checkpoints_may_not_fit(config, student)
     manifest = teacher = served = None
     if config.teacher_model.url is not None and not from_cache:  # the server stands for the teacher
-        served = check_served_teacher(config, tokenizer, student_rows=_embedding_rows(student))
-        teacher_tokenizer, teacher_rows, teacher_width = tokenizer, served["vocab_rows"], served["hidden_size"]
+        # With kd.cross_tokenizer the config names the teacher's tokenizer (the rows' teacher side), else it is
+        # the student's.
+        teacher_tokenizer = cross_teacher_tokenizer(config) if config.kd.cross_tokenizer is not None else tokenizer
+        served = check_served_teacher(config, teacher_tokenizer, student_rows=_embedding_rows(student))
+        teacher_rows, teacher_width = served["vocab_rows"], served["hidden_size"]
     elif from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
         teacher_tokenizer = tokenizer
         if config.kd.cross_tokenizer is not None:
@@ -172,8 +175,9 @@ def preflight_teacher(config: KDRecipeConfig) -> None:
 def check_served_teacher(config: KDRecipeConfig, tokenizer, *, student_rows: int) -> dict:
     """The health report of the teacher at `teacher_model.url`: it answers, speaks this protocol, is the teacher
     `teacher_model`'s other keys describe, if given (`teacher_cache.teacher_identity`), and reads token ids as
-    the student's tokenizer writes them. A completions server (`teacher_model.api: completions`) is only asked
-    whether it answers: its vocabulary is taken to be the student's (`student_rows`)."""
+    `tokenizer` (the student's, or with `kd.cross_tokenizer` the teacher's as the config names it) writes them.
+    A completions server (`teacher_model.api: completions`) is only asked whether it answers: its vocabulary is
+    taken to be the student's (`student_rows`)."""
     url = config.teacher_model.url
     if config.teacher_model.api == "completions":  # reachable; its vocabulary is taken to be the student's
         served_teacher.health(url, path=completions_teacher.MODELS_PATH)
@@ -191,8 +195,9 @@ def check_served_teacher(config: KDRecipeConfig, tokenizer, *, student_rows: int
                               f"({differ[0]}: served {report.get('teacher', {}).get(differ[0])!r}, here "
                               f"{mine[differ[0]]!r}); leave teacher_model's other keys out to take it as it is")
     if report.get("vocabulary") != served_protocol.vocabulary_fingerprint(tokenizer):
-        raise ConfigError(f"teacher_model.url: the teacher at {url} has another vocabulary than model.tokenizer "
-                          "(their token -> id mappings differ); a served teacher reads the student's token ids")
+        label = "teacher_model.tokenizer" if config.kd.cross_tokenizer is not None else "model.tokenizer"
+        raise ConfigError(f"teacher_model.url: the teacher at {url} has another vocabulary than {label} (their "
+                          "token -> id mappings differ): it reads the token ids that tokenizer writes")
     return report
 
 

@@ -14,8 +14,8 @@ queued rank 0 broadcasts an idle word every second, so no rank waits past the co
 forward answers its requests with a 500 and the server goes on. SIGINT / SIGTERM (or `meshkd`'s stop file)
 drain: new requests get 503 (students retry them), queued ones are answered, then every rank ends.
 
-Not yet served: a teacher with another tokenizer than its students (`kd.cross_tokenizer`): its requests would
-need the student's tokenizer (for the projection) or answers per aligned group, not per row.
+A teacher with another tokenizer than its students answers `kd.cross_tokenizer.loss` `uld` and `gold` (per aligned
+group, each such request a forward of its own); not `projection`, which would need the student's tokenizer here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.parallel.stages import decoder_of
 from meshkd.recipe.common.faults import StopRequest, about
 from meshkd.recipe.common.files import write_atomically
-from meshkd.recipe.corpus.rows import BATCH_KEYS
 from meshkd.recipe.lifecycle.world import close_world, init_world
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
@@ -266,7 +265,7 @@ class TeacherService:
     def _merged(self, entries: list[Entry]) -> bytes:
         """The work of `entries`: their distinct requests' rows stacked, their common settings."""
         distinct = list({entry.digest: entry.request for entry in entries}.values())
-        batch = {key: torch.cat([request.batch[key] for request in distinct]) for key in BATCH_KEYS}
+        batch = {key: torch.cat([request.batch[key] for request in distinct]) for key in distinct[0].batch}
         return wire.to_bytes({"batch": batch, "settings": distinct[0].settings})
 
     def _reply(self, entries: list[Entry], answers: list[dict]) -> None:
@@ -280,7 +279,9 @@ class TeacherService:
             if entry.digest not in first_row:
                 first_row[entry.digest], rows = rows, rows + entry.request.batch["input_ids"].shape[0]
         for entry in entries:
-            if failed is None and entry.digest not in bodies:
+            if failed is None and len(first_row) == 1:  # the whole answer (a cross-tokenizer one is per group)
+                bodies[entry.digest] = bodies.get(entry.digest) or wire.to_bytes(whole)
+            elif failed is None and entry.digest not in bodies:
                 start, count = first_row[entry.digest], entry.request.batch["input_ids"].shape[0]
                 bodies[entry.digest] = wire.to_bytes({key: value[start : start + count] if isinstance(
                     value, torch.Tensor) else value for key, value in whole.items()})

@@ -324,9 +324,10 @@ def check_served_teacher(config: KDRecipeConfig) -> None:
             if given != needed:
                 raise ConfigError(f"{key}: a completions server's prompt_logprobs give the top k log-probabilities "
                                   f"at temperature 1 and no tail samples; set {key}: {needed} (got {given!r})")
-    if kd.cross_tokenizer is not None:
-        raise ConfigError("kd.cross_tokenizer does not yet work with a served teacher (teacher_model.url); run the "
-                          "teacher on ranks of this run for it")
+    if kd.cross_tokenizer is not None and kd.cross_tokenizer.loss == "projection":
+        raise ConfigError("kd.cross_tokenizer.loss projection does not yet work with a served teacher "
+                          "(teacher_model.url): its projection needs the student's tokenizer on the server; use uld "
+                          "or gold (per aligned group), or run the teacher on ranks of this run")
 
 
 # ------------------------------------------------------------------------------------------- teachers (several at once)

@@ -9,12 +9,12 @@
 
 Bodies are `meshkd.core.wire` byte strings (a JSON spec, then little-endian tensor bytes): nothing from the
 network is unpickled. A request carries its rows (`BATCH_KEYS`, int64 [rows, sequence]) and every setting the
-answer depends on besides the teacher (`answer_settings`): the kind of answer, the student's vocabulary size
-(the answer covers its first entries), the tail samples' seed, top-k's size and tail, the temperature, the
-ignored label and the teacher layers whose outputs travel beside a training answer (`kd.hidden_states`). The
-answer is then a pure function of the request and the teacher, so a retried request gets the same answer and
-requests from several students can share a forward. With a token (`TOKEN_VARIABLE`, never a config key)
-every request must carry `Authorization: Bearer TOKEN`.
+answer depends on besides the teacher (`answer_settings`): the kind of answer, the student's vocabulary size (the
+answer covers its first entries), a cross-tokenizer row's teacher side and loss (`uld`, `gold`), the tail samples'
+seed, top-k's size and tail, the temperature, the ignored label and the teacher layers whose outputs travel beside
+a training answer (`kd.hidden_states`). The answer is then a pure function of the request and the teacher, so a
+retried request gets the same answer and requests from several students can share a forward. With a token
+(`TOKEN_VARIABLE`, never a config key) every request must carry `Authorization: Bearer TOKEN`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 
 from meshkd.core import wire
 from meshkd.core.logits_codec import TEACHER_ANSWERS
-from meshkd.recipe.corpus.rows import BATCH_KEYS
-from meshkd.recipe.settings.config import KDConfig
+from meshkd.recipe.corpus.rows import BATCH_KEYS, GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_KEYS, TEACHER_POSITIONS
+from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 
 PROTOCOL_VERSION = 1
 HEALTH_PATH = "/health"
@@ -40,7 +40,18 @@ TOKEN_VARIABLE = "MESHKD_TEACHER_TOKEN"
 """The environment variable holding the bearer token, on the server and on every student rank."""
 
 SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "temperature", "ignore_index",
-                 "hidden_layers")
+                 "hidden_layers", "cross_tokenizer_loss")
+CROSS_KEYS = (*TEACHER_KEYS, TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)
+"""A cross-tokenizer row's teacher side and group columns (`meshkd.recipe.corpus.rows`), sent beside its
+`BATCH_KEYS` when `settings.cross_tokenizer_loss` is uld or gold."""
+CROSS_LOSSES = ("uld", "gold")
+"""The cross-tokenizer losses a served teacher answers: per aligned group over its own vocabulary (a projection
+onto the student's vocabulary would need the student's tokenizer on the server)."""
+
+
+def request_keys(batch: dict) -> tuple[str, ...]:
+    """The keys of `batch` a request carries: a cross-tokenizer row's teacher side and groups too."""
+    return BATCH_KEYS + (CROSS_KEYS if TEACHER_POSITIONS in batch else ())
 
 
 def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int, hidden_layers: Sequence[int] = ()) -> dict[str, Any]:
@@ -48,7 +59,8 @@ def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int, hidden_layers: 
     `hidden_layers`: the teacher layers of `kd.hidden_states`' pairs, whose outputs travel beside a training
     answer ([] for none)."""
     return {"vocab_size": vocab_size, "seed": seed, "topk": kd.topk, "topk_tail_samples": kd.topk_tail_samples,
-            "temperature": kd.temperature, "ignore_index": kd.ignore_index, "hidden_layers": list(hidden_layers)}
+            "temperature": kd.temperature, "ignore_index": kd.ignore_index, "hidden_layers": list(hidden_layers),
+            "cross_tokenizer_loss": kd.cross_tokenizer.loss if kd.cross_tokenizer is not None else None}
 
 
 def vocabulary_fingerprint(tokenizer) -> str:
@@ -74,15 +86,18 @@ class AnswerRequest:
     settings: dict[str, Any]
 
     def to_bytes(self) -> bytes:
-        return wire.to_bytes({"batch": {key: self.batch[key] for key in BATCH_KEYS}, "settings": self.settings})
+        return wire.to_bytes({"batch": {key: self.batch[key] for key in request_keys(self.batch)},
+                              "settings": self.settings})
 
     @property
     def tokens(self) -> int:
-        return self.batch["input_ids"].numel()
+        return sum(self.batch[key].numel() for key in ("input_ids", "teacher_input_ids") if key in self.batch)
 
     def compatible_key(self) -> tuple:
-        """Requests with equal keys can share a forward (their rows stacked): same settings, same row length."""
-        return (tuple(sorted(self.settings.items())), self.batch["input_ids"].shape[1])
+        """Requests with equal keys can share a forward (their rows stacked): same settings, same row length. A
+        cross-tokenizer request shares none (its answer is per aligned group, not per row)."""
+        unique = (id(self),) if self.settings["cross_tokenizer_loss"] else ()
+        return (json.dumps(self.settings, sort_keys=True), self.batch["input_ids"].shape[1], *unique)
 
 
 def parse_request(body: bytes, *, vocab_rows: int, num_layers: int, max_tokens: int) -> AnswerRequest:
@@ -97,25 +112,47 @@ def parse_request(body: bytes, *, vocab_rows: int, num_layers: int, max_tokens: 
     if not isinstance(value, dict) or set(value) != {"batch", "settings"}:
         raise ValueError("the body must hold exactly 'batch' and 'settings'")
     batch, settings = value["batch"], value["settings"]
-    if not isinstance(batch, dict) or set(batch) != set(BATCH_KEYS):
-        raise ValueError(f"batch must hold exactly {list(BATCH_KEYS)}")
-    ids = batch["input_ids"]
-    shape = ids.shape if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None
-    for key in BATCH_KEYS:
-        tensor = batch[key]
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.shape != shape:
-            raise ValueError(f"batch.{key} must be an int64 tensor [rows, sequence] shaped as batch.input_ids")
-    if shape[0] == 0 or shape[1] == 0:
-        raise ValueError(f"batch holds no token (input_ids {list(shape)})")
-    if shape.numel() > max_tokens:
-        raise TooLarge(f"the request holds {shape.numel()} tokens, more than this server's limit {max_tokens}")
+    cross = isinstance(settings, dict) and settings.get("cross_tokenizer_loss") is not None
+    keys = BATCH_KEYS + (CROSS_KEYS if cross else ())
+    if not isinstance(batch, dict) or set(batch) != set(keys):
+        raise ValueError(f"batch must hold exactly {list(keys)}")
+    shape = _rows(batch, BATCH_KEYS)
+    teacher = _rows(batch, TEACHER_KEYS) if cross else shape
+    if cross:
+        lengths = {TEACHER_POSITIONS: teacher[1], GROUP_ENDS: shape[1], TEACHER_GROUP_ENDS: teacher[1]}
+        for key, length in lengths.items():
+            column = batch[key]
+            if (not isinstance(column, torch.Tensor) or column.dtype != torch.int64 or column.ndim != 2
+                    or column.shape[0] != shape[0] or (column.numel() and int(column.max()) >= length)):
+                raise ValueError(f"batch.{key} must be an int64 tensor [rows, columns] of columns below {length}")
+        if int(batch["input_ids"].min()) < 0:
+            raise ValueError("batch.input_ids must be token ids >= 0")
+    if shape.numel() + (teacher.numel() if cross else 0) > max_tokens:
+        raise TooLarge(f"the request holds {shape.numel() + (teacher.numel() if cross else 0)} tokens, more than "
+                       f"this server's limit {max_tokens}")
+    side = "teacher_" if cross else ""
+    ids = batch[f"{side}input_ids"]
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_rows:
-        raise ValueError(f"batch.input_ids must be token ids in [0, {vocab_rows}), got [{int(ids.min())}, "
+        raise ValueError(f"batch.{side}input_ids must be token ids in [0, {vocab_rows}), got [{int(ids.min())}, "
                          f"{int(ids.max())}]")
-    if int(batch["position_ids"].min()) < 0 or int(batch["position_ids"].max()) >= shape[1]:
-        raise ValueError(f"batch.position_ids must be in [0, {shape[1]})")
+    for key, length in ((f"{side}position_ids", ids.shape[1]),) + ((("position_ids", shape[1]),) if cross else ()):
+        if int(batch[key].min()) < 0 or int(batch[key].max()) >= length:
+            raise ValueError(f"batch.{key} must be in [0, {length})")
     _check_settings(settings, vocab_rows, num_layers)
     return AnswerRequest(batch, settings)
+
+
+def _rows(batch: dict, keys: tuple[str, ...]) -> torch.Size:
+    """The common shape [rows, sequence] of `batch`'s `keys`, int64 each, with a token; ValueError otherwise."""
+    first = batch[keys[0]]
+    shape = first.shape if isinstance(first, torch.Tensor) and first.ndim == 2 else None
+    for key in keys:
+        tensor = batch[key]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.shape != shape:
+            raise ValueError(f"batch.{key} must be an int64 tensor [rows, sequence] shaped as batch.{keys[0]}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"batch holds no token ({keys[0]} {list(shape)})")
+    return shape
 
 
 class TooLarge(ValueError):
@@ -128,7 +165,12 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
         raise ValueError(f"settings must hold exactly {list(SETTINGS_KEYS)}, got {given}")
     if settings["transport"] not in TEACHER_ANSWERS:
         raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(TEACHER_ANSWERS)}")
-    integers = {"vocab_size": (1, vocab_rows), "topk": (1, vocab_rows), "topk_tail_samples": (0, 1 << 16),
+    cross = settings["cross_tokenizer_loss"]
+    if cross not in (None, *CROSS_LOSSES):
+        raise ValueError(f"settings.cross_tokenizer_loss must be null or one of {list(CROSS_LOSSES)}, got {cross!r}")
+    # A cross-tokenizer student's vocabulary is its own: any size.
+    integers = {"vocab_size": (1, 1 << 24 if cross else vocab_rows), "topk": (1, vocab_rows),
+                "topk_tail_samples": (0, 1 << 16),
                 "seed": (-(1 << 62), 1 << 62), "ignore_index": (-(1 << 31), 1 << 31)}
     for key, (low, high) in integers.items():
         if type(settings[key]) is not int or not low <= settings[key] <= high:
@@ -144,10 +186,11 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
 
 def answer_kd(kd: KDConfig, settings: dict[str, Any]) -> KDConfig:
     """`kd` with a request's settings: what the teacher encodes its answer with (the kind of answer is the
-    request's own; one tokenizer)."""
+    request's own; a cross-tokenizer teacher's answers are per aligned group)."""
+    cross = settings["cross_tokenizer_loss"]
     return replace(kd, topk=settings["topk"], topk_tail_samples=settings["topk_tail_samples"],
                    temperature=float(settings["temperature"]), ignore_index=settings["ignore_index"],
-                   cross_tokenizer=None)
+                   cross_tokenizer=CrossTokenizerConfig(loss=cross) if cross else None)
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ import torch
 
 from meshkd.core import wire
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
-from meshkd.recipe.corpus.rows import BATCH_KEYS
-from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, HEALTH_PATH, AnswerRequest, auth_headers
+from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, HEALTH_PATH, AnswerRequest, auth_headers, request_keys
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.25, 4.0
 
@@ -105,7 +104,7 @@ class ServedTeacher:
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
         """The future of the answer's body (what `_answer` reads)."""
-        body = AnswerRequest({key: request.batch[key] for key in BATCH_KEYS},
+        body = AnswerRequest({key: request.batch[key] for key in request_keys(request.batch)},
                              {"transport": request.logits_transport, **self.settings}).to_bytes()
         return self._submit(self._post(ANSWER_PATH, body))
 

@@ -323,6 +323,30 @@ def test_over_tls_a_server_that_does_not_come_back_ends_the_run_naming_its_addre
     assert list(Path(config["logging"]["run_dir"], "checkpoints").glob("step_*"))
 
 
+def test_a_served_teacher_of_another_tokenizer_trains_the_in_job_curve_with_uld_and_gold(tmp_path):
+    """The rows' teacher side travels in the request, the answer is per aligned group (a forward of its own)."""
+    from tests.recipe.teacher.test_cross_tokenizer import cross_config
+
+    config = cross_config(tmp_path, {"dp_size": 1}, {"dp_size": 1})
+    server = Server(write(config, tmp_path / "server.yaml"), 0, tmp_path / "server.log")
+    try:
+        runs = {}
+        for loss in ("uld", "gold"):
+            runs[loss] = student(config, tmp_path, loss, server.url, {})
+            runs[loss]["kd"]["cross_tokenizer"]["loss"] = loss
+            runs[f"{loss}_in_job"] = in_job_config(runs[loss])
+        results = run_world(1, [TrainWithToken(run, name=name) for name, run in runs.items()], timeout_s=60,
+                            deadline_s=300)
+        for name in runs:
+            results.check(name)
+    finally:
+        server.stop()
+    for loss in ("uld", "gold"):
+        records = train_records(runs[loss])
+        assert_same_curve(records, train_records(runs[f"{loss}_in_job"]))
+        assert any(record.get("kd_loss", 0) > 0 for record in records)
+
+
 def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(served, monkeypatch):
     config = copy.deepcopy(served["served_topk"])
     config["teacher_model"]["url"] = f"http://127.0.0.1:{free_port()}"
@@ -344,7 +368,7 @@ def test_a_teacher_that_is_not_there_or_not_the_configs_is_refused_at_preflight(
 @pytest.mark.parametrize("change, message", [
     ({"teacher_model": {"api": "completions"}}, "kd.logits_transport: a completions server's prompt_logprobs"),
     ({"teacher_model": {"api": "vllm"}}, "teacher_model.api must be meshkd or completions"),
-    ({"kd": {"cross_tokenizer": {}}}, "kd.cross_tokenizer does not yet work with a served teacher"),
+    ({"kd": {"cross_tokenizer": {}}}, "kd.cross_tokenizer.loss projection does not yet work with a served"),
     ({"teacher_model": {"url": "127.0.0.1:8100"}}, "teacher_model.url must be an http"),
     ({"model": {"url": "http://127.0.0.1:8100"}}, "model.url: the student is trained here"),
 ])
