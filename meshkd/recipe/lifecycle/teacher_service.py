@@ -476,7 +476,7 @@ def prompt_request(prompt: list[int], k: int, vocab_rows: int) -> AnswerRequest:
              "attention_mask": torch.ones_like(ids)}
     return AnswerRequest(batch, {"transport": with_label_log_probs("topk"), "vocab_size": vocab_rows, "seed": 0,
                                  "topk": k, "topk_tail_samples": 0, "temperature": 1.0, "ignore_index": -100,
-                                 "hidden_layers": []})
+                                 "hidden_layers": [], "cross_tokenizer_loss": None})
 
 
 def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: int, text: Callable) -> dict:

@@ -219,7 +219,7 @@ def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> Answe
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
              "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
     settings = {"transport": transport, "vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 4,
-                "temperature": 2.0, "ignore_index": -100, "hidden_layers": []}
+                "temperature": 2.0, "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None}
     return AnswerRequest(batch, settings)
 
 
@@ -479,7 +479,7 @@ def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(se
     top k, rest and label log-probabilities as the native answer where a loss reads them."""
     monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
     settings = {"vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 0, "temperature": 1.0,
-                "ignore_index": -100, "hidden_layers": []}
+                "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None}
     batch = packed_rows()
     native = ServedTeacher(served["url"], settings=settings, device=torch.device("cpu"))
     client = CompletionsTeacher(served["url"], settings=settings, device=torch.device("cpu"))
