@@ -142,14 +142,15 @@ class ServedTeacher:
         """(item, answer) in order, with up to `depth` requests in flight beyond the item the caller holds."""
         if not self.receives:
             return TeacherFeed((item, None) for item in items)
-        items, pending = iter(items), collections.deque()
+        pending = collections.deque()
 
         def pairs():
-            while True:
-                while len(pending) <= depth and (item := next(items, pending)) is not pending:
-                    pending.append((item, self._ask(batch_fn(item))))
-                if not pending:
-                    return
+            for item in items:  # drawn only when the caller asks for the answer `depth` items before it
+                pending.append((item, self._ask(batch_fn(item))))
+                if len(pending) > depth:
+                    item, future = pending.popleft()
+                    yield item, self._answer(future)
+            while pending:
                 item, future = pending.popleft()
                 yield item, self._answer(future)
 
