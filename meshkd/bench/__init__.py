@@ -3,12 +3,12 @@
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
 Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
-`step`; `cross_tokenizer`; `teachers`; `data`; `lora`), in that order. The JSON file is rewritten after
-each section, so an interrupted run keeps what it measured. A section whose prerequisites are missing (the
-demo teacher for `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`,
+`step`; `cross_tokenizer`; `teachers`; `served`; `data`; `lora`), in that order. The JSON file is rewritten
+after each section, so an interrupted run keeps what it measured. A section whose prerequisites are missing
+(the demo teacher for `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`,
 `loading`, `precision` and `lora` on the CPU, transformers for `modes`, `cache`, `precision`, `step`,
-`cross_tokenizer`, `teachers`, `data` and `lora`) is skipped with a note saying what to install; a section
-that fails is recorded with its error and the others still run
+`cross_tokenizer`, `teachers`, `served`, `data` and `lora`) is skipped with a note saying what to install; a
+section that fails is recorded with its error and the others still run
 (the exit status is then 1).
 """
 
@@ -25,15 +25,16 @@ from pathlib import Path
 import torch
 
 SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step",
-            "cross_tokenizer", "teachers", "data", "lora")
+            "cross_tokenizer", "teachers", "served", "data", "lora")
 # Sections measured together: the three world sections share one world.
 _GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
-           ("step",), ("cross_tokenizer",), ("teachers",), ("data",), ("lora",))
+           ("step",), ("cross_tokenizer",), ("teachers",), ("served",), ("data",), ("lora",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
-    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "data", "lora")
+    needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "served", "data",
+                          "lora")
     if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step", "cross_tokenizer"):
@@ -78,6 +79,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import teachers
 
         return teachers.run_section(quick)
+    if names == ["served"]:
+        from meshkd.bench import served
+
+        return served.run_section(quick)
     if names == ["step"]:
         from meshkd.bench import step
 

