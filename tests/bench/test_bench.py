@@ -118,9 +118,11 @@ def test_the_served_section_times_a_served_teacher_against_one_in_the_job_and_me
     assert wire["topk_answer_tensor_bytes_per_token"] == 772 and wire["full_answer_tensor_bytes_per_token"] == 1200
     for mode in ("topk", "full"):
         assert 0 < wire[f"{mode}_answer_bytes_per_token"] - wire[f"{mode}_answer_tensor_bytes_per_token"] < 16
-    # Shares of the sampled windows, each end within a sample's interval of a forward's end.
-    for students in ("one_student", "two_students"):
-        assert 0 < results[f"teacher_busy_share_{students}"] < 1.1 and results["busy_window_s"][students] > 0
+    # Shares of the sampled windows, each end within a sample's interval of a forward's end. Two students started
+    # together may not overlap on a loaded machine (one starts late): that share is then not measured (None).
+    assert 0 < results["teacher_busy_share_one_student"] < 1.1 and results["busy_window_s"]["one_student"] > 0
+    two = results["teacher_busy_share_two_students"]
+    assert (two is None) == (results["busy_window_s"]["two_students"] is None) and (two is None or 0 < two < 1.1)
     load = results["server_load"]
     # Every micro-batch of the three served runs (16 steps of 2), their evaluations, and the two wire requests.
     assert load["served_requests"] > 3 * 16 * 2 + 2 and load["queued_requests"] == 0
