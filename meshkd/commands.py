@@ -121,22 +121,23 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
     from meshkd.recipe.lifecycle.preflight import preflight
 
     preflight(config, writing_cache=True)
-    world_size = _teacher_world_size(config, nproc)
+    world_size = _teacher_world_size(config, nproc, asks_server=config.teacher_model.url is not None)
     extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
     extra += ["--teacher", teacher] if teacher is not None else []
     return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 
 
-def _teacher_world_size(config, nproc: int | None) -> int:
+def _teacher_world_size(config, nproc: int | None, *, asks_server: bool = False) -> int:
     """The processes a world of the teacher's ranks alone needs (cache-teacher, serve-teacher), checked against
-    `nproc` and the GPUs this node sees."""
+    `nproc` and the GPUs this node sees; `asks_server`: cache-teacher's writers asking a served teacher instead
+    (1, or `nproc`)."""
     from meshkd.recipe.lifecycle.world import check_gpu_count
 
     layout = config.teacher_layout
     sizes = (layout.dp_size, layout.tp_size, layout.cp_size, layout.pp_size)
     needed = None if layout.dp_size is None else math.prod(sizes)
     dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
-    if config.teacher_model.url is not None:  # cache-teacher's writers asking a served teacher: 1, or --nproc
+    if asks_server:
         needed = nproc or 1
     world_size = _world_size(needed, nproc, dp_key)
     check_gpu_count(config, world_size)

@@ -526,3 +526,12 @@ def test_sigterm_drains_the_server_and_every_rank_exits_cleanly(served):
     assert served["server"].stop() == 128 + signal.SIGTERM
     log = served["server"].log.read_text()
     assert "answering the 0 queued request(s), then stopping" in log and "ended with" not in log, log
+
+
+def test_the_example_serves_its_teacher_on_the_ranks_of_its_layout_and_caches_from_it_with_one_writer():
+    from meshkd.commands import _teacher_world_size
+    from meshkd.recipe.settings.config_loading import load_config
+
+    config = load_config(str(Path(__file__).parents[3] / "examples" / "tiny_served.yaml"), [])
+    assert _teacher_world_size(config, None) == 2  # teacher_distributed: tp 2, though the config names its url
+    assert _teacher_world_size(config, None, asks_server=True) == 1
