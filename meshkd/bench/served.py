@@ -241,7 +241,9 @@ def run(*, repeats: int, steps: int, sizes: dict = SIZES, poll_s: float = POLL_S
                     with _Busy(server, [config["logging"]["run_dir"]], poll_s) as busy:
                         records[side] += train_records(config, root / f"{side}{repeat}.yaml")
                     if side == "served":
-                        busy_one = [total + part for total, part in zip(busy_one, busy.window(steps))]
+                        window = busy.window(steps)  # None: too few forwards seen in its steady steps
+                        if window is not None:
+                            busy_one = [total + part for total, part in zip(busy_one, window)]
             wire = wire_bytes(server, tokenizer, sizes)
             pair = [_config(root, f"student{index}", tokenizer, steps, sizes, url=server.url, data_seed=index)
                     for index in range(2)]
@@ -263,7 +265,7 @@ def run(*, repeats: int, steps: int, sizes: dict = SIZES, poll_s: float = POLL_S
         result[f"teacher_wait_{side}_s"] = _median(records[side], "teacher_wait_s")
     result["step_time_ratio_served_over_in_job"] = result["step_time_served_s"] / result["step_time_in_job_s"]
     result["wire"] = wire
-    windows = {"one_student": busy_one, "two_students": busy_two}
+    windows = {"one_student": busy_one if busy_one[1] > 0 else None, "two_students": busy_two}
     for students, window in windows.items():  # None: not measured (see `_Busy.window`)
         result[f"teacher_busy_share_{students}"] = window[0] / window[1] if window else None
     result["busy_window_s"] = {students: window[1] if window else None for students, window in windows.items()}
