@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo config value")
 
     prepare = commands.add_parser("prepare-data", help="tokenize the corpus (and an on-policy run's whole prompts) "
-                                                       "once into dataset.token_store (a run otherwise does it on "
-                                                       "first use)")
+                                                       "once into its token store (dataset.token_store, else "
+                                                       "$MESHKD_CACHE's; a run otherwise does it on first use)")
     prepare.add_argument("config", help="YAML config file: the same as for train")
     prepare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set dataset.token_store=~/tokens (repeatable)")

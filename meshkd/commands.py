@@ -190,8 +190,6 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
     """`meshkd prepare-data`: the token store of the config's corpus and its packing, written here; and that of
     its whole on-policy prompts when the run completes them (`DatasetConfig.whole_prompts`)."""
     config = load_config(config_path, overrides)
-    if config.dataset.token_store is None:
-        raise ConfigError("dataset.token_store is null: set it to the directory that holds token stores")
     from meshkd.recipe.lifecycle.preflight import cross_teacher_tokenizer
     from meshkd.recipe.modeling.loaders import load_section_tokenizer
     from meshkd.recipe.student.step_data import run_datasets

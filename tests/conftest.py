@@ -2,7 +2,9 @@
 after the single-process ones, which alone take seconds: `python -m pytest -m "not world"`."""
 
 import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -11,6 +13,14 @@ import pytest
 # processes of a world already share the cores, where a second thread per process mostly waits for the first
 # (a one-process precision world measured 65 CPU-s with two threads on 2 busy cores, 16 with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Token stores (every run's rows: `meshkd.recipe.corpus.token_store`) go to meshkd's cache directory unless a config
+# names one: the tests' go to a directory of this test session, shared by the processes it starts, removed after.
+os.environ["MESHKD_CACHE"] = tempfile.mkdtemp(prefix="meshkd-tests-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["MESHKD_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -39,3 +39,13 @@ def assert_same_tree(actual, expected, path="value"):
             assert_same_tree(left, right, f"{path}[{position}]")
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def packed(rows):
+    """A split's rows read from the token store (`StoredRows`) as the tensors of a `PackedDataset`, to index by key."""
+    from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
+
+    batch, padding = rows[:], rows.padding(1)
+    extra = {key: (batch[key], int(padding[key].view(-1)[0])) for key in batch if key not in BATCH_KEYS}
+    return PackedDataset(**{key: batch[key] for key in BATCH_KEYS}, pad_token_id=rows.pad_token_id,
+                         num_documents=rows.num_documents, extra=extra)

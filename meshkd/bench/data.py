@@ -79,7 +79,8 @@ print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 """
 
 # "prepare": what `meshkd prepare-data` does (the store and its packing plan written); "store": a rank starting
-# from the prepared store; "memory": the in-memory path.
+# from the prepared store; "default": a run that sets no data key (its store in $MESHKD_CACHE); "memory": the
+# in-memory packing the store is tested against (`data.in_memory_datasets`, the default before the store was).
 _RANK = """
 import sys, time, json
 from meshkd.recipe.settings.config_loading import load_config
@@ -87,11 +88,12 @@ from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import iterate_batches
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 config = load_config(sys.argv[1])
-if sys.argv[2] == "memory":
+if sys.argv[2] in ("default", "memory"):
     config.dataset.token_store = None
+build = data.in_memory_datasets if sys.argv[2] == "memory" else data.build_run_datasets
 tokenizer = load_section_tokenizer(config.model)
 started = time.perf_counter()
-train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
+train, _ = build(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
 batch = next(iterate_batches(train, global_batch_size=8, dp_rank=0, dp_size=1, seed=0))
 seconds = time.perf_counter() - started
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
@@ -122,13 +124,14 @@ def run_section(quick: bool) -> dict:
             text_bytes = make_corpus(corpus, int(size * 1e9))
             config = root / f"config{size}.yaml"
             config.write_text(yaml.safe_dump(_config(corpus, store, tokenizer)))
-            prepare_s = _python(_RANK, str(config), "prepare")["seconds"]
+            prepare = _python(_RANK, str(config), "prepare")
+            prepare_s = prepare["seconds"]
             baseline = _python(_BASELINE, str(config))
             manifest = json.loads(next(store.glob("*/manifest.json")).read_text())
             rank = _python(_RANK, str(config), "store")
             row = {"text_gb": text_bytes / 1e9, "tokens": manifest["tokens"],
                    "store_mib": sum(f["bytes"] for f in manifest["files"].values()) / 2**20,
-                   "prepare_s": prepare_s, "baseline_s": baseline["seconds"],
+                   "prepare_s": prepare_s, "prepare_peak_mib": prepare["peak_mib"], "baseline_s": baseline["seconds"],
                    "throughput_ratio": baseline["seconds"] / prepare_s,
                    "rank_peak_mib": rank["peak_mib"], "first_batch_s": rank["seconds"], "rows": rank["rows"]}
             if size == sizes[0]:

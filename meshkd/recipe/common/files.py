@@ -15,6 +15,11 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def cache_root() -> Path:
+    """meshkd's own cache directory: $MESHKD_CACHE, else ~/.cache/meshkd (converted GGUF models, token stores)."""
+    return Path(os.environ.get("MESHKD_CACHE") or Path.home() / ".cache" / "meshkd")
+
+
 def fsync(path: Path) -> None:
     """Flush a file or a directory (its entries) to disk."""
     descriptor = os.open(path, os.O_RDONLY)

@@ -12,8 +12,9 @@ Design:
 - Each document is tokenized without special tokens, the tokenizer's EOS appended (unless a chat template
   closes it), and packed greedily first-fit in document order into rows of `sequence_length` tokens (the
   NEAT layout of `meshkd.core.packing`). A document longer than a row is cut into row-sized pieces; each
-  piece is a document of its own in its row. With `dataset.token_store` the tokens are kept on disk and the
-  same rows are read through memory maps (`meshkd.recipe.corpus.token_store`).
+  piece is a document of its own in its row. A run's tokens are kept on disk and its rows read through
+  memory maps (`meshkd.recipe.corpus.token_store`, `build_run_datasets`); `build_datasets` packs in memory, the
+  independent packing the store's rows are tested against.
 - Labels are shifted here, once: `labels[i]` is the target of position i, i.e. `input_ids[i + 1]` when
   that token belongs to the same document and trains (an answer token of a chat row), else -100. The
   losses do no shifting, so any slice of the sequence dim (context-parallel sharding included) carries its
@@ -167,27 +168,41 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
                        text_key: str | None = None, pack: bool | None = None,
                        pack_texts: Callable[[list[str]], PackedDataset] | None = None,
                        routes: list[str] | None = None, prompts: bool = False,
-                       store_wait_s: float = 3600.0, teacher_tokenizer=None) -> tuple[PackedDataset, PackedDataset]:
+                       store_wait_s: float = 3600.0) -> tuple[PackedDataset, PackedDataset]:
     """`build_datasets` as a recipe's `dataset` section (`meshkd.recipe.settings.config.DatasetConfig`) says; `text_key`
     and `pack` in place of the section's (on-policy prompts of text rows read another column, one per row);
     `prompts`: each chat or prompt / completion row's on-policy prompt in place of the row (`Document.prompt`);
     `routes`: the teachers' names rows routed by `dataset.teacher_key` give, packed teacher by teacher
-    (`meshkd.recipe.corpus.routing`); `teacher_tokenizer` (`kd.cross_tokenizer`): chat and prompt / completion rows
-    are rendered by it too, for the teacher's side of the rows `pack_texts` makes.
+    (`meshkd.recipe.corpus.routing`); `pack_texts` (`kd.cross_tokenizer`): chat and prompt / completion rows are
+    rendered by its teacher tokenizer too, for the teacher's side of the rows.
 
-    With `dataset.token_store` the rows are read from the corpus's token store (`meshkd.recipe.corpus.token_store`,
-    written first if there is none; `store_wait_s`: how long to wait for another process writing it), those of
-    a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both sides stored), and prompts
-    (`text_key`, `prompts`) from a store of their own."""
+    The rows are read from the corpus's token store (`meshkd.recipe.corpus.token_store`: under `dataset.token_store`,
+    else meshkd's cache directory), written first if there is none (`store_wait_s`: how long to wait for another
+    process writing it); those of a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both
+    sides stored), and prompts (`text_key`, `prompts`) from a store of their own."""
     pack = dataset.packing if pack is None else pack
-    aligned = getattr(pack_texts, "teacher_sequence_length", None) is not None  # both tokenizations, aligned
+    if pack_texts is not None and getattr(pack_texts, "teacher_sequence_length", None) is None:
+        raise TypeError("build_run_datasets' pack_texts is an aligned_data.AlignedPacking (both sides' tokens) or None")
     if text_key is not None:
         dataset = dataclasses.replace(dataset, text_key=text_key)
-    if dataset.token_store is not None and (pack_texts is None or aligned):
-        check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
-                        dataset.max_document_chars, "replace")
-        return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
-                               routes=routes, aligned=pack_texts if aligned else None, prompts=prompts)
+    check_arguments(sequence_length, dataset.val_fraction, dataset.format, dataset.max_documents,
+                    dataset.max_document_chars, "replace")
+    return stored_datasets(tokenizer, dataset, sequence_length=sequence_length, pack=pack, wait_s=store_wait_s,
+                           routes=routes, aligned=pack_texts, prompts=prompts)
+
+
+def in_memory_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_length: int,
+                       text_key: str | None = None, pack: bool | None = None,
+                       pack_texts: Callable[[list[str]], PackedDataset] | None = None,
+                       routes: list[str] | None = None, prompts: bool = False,
+                       teacher_tokenizer=None) -> tuple[PackedDataset, PackedDataset]:
+    """The rows `build_run_datasets` reads from the token store, tokenized and packed in memory by `build_datasets`
+    instead (its arguments, and `teacher_tokenizer`: the one rendering the teacher's side of chat rows for an
+    aligned `pack_texts`): the independent packing the store's rows are tested against. No run reads its rows
+    this way (this one's memory grows with the corpus)."""
+    pack = dataset.packing if pack is None else pack
+    if text_key is not None:
+        dataset = dataclasses.replace(dataset, text_key=text_key)
     if routes is not None:
         pack_texts = routed_packing(pack_texts or packer(tokenizer, sequence_length, pack=pack), routes)
     arguments = reading_arguments(dataset, tokenizer, teacher_tokenizer=teacher_tokenizer)

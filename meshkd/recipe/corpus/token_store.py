@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -54,7 +55,8 @@ import torch
 
 from meshkd.core.aligned_packing import pad_token_id
 from meshkd.core.token_alignment import Alignment
-from meshkd.recipe.common.files import file_sha256
+from meshkd.recipe.common.files import cache_root, file_sha256
+from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.corpus.aligned_data import encode_aligned
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
@@ -294,10 +296,28 @@ def _progress(enabled: bool):
     return tqdm(desc="meshkd: tokenizing", unit=" docs", file=sys.stderr, mininterval=1.0)
 
 
+def store_root(dataset) -> Path:
+    """The directory of a run's token stores: `dataset.token_store`, else `token-stores` in meshkd's cache
+    directory (`$MESHKD_CACHE`, else ~/.cache/meshkd); where that cannot be written, this user's folder in the
+    system's temporary directory, said in a warning (a second run there reuses it while it lasts)."""
+    if dataset.token_store is not None:
+        return Path(expand_path(dataset.token_store))
+    root = cache_root() / "token-stores"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+        return root
+    except OSError as error:
+        fallback = Path(tempfile.gettempdir()) / f"meshkd-{os.getuid()}" / "token-stores"
+        warn0(f"cannot write token stores under {root} ({error.strerror or error}): writing them under {fallback} "
+              f"(dataset.token_store or $MESHKD_CACHE chooses the directory)")
+        return fallback
+
+
 def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wait_s: float,
                     routes: list[str] | None = None, progress: bool = True, aligned=None,
                     prompts: bool = False) -> tuple[StoredRows, StoredRows]:
-    """(train, validation) rows of a recipe's `dataset` section read from its token store (`dataset.token_store`),
+    """(train, validation) rows of a recipe's `dataset` section read from its token store (under `store_root`),
     which this process writes first when no store of these sources, tokenizer and settings exists yet; `routes`:
     the teachers' names rows routed by `dataset.teacher_key` give (their order: the teacher indices).
 
@@ -316,7 +336,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     if teacher is not None:
         key["teacher"] = {"tokenizer": tokenizer_fingerprint(teacher),
                           "chat_template": None if rendering is None else teacher.chat_template}
-    root = Path(expand_path(dataset.token_store))
+    root = store_root(dataset)
     directory = root / digest(key)
     split_key = {"sequence_length": sequence_length, "packing": pack, "val_fraction": dataset.val_fraction,
                  "seed": dataset.seed}

@@ -35,7 +35,7 @@ from meshkd.recipe.common.faults import FaultWatch, StopRequest, about
 from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.common.metrics import is_logging_rank, print0
 from meshkd.recipe.corpus import data
-from meshkd.recipe.corpus.aligned_data import rendering_teacher, run_packing
+from meshkd.recipe.corpus.aligned_data import run_packing
 from meshkd.recipe.lifecycle.preflight import preflight
 from meshkd.recipe.lifecycle.world import close_world, init_world
 from meshkd.recipe.modeling import models
@@ -133,8 +133,7 @@ class CacheWriter:
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
                 checked.tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length,
-                pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer),
-                teacher_tokenizer=rendering_teacher(config, checked.teacher_tokenizer))))
+                pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer))))
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
             row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}

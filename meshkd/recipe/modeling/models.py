@@ -270,11 +270,11 @@ def converted_gguf(path: str | os.PathLike[str], gguf_file: str | None = None, *
     `cache_dir` (default $MESHKD_CACHE, else ~/.cache/meshkd) in a folder named by the file's sha256, to
     FOLDER.partial first and then renamed, so a folder that exists is complete.
     """
-    from meshkd.recipe.common.files import file_sha256
+    from meshkd.recipe.common.files import cache_root, file_sha256
 
     directory, name = resolve_source(path, gguf_file)
     source = directory / name
-    root = Path(cache_dir or os.environ.get("MESHKD_CACHE") or Path.home() / ".cache" / "meshkd")
+    root = Path(cache_dir) if cache_dir else cache_root()
     target = root / f"{source.stem}-{file_sha256(source)[:16]}"
     if (target / "config.json").is_file():
         return target

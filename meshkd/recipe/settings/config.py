@@ -158,7 +158,7 @@ class DatasetConfig:
     max_documents: int | None = None  # read at most this many documents
     max_document_chars: int | None = None  # cut each document to this many characters
     packing: bool = True  # NEAT-pack several documents per row; false: one document per row
-    token_store: str | None = None  # a directory of token stores (memory-mapped); null: tokenized at each start
+    token_store: str | None = None  # a directory of token stores (memory-mapped); null: $MESHKD_CACHE's
     tokenize_workers: int = 1  # processes that tokenize rows into the token store (spawned: guard your __main__)
     on_bad_file: str = "error"  # a binary or non-UTF-8 file: error (refused, named) | skip (left out, named)
     teacher_key: str | None = None  # with kd.combine route: the JSONL field naming each document's teacher

@@ -16,7 +16,7 @@ import torch
 
 from meshkd.core.teacher_protocol import TeacherFeed, TeacherRequest, TeacherSource
 from meshkd.recipe.corpus import data
-from meshkd.recipe.corpus.aligned_data import rendering_teacher, row_fill, run_packing
+from meshkd.recipe.corpus.aligned_data import row_fill, run_packing
 from meshkd.recipe.corpus.batches import iterate_batches
 from meshkd.recipe.corpus.routing import route_names
 from meshkd.recipe.settings.config import KDRecipeConfig
@@ -32,8 +32,7 @@ def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     steps = config.step_scheduler
     train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
                                          pack_texts=run_packing(config, tokenizer, teacher_tokenizer),
-                                         routes=route_names(config), store_wait_s=config.setup_timeout_s,
-                                         teacher_tokenizer=rendering_teacher(config, teacher_tokenizer))
+                                         routes=route_names(config), store_wait_s=config.setup_timeout_s)
     if not (config.dataset.whole_prompts and config.kd.generates):
         return train, val, None, None
     max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens

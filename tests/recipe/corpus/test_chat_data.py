@@ -22,6 +22,7 @@ from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.settings.config import DatasetConfig, HFDatasetConfig
 from tests.core.tokenizers_on_the_fly import smollm2_tokenizer
+from tests.trees import packed
 
 TOKENIZER = byte_tokenizer()
 END = "<|im_end|>\n"
@@ -51,7 +52,7 @@ def trained_text(dataset: PackedDataset, tokenizer=TOKENIZER) -> list[str]:
 def all_documents(tmp_path: Path, rows: list[dict], **settings) -> PackedDataset:
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, **settings)
     train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=4096, pack=False)
-    return train
+    return packed(train)
 
 
 def test_chat_rows_train_on_the_assistant_answers_only_token_by_token(tmp_path):
@@ -68,13 +69,13 @@ def test_chat_rows_train_on_the_assistant_answers_only_token_by_token(tmp_path):
 def test_the_mask_survives_packing_and_cut_documents(tmp_path):
     rows = chat_rows()
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, records="chat")
-    packed, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=2048)
-    whole, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=4096, pack=False)
-    assert len(packed) < len(rows)  # several documents a row
-    assert sorted(trained_text(packed)) == sorted(trained_text(whole))
+    several, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=2048)
+    whole, _ = map(packed, data.build_run_datasets(TOKENIZER, dataset, sequence_length=4096, pack=False))
+    assert len(several) < len(rows)  # several documents a row
+    assert sorted(trained_text(several)) == sorted(trained_text(whole))
     # Cut into 64-token pieces: a piece's targets are its own next tokens, and the answers' targets of the
     # whole documents less the one each cut drops.
-    cut, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=64, pack=False)
+    cut, _ = map(packed, data.build_run_datasets(TOKENIZER, dataset, sequence_length=64, pack=False))
     dropped = 0
     for row in range(len(cut)):
         labels, ids = cut.labels[row], cut.input_ids[row]
@@ -140,8 +141,9 @@ def test_parquet_save_to_disk_and_jsonl_give_the_same_rows(tmp_path):
                "save_to_disk": {"hf": HFDatasetConfig(path=str(tmp_path / "saved"))},
                "save_to_disk_streamed": {"hf": HFDatasetConfig(path=str(tmp_path / "saved"), streaming=True)},
                "builder": {"hf": HFDatasetConfig(path="parquet", data_files=[str(tmp_path / "rows.parquet")])}}
-    built = {name: data.build_run_datasets(TOKENIZER, DatasetConfig(records="prompt_completion", seed=4, **source),
-                                           sequence_length=64) for name, source in sources.items()}
+    built = {name: tuple(map(packed, data.build_run_datasets(
+        TOKENIZER, DatasetConfig(records="prompt_completion", seed=4, **source), sequence_length=64)))
+        for name, source in sources.items()}
     for name, (train, val) in built.items():
         for key in BATCH_KEYS:
             assert torch.equal(getattr(train, key), getattr(built["jsonl"][0], key)), (name, key)
@@ -153,7 +155,7 @@ def test_on_policy_prompts_are_the_rows_before_their_last_answer(tmp_path):
 
     rows = chat_rows(6)
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, records="chat")
-    prompts, _ = build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)
+    prompts = packed(build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=1024)[0])
     texts = [TOKENIZER.decode(prompts.input_ids[row][prompts.attention_mask[row] > 0]) for row in range(len(prompts))]
     assert texts == [f"<|im_start|>user\n{row['messages'][0]['content']}{END}<|im_start|>assistant\n" for row in rows]
     with pytest.raises(ValueError, match=r"dataset.records 'chat' \(the prompts before the answers\): \d+ prompt "

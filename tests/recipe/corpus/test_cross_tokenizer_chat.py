@@ -21,6 +21,7 @@ from meshkd.recipe.corpus.rows import BATCH_KEYS, TEACHER_POSITIONS, PackedDatas
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.settings.config import ConfigError, DatasetConfig
 from meshkd.recipe.settings.config_loading import config_from_dict
+from tests.trees import packed
 
 STUDENT = byte_tokenizer()
 BPE = Path(__file__).parents[3] / "examples" / "data" / "stdlib_json_bpe"
@@ -64,9 +65,8 @@ def cross_rows(tmp_path: Path, rows: list[dict], teacher, *, sequence_length: in
     dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, **settings)
     packing = aligned_packing(STUDENT, teacher, sequence_length=sequence_length,
                               teacher_sequence_length=teacher_sequence_length, pack=pack)
-    train, _ = data.build_run_datasets(STUDENT, dataset, sequence_length=sequence_length, pack_texts=packing,
-                                       teacher_tokenizer=teacher)
-    return train
+    train, _ = data.build_run_datasets(STUDENT, dataset, sequence_length=sequence_length, pack_texts=packing)
+    return packed(train)
 
 
 def targets(ids: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, tokenizer) -> list[str]:
@@ -142,14 +142,14 @@ def test_packed_and_cut_rows_keep_both_masks_and_the_pairs(tmp_path):
     teacher = teacher_tokenizer()
     rows = chat_rows(12)
     whole = cross_rows(tmp_path, rows, teacher, records="chat")
-    packed = cross_rows(tmp_path / "packed", rows, teacher, records="chat", sequence_length=512,
+    several = cross_rows(tmp_path / "packed", rows, teacher, records="chat", sequence_length=512,
                         teacher_sequence_length=256, pack=True)
-    assert len(packed) < len(rows)
+    assert len(several) < len(rows)
     for side in ("", "teacher_"):
-        assert int((packed.extra[f"{side}labels"][0] if side else packed.labels).ne(-100).sum()) == int(
+        assert int((several.extra[f"{side}labels"][0] if side else several.labels).ne(-100).sum()) == int(
             (whole.extra[f"{side}labels"][0] if side else whole.labels).ne(-100).sum())
     answers = [row["messages"][1]["content"].strip() for row in rows]
-    assert_paired_within(kd_pairs(packed, teacher), answers)
+    assert_paired_within(kd_pairs(several, teacher), answers)
     # Rows of 64 and 24 tokens cut the documents (between groups, both sides together), prompts included.
     cut = cross_rows(tmp_path / "cut", rows, teacher, records="chat", sequence_length=64, teacher_sequence_length=24,
                      pack=True)
@@ -267,7 +267,6 @@ def test_a_run_on_chat_rows_across_tokenizers_trains_on_the_answers(tmp_path):
     # Each step counts exactly the student's answer tokens of the rows it draws.
     parsed = config_from_dict(config)
     packing = aligned_packing(STUDENT, teacher_tokenizer(), sequence_length=256, teacher_sequence_length=160, pack=True)
-    train, _ = data.build_run_datasets(STUDENT, parsed.dataset, sequence_length=256, pack_texts=packing,
-                                       teacher_tokenizer=teacher_tokenizer())
+    train, _ = data.build_run_datasets(STUDENT, parsed.dataset, sequence_length=256, pack_texts=packing)
     batches = iterate_batches(train, global_batch_size=4, dp_rank=0, dp_size=1, seed=parsed.dataset.seed)
     assert [r["num_tokens"] for r in steps] == [int((next(batches)["labels"] != -100).sum()) for _ in steps]

@@ -1,5 +1,6 @@
-"""The token store (`dataset.token_store`): written once, read back equal to in-memory tokenization token for
-token, rebuilt when a source or the tokenizer changes, refused when damaged, written by one process of many."""
+"""The token store (every run's rows; `dataset.token_store`, else meshkd's cache directory): written once, read back
+equal to in-memory tokenization token for token, rebuilt when a source or the tokenizer changes, refused when
+damaged, written by one process of many."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +54,7 @@ def test_stored_rows_equal_in_memory_rows_token_for_token(kind, tmp_path):
         dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "pairs.jsonl", rows)], records="prompt_completion",
                                 chat_template=False, val_fraction=0.1)
     for length in (16, 200):
-        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length)
+        in_memory = data.in_memory_datasets(TOKENIZER, dataset, sequence_length=length)
         stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
                                          sequence_length=length)
         for got, expected in zip(stored, in_memory):
@@ -69,7 +72,7 @@ def test_worker_processes_tokenize_the_same_store(records, tmp_path):
     else:
         rows = chat_rows(600)  # three chunks of 256 rows
         dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "chat.jsonl", rows)], records="chat", val_fraction=0.1)
-    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=128)
+    in_memory = data.in_memory_datasets(TOKENIZER, dataset, sequence_length=128)
     parallel = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=2)
     for got, expected in zip(data.build_run_datasets(TOKENIZER, parallel, sequence_length=128), in_memory):
         assert_same_rows(got, expected)
@@ -86,7 +89,7 @@ def test_routed_rows_are_stored_with_their_teacher(workers, tmp_path):
     dataset = DatasetConfig(paths=[corpus["both"]], teacher_key="teacher", val_fraction=0.2, seed=3)
     stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"), tokenize_workers=workers)
     for length in (16, 64):
-        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, routes=["code", "prose"])
+        in_memory = data.in_memory_datasets(TOKENIZER, dataset, sequence_length=length, routes=["code", "prose"])
         stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, routes=["code", "prose"])
         for got, expected in zip(stored, in_memory):
             assert_same_rows(got, expected)
@@ -118,10 +121,9 @@ def test_cross_tokenizer_rows_are_stored_with_both_sides_and_their_groups(record
     for length, teacher_length in ((64, 24), (512, 256)):
         packing = aligned_packing(TOKENIZER, teacher, sequence_length=length, teacher_sequence_length=teacher_length,
                                   pack=True)
-        in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=length, pack_texts=packing,
+        in_memory = data.in_memory_datasets(TOKENIZER, dataset, sequence_length=length, pack_texts=packing,
                                             teacher_tokenizer=rendering)
-        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, pack_texts=packing,
-                                         teacher_tokenizer=rendering)
+        stored = data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=length, pack_texts=packing)
         for got, expected in zip(stored, in_memory):
             assert type(got).__name__ == "StoredAlignedRows"
             assert_same_rows(got, expected)
@@ -133,8 +135,35 @@ def test_cross_tokenizer_rows_are_stored_with_both_sides_and_their_groups(record
     damaged[8] ^= 0xFF
     groups.write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match=re.escape(str(groups)) + r": block 0 .* does not match its checksum"):
-        data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=64, teacher_tokenizer=rendering,
+        data.build_run_datasets(TOKENIZER, stored_dataset, sequence_length=64,
                                 pack_texts=dataclasses.replace(packing, sequence_length=64, teacher_sequence_length=32))
+
+
+def test_with_no_data_key_the_store_is_kept_in_the_cache_directory_or_where_the_run_says(tmp_path, monkeypatch,
+                                                                                           capfd):
+    """No `dataset.token_store`: the rows are stored under $MESHKD_CACHE/token-stores and a second run reads them
+    back; where that directory cannot be made, the run warns naming it and writes in this user's folder of the
+    system's temporary directory instead."""
+    dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2)
+    monkeypatch.setenv("MESHKD_CACHE", str(tmp_path / "cache"))
+    data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    assert f"tokenizing the corpus once into {tmp_path / 'cache' / 'token-stores'}/" in capfd.readouterr().err
+    again = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    assert "tokenizing" not in capfd.readouterr().err
+    for got, expected in zip(again, data.in_memory_datasets(TOKENIZER, dataset, sequence_length=32)):
+        assert type(got).__name__ == "StoredRows"
+        assert_same_rows(got, expected)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MESHKD_CACHE", str(tmp_path / "a_file" / "cache"))  # under a file: not even root makes it
+    fallback = Path(tempfile.gettempdir()) / f"meshkd-{os.getuid()}" / "token-stores"
+    elsewhere = data.build_run_datasets(TOKENIZER, dataset, sequence_length=32)
+    err = capfd.readouterr().err
+    assert f"cannot write token stores under {tmp_path / 'a_file' / 'cache' / 'token-stores'} " in err
+    assert f"writing them under {fallback} " in err
+    assert elsewhere[0].store.directory.parent == fallback
+    for got, expected in zip(elsewhere, again):
+        assert_same_rows(got, expected)
+    shutil.rmtree(elsewhere[0].store.directory)
 
 
 def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(tmp_path, capfd):
@@ -153,7 +182,7 @@ def test_the_store_is_reused_and_rebuilt_when_a_source_or_the_tokenizer_changes(
     rebuilt = build()
     assert "(1 store(s) of other sources, tokenizer or settings there)" in capfd.readouterr().err
     assert sum(split.num_tokens for split in rebuilt) == sum(split.num_tokens for split in first) + 16
-    in_memory = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=None), sequence_length=32)
+    in_memory = data.in_memory_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=None), sequence_length=32)
     for got, expected in zip(rebuilt, in_memory):
         assert_same_rows(got, expected)
     other = byte_tokenizer()
@@ -287,7 +316,8 @@ def test_whole_prompts_read_from_the_store_equal_the_in_memory_ones_token_for_to
     tokenizer = teacher_tokenizer() if kind == "chat_bpe" else TOKENIZER
     dataset = _prompt_dataset(kind, tmp_path)
     stored_dataset = dataclasses.replace(dataset, token_store=str(tmp_path / "store"))
-    in_memory = build_prompt_set(tokenizer, dataset, max_prompt_tokens=1024)
+    whole = {"text_key": dataset.prompt_key} if dataset.records == "text" else {"prompts": True}
+    in_memory = data.in_memory_datasets(tokenizer, dataset, sequence_length=1025, pack=False, **whole)
     stored = build_prompt_set(tokenizer, stored_dataset, max_prompt_tokens=1024)
     # The prompts of text rows are the corpus of the prompt column; those of chat rows, their prompts.
     what = "the corpus" if kind == "text_prompt_key" else "the on-policy prompts"
@@ -318,7 +348,7 @@ def test_first_document_prompts_of_stored_rows_equal_the_in_memory_ones(tmp_path
     from meshkd.recipe.student.on_policy import prompts_of
 
     dataset = DatasetConfig(paths=[write_corpus(tmp_path / "corpus")], val_fraction=0.2, seed=3)
-    in_memory = data.build_run_datasets(TOKENIZER, dataset, sequence_length=64)
+    in_memory = data.in_memory_datasets(TOKENIZER, dataset, sequence_length=64)
     stored = data.build_run_datasets(TOKENIZER, dataclasses.replace(dataset, token_store=str(tmp_path / "store")),
                                      sequence_length=64)
     for got, expected in zip(stored, in_memory):

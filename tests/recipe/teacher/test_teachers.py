@@ -391,8 +391,8 @@ def test_the_routing_field_needs_several_teachers_and_names_known_ones(tmp_path)
                                                    teacher("poems", qwen_teacher(), 1.0)], combine="route")
     config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
     parsed = config_from_dict(config)
-    with pytest.raises(ValueError, match=r"dataset.teacher_key: a document names the teacher 'prose', which is none "
-                                         r"of the teachers \['code', 'poems'\]"):
+    with pytest.raises(ValueError, match=r"both\.jsonl:2: dataset\.teacher_key 'teacher' names the teacher 'prose', "
+                                         r"which is none of the teachers \['code', 'poems'\]"):
         run_datasets(parsed, load_section_tokenizer(parsed.model), None)
     # Before any worker starts: the file, the line, the value and the key.
     from meshkd.recipe.lifecycle.preflight import preflight_teachers
