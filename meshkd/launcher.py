@@ -90,6 +90,11 @@ def threads_per_process(nproc: int) -> str:
     return os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
 
+STOPPING = {"serve-teacher": "draining: queued requests are answered, new ones refused",
+            "cache-teacher": "stopping after the current round of shards (a rerun continues)"}
+"""What a command's workers do on the first SIGINT / SIGTERM; `meshkd train`'s (and any other's) is the default."""
+
+
 def launch(nproc: int, args: list[str]) -> int:
     """Run `python -m meshkd ARGS` on `nproc` local processes under torch.distributed.run.
 
@@ -109,13 +114,14 @@ def launch(nproc: int, args: list[str]) -> int:
         env[WARNED_ENV] = json.dumps(warned)  # the preflight's warnings, said once here
         launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         received: list[int] = []
+        stopping = STOPPING.get(args[0] if args else "", "stopping at the next step boundary")
 
         def forward(signum: int, frame) -> None:
             received.append(signum)
             if len(received) == 1:
                 stop_file.touch()
                 # os.write, not print: a print interrupted by this handler would be re-entered.
-                os.write(2, f"meshkd: got {signal.Signals(signum).name}: stopping at the next step boundary "
+                os.write(2, f"meshkd: got {signal.Signals(signum).name}: {stopping} "
                             "(send it again to stop at once)\n".encode())
             else:
                 launcher.send_signal(signum)

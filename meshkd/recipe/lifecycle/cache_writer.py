@@ -37,7 +37,7 @@ from meshkd.recipe.common.metrics import is_logging_rank, print0
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.aligned_data import run_packing
 from meshkd.recipe.lifecycle.preflight import preflight
-from meshkd.recipe.lifecycle.world import close_world, init_world
+from meshkd.recipe.lifecycle.world import run_role
 from meshkd.recipe.modeling import models
 from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig
 from meshkd.recipe.teacher import teacher_cache as cache
@@ -308,15 +308,4 @@ def writer_layout(config: KDRecipeConfig) -> DistributedConfig:
 
 def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> dict:
     """`meshkd cache-teacher` on this rank: in the current world, or a new one from the environment."""
-    device, owns_group = init_world(config)
-    writer = CacheWriter(config, device, shard_rows=shard_rows)
-    writer.stop.install()
-    failed = True
-    try:
-        summary = writer.run()
-        failed = False
-        return summary
-    finally:
-        writer.stop.restore()
-        if owns_group and dist.is_initialized():
-            close_world(failed=failed)  # NCCL after a failure: abort, not a destroy that waits on queued work
+    return run_role(config, lambda device: CacheWriter(config, device, shard_rows=shard_rows))

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,3 +115,22 @@ def close_world(*, failed: bool) -> None:
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
+
+
+def run_role(config: KDRecipeConfig, make_role: Callable[[torch.device], Any]) -> dict:
+    """A role's `run()` on this rank (`meshkd serve-teacher`, `meshkd cache-teacher`), in the current world or a
+    new one from the environment: `make_role(device)` builds it, its `stop` (`StopRequest`) is obeyed while it
+    runs, and a world created here is closed after it (aborted on NCCL after a failure, as `close_world` says)."""
+    device, owns_group = init_world(config)
+    role, failed = None, True
+    try:
+        role = make_role(device)
+        role.stop.install()
+        summary = role.run()
+        failed = False
+        return summary
+    finally:
+        if role is not None:
+            role.stop.restore()
+        if owns_group and dist.is_initialized():
+            close_world(failed=failed)

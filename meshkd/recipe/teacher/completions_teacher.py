@@ -94,30 +94,38 @@ class CompletionsTeacher(ServedTeacher):
         labels = torch.zeros(rows, length)
         choice = iter(choices)
         for row, row_spans in enumerate(spans):
+            row_labels = batch["labels"][row].tolist()
             for first, end in row_spans:
                 entries = next(choice, {}).get("prompt_logprobs")
                 if not isinstance(entries, list) or len(entries) != end - first:
                     raise ServedTeacherError(f"{self.label}: {self.url} answered no prompt_logprobs for a prompt of "
                                              f"{end - first} tokens (an OpenAI-compatible server with vLLM's "
                                              "prompt_logprobs is needed)")
-                for offset, entry in enumerate(entries[1:]):
-                    column = first + offset
+                # The JSON is read position by position; the tensors are written once per prompt.
+                tops, label_columns, label_values = [], [], []
+                for column, entry in enumerate(entries[1:], start=first):
                     top = sorted((value["rank"], int(token), value["logprob"]) for token, value in entry.items()
                                  if value.get("rank") is not None and value["rank"] <= k)
                     if len(top) != k:
                         raise ServedTeacherError(f"{self.label}: {self.url} answered {len(top)} of the top {k} "
                                                  "(kd.topk) entries a position; a vLLM server gives at most its "
                                                  "--max-logprobs")
-                    indices[row, column] = torch.tensor([token for _, token, _ in top], dtype=torch.int32)
-                    log_probs[row, column] = torch.tensor([value for _, _, value in top])
-                    mass = torch.logsumexp(log_probs[row, column], 0).clamp(max=0)  # rounding may pass 1
-                    tail[row, column] = torch.log(-torch.expm1(mass))
-                    label = int(batch["labels"][row, column])
+                    tops.append([(token, value) for _, token, value in top])
+                    label = row_labels[column]
                     if label != ignore:
                         if str(label) not in entry:
                             raise ServedTeacherError(f"{self.label}: {self.url} answered no log-probability of the "
                                                      f"prompt's own token {label}")
-                        labels[row, column] = entry[str(label)]["logprob"]
+                        label_columns.append(column)
+                        label_values.append(entry[str(label)]["logprob"])
+                labels[row, label_columns] = torch.tensor(label_values, dtype=labels.dtype)
+                if tops:
+                    columns = slice(first, first + len(tops))
+                    block = torch.tensor(tops, dtype=torch.float64)  # [positions, k, (token, log-prob)]: ids exact
+                    indices[row, columns] = block[..., 0].to(torch.int32)
+                    log_probs[row, columns] = block[..., 1].float()
+                    mass = torch.logsumexp(log_probs[row, columns], -1).clamp(max=0)  # rounding may pass 1
+                    tail[row, columns] = torch.log(-torch.expm1(mass))
         if transport == LABEL_LOG_PROBS:
             return {"mode": LABEL_LOG_PROBS, "log_probs": labels}
         answer = {"mode": "topk", "temperature": 1.0, "log_probs": log_probs, "indices": indices,
