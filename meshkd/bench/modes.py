@@ -2,8 +2,9 @@
 
 On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library source, for two students
 (the demo's 8 of 30 layers, and a near one of 26), each mode's wire bytes per token and the relative error
-of its KD loss, of d loss / d logits and of the output-head weight gradient, against full float32; see
-`meshkd.bench.transport` for the whole bench.
+of its KD loss, of d loss / d logits and of the output-head weight gradient, against full float32; for the
+compact top-k answers (`kd.topk_encoding: compact`) also the decoded answer's KL to the exact top-k answer
+(nats a token, mean and largest). See `meshkd.bench.transport` for the whole bench.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 la
 
 def measure(settings: dict) -> dict:
     """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
+    from meshkd.core.compact_topk import pack_topk, unpack_topk
     from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
     from meshkd.core.loss import kd_loss_encoded
     from meshkd.recipe.modeling import models
@@ -52,6 +54,7 @@ def measure(settings: dict) -> dict:
     samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
     variants = [("full", None, 0), ("full_bf16", None, 0)]
     variants += [("topk", k, 0) for k in settings["topk"]] + [("topk", k, m) for k, m in settings["topk_sampled"]]
+    variants += [("compact", 64, 0), ("compact", 64, 32)]
     per_sample: dict[tuple, list[dict]] = {}
     for sample, ids in enumerate(samples):
         inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -66,20 +69,30 @@ def measure(settings: dict) -> dict:
             for temperature in (1.0, 2.0):
                 results = {}
                 for mode, k, m in variants:
-                    encoded = encode_teacher_logits(
-                        teacher_logits, mode, k=k, temperature=temperature, tail_samples=m, seed=sample
-                    )
+                    encoded = encode_teacher_logits(teacher_logits, "topk" if mode == "compact" else mode, k=k,
+                                                    temperature=temperature, tail_samples=m, seed=sample)
+                    decode_kl = None
+                    if mode == "compact":  # what travels is the packed form; the loss reads its decoding
+                        packed = pack_topk(encoded, vocab)
+                        decoded = unpack_topk(packed)
+                        decode_kl = (encoded["log_probs"].exp() * (encoded["log_probs"] - decoded["log_probs"])).sum(-1)
+                        encoded, wire = decoded, packed
+                    else:
+                        wire = encoded
                     s = student_logits.clone().requires_grad_()
                     loss = kd_loss_encoded(s, encoded, labels, temperature=temperature, chunk_size=256)
                     loss.backward()
                     # The output-head weight gradient [vocab, hidden]: what the logit gradient becomes in parameter
                     # space, where sampling noise of single tokens averages out over the batch.
                     head_grad = s.grad.flatten(0, 1).T @ hidden.flatten(0, 1)
-                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(encoded))
-                reference, reference_grad, reference_head, _ = results[("full", None, 0)]
-                for (mode, k, m), (value, grad, head_grad, nbytes) in results.items():
+                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(wire), decode_kl)
+                reference, reference_grad, reference_head, _, _ = results[("full", None, 0)]
+                for (mode, k, m), (value, grad, head_grad, nbytes, decode_kl) in results.items():
                     name = mode if k is None else f"topk k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")
-                    per_sample.setdefault((student_name, name, temperature), []).append({
+                    name += ", compact" if mode == "compact" else ""
+                    kl = {} if decode_kl is None else {"decode_kl_mean": float(decode_kl.mean()),
+                                                       "decode_kl_max": float(decode_kl.max())}
+                    per_sample.setdefault((student_name, name, temperature), []).append({**kl,
                         "bytes_per_token": nbytes / tokens, "bytes_ratio": nbytes / full_bytes,
                         "kd_full": reference, "kd_rel_error": value / reference - 1,
                         "grad_rel_error": float((grad - reference_grad).norm() / reference_grad.norm()),
@@ -96,6 +109,8 @@ def measure(settings: dict) -> dict:
             "kd_rel_error_worst": max((e["kd_rel_error"] for e in entries), key=abs),
             "grad_rel_error": statistics.median(e["grad_rel_error"] for e in entries),
             "head_grad_rel_error": statistics.median(e["head_grad_rel_error"] for e in entries),
+            **({"decode_kl_mean": statistics.fmean(e["decode_kl_mean"] for e in entries),
+                "decode_kl_max": max(e["decode_kl_max"] for e in entries)} if "decode_kl_mean" in entries[0] else {}),
         })  # fmt: skip
     return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows,
             "hidden_states": _hidden_state_bytes(teacher, inputs, tokens)}

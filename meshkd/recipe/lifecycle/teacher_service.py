@@ -45,7 +45,7 @@ from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.parallel.stages import decoder_of
 from meshkd.recipe.common.faults import StopRequest, about
 from meshkd.recipe.common.files import write_atomically
-from meshkd.recipe.lifecycle.world import close_world, init_world
+from meshkd.recipe.lifecycle.world import run_role
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.teacher.completions_teacher import COMPLETIONS_PATH, MODELS_PATH
@@ -475,8 +475,8 @@ def prompt_request(prompt: list[int], k: int, vocab_rows: int) -> AnswerRequest:
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1])[None],
              "attention_mask": torch.ones_like(ids)}
     return AnswerRequest(batch, {"transport": with_label_log_probs("topk"), "vocab_size": vocab_rows, "seed": 0,
-                                 "topk": k, "topk_tail_samples": 0, "temperature": 1.0, "ignore_index": -100,
-                                 "hidden_layers": [], "cross_tokenizer_loss": None})
+                                 "topk": k, "topk_tail_samples": 0, "topk_encoding": "exact", "temperature": 1.0,
+                                 "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None})
 
 
 def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: int, text: Callable) -> dict:
@@ -501,16 +501,5 @@ def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: i
 def serve_teacher(config: KDRecipeConfig, options: ServeOptions) -> dict:
     """`meshkd serve-teacher` on this rank: in the current world, or a new one from the environment."""
     options.check()
-    device, owns_group = init_world(config)
-    service = TeacherService(config, options, device)
-    service.stop.install()
-    failed = True
-    try:
-        summary = service.run()
-        failed = False
-        return summary
-    finally:
-        service.stop.restore()
-        if owns_group and dist.is_initialized():
-            close_world(failed=failed)
+    return run_role(config, lambda device: TeacherService(config, options, device))
 

@@ -169,6 +169,11 @@ def check_kd(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
     if kd.topk < 1 or kd.topk_tail_samples < 0:
         raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
+    if kd.topk_encoding not in ("exact", "compact"):
+        raise ConfigError(f"kd.topk_encoding must be exact or compact, got {kd.topk_encoding!r}")
+    if kd.topk_encoding == "compact" and config.teachers is None and kd.logits_transport != "topk":
+        raise ConfigError(f"kd.topk_encoding: compact packs top-k answers; set kd.logits_transport: topk (got "
+                          f"{kd.logits_transport!r})")
     if kd.on_nonfinite not in ("stop", "skip_step"):
         raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
     if kd.max_skipped_steps < 0:
@@ -319,11 +324,13 @@ def check_served_teacher(config: KDRecipeConfig) -> None:
         raise ConfigError(f"teacher_model.api must be meshkd or completions, got {config.teacher_model.api!r}")
     if config.teacher_model.api == "completions":  # top-k log-probabilities at temperature 1, nothing sampled
         needs = {"kd.logits_transport": ("topk", kd.logits_transport),
-                 "kd.topk_tail_samples": (0, kd.topk_tail_samples), "kd.temperature": (1.0, kd.temperature)}
+                 "kd.topk_tail_samples": (0, kd.topk_tail_samples), "kd.temperature": (1.0, kd.temperature),
+                 "kd.topk_encoding": ("exact", kd.topk_encoding)}
         for key, (needed, given) in needs.items():
             if given != needed:
                 raise ConfigError(f"{key}: a completions server's prompt_logprobs give the top k log-probabilities "
-                                  f"at temperature 1 and no tail samples; set {key}: {needed} (got {given!r})")
+                                  f"at temperature 1 and no tail samples, as JSON; set {key}: {needed} (got "
+                                  f"{given!r})")
     if kd.cross_tokenizer is not None and kd.cross_tokenizer.loss == "projection":
         raise ConfigError("kd.cross_tokenizer.loss projection does not yet work with a served teacher "
                           "(teacher_model.url): its projection needs the student's tokenizer on the server; use uld "

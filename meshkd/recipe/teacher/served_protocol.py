@@ -39,8 +39,8 @@ ANSWER_PATH = "/v1/answer"
 TOKEN_VARIABLE = "MESHKD_TEACHER_TOKEN"
 """The environment variable holding the bearer token, on the server and on every student rank."""
 
-SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "temperature", "ignore_index",
-                 "hidden_layers", "cross_tokenizer_loss")
+SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "topk_encoding", "temperature",
+                 "ignore_index", "hidden_layers", "cross_tokenizer_loss")
 CROSS_KEYS = (*TEACHER_KEYS, TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)
 """A cross-tokenizer row's teacher side and group columns (`meshkd.recipe.corpus.rows`), sent beside its
 `BATCH_KEYS` when `settings.cross_tokenizer_loss` is uld or gold."""
@@ -59,7 +59,8 @@ def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int, hidden_layers: 
     `hidden_layers`: the teacher layers of `kd.hidden_states`' pairs, whose outputs travel beside a training
     answer ([] for none)."""
     return {"vocab_size": vocab_size, "seed": seed, "topk": kd.topk, "topk_tail_samples": kd.topk_tail_samples,
-            "temperature": kd.temperature, "ignore_index": kd.ignore_index, "hidden_layers": list(hidden_layers),
+            "topk_encoding": kd.topk_encoding, "temperature": kd.temperature, "ignore_index": kd.ignore_index,
+            "hidden_layers": list(hidden_layers),
             "cross_tokenizer_loss": kd.cross_tokenizer.loss if kd.cross_tokenizer is not None else None}
 
 
@@ -165,6 +166,8 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
         raise ValueError(f"settings must hold exactly {list(SETTINGS_KEYS)}, got {given}")
     if settings["transport"] not in TEACHER_ANSWERS:
         raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(TEACHER_ANSWERS)}")
+    if settings["topk_encoding"] not in ("exact", "compact"):
+        raise ValueError(f"settings.topk_encoding must be exact or compact, got {settings['topk_encoding']!r}")
     cross = settings["cross_tokenizer_loss"]
     if cross not in (None, *CROSS_LOSSES):
         raise ValueError(f"settings.cross_tokenizer_loss must be null or one of {list(CROSS_LOSSES)}, got {cross!r}")
@@ -189,7 +192,8 @@ def answer_kd(kd: KDConfig, settings: dict[str, Any]) -> KDConfig:
     request's own; a cross-tokenizer teacher's answers are per aligned group)."""
     cross = settings["cross_tokenizer_loss"]
     return replace(kd, topk=settings["topk"], topk_tail_samples=settings["topk_tail_samples"],
-                   temperature=float(settings["temperature"]), ignore_index=settings["ignore_index"],
+                   topk_encoding=settings["topk_encoding"], temperature=float(settings["temperature"]),
+                   ignore_index=settings["ignore_index"],
                    cross_tokenizer=CrossTokenizerConfig(loss=cross) if cross else None)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshkd.core.compact_topk import COMPACT, nbytes_per_token, pack_topk, unpack_topk
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
@@ -168,6 +169,9 @@ class Distribution(TeacherAnswer):
     """The teacher's distribution at every position: full logits, bfloat16 logits or top-k with its tail."""
 
     def __init__(self, wire: dict) -> None:
+        if wire.get("mode") == COMPACT:  # unpacked where the student takes it: everything after reads "topk"
+            packing = ("k", "tail_samples", "vocab", "packed")
+            wire = {**{key: value for key, value in wire.items() if key not in packing}, **unpack_topk(wire)}
         super().__init__(wire)
         # An evaluation's answer carries each label's log-probability beside the encoding (`with_label_log_probs`),
         # a training answer perhaps the teacher's hidden states (`with_hidden_states`).
@@ -192,6 +196,8 @@ class Distribution(TeacherAnswer):
             [0] * batch["input_ids"].shape[0])
         wire = encode_teacher_rows(distribution, mode, seeds=seeds, k=min(kd.topk, distribution.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
+        if mode == "topk" and kd.topk_encoding == "compact":
+            wire = pack_topk(wire, distribution.shape[-1])
         if with_labels:
             wire["label_log_probs"] = LabelLogProbs.encode(logits, batch, LABEL_LOG_PROBS, context)["log_probs"]
         return wire
@@ -199,17 +205,21 @@ class Distribution(TeacherAnswer):
     @staticmethod
     def settings(kd: KDConfig) -> dict:
         """The keys besides the logits that `kd.logits_transport`'s encoding depends on (what a teacher cache
-        records): top-k's size, tail samples and temperature; none for full logits (the loss applies T)."""
+        records): top-k's size, tail samples, temperature and, when compact, its encoding; none for full logits
+        (the loss applies T)."""
         if kd.logits_transport != "topk":
             return {}
-        return {"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature}
+        return {"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature,
+                **({"kd.topk_encoding": kd.topk_encoding} if kd.topk_encoding != "exact" else {})}
 
     @staticmethod
     def nbytes_per_token(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:
         """Bytes of `kd.logits_transport`'s encoding of one position; `logits_bytes`: a full logit's (`full`
         keeps the teacher's dtype, `meshkd.core.logits_codec`)."""
-        return {"full": logits_bytes * vocab_size, "full_bf16": 2 * vocab_size,
-                "topk": 8 * min(kd.topk, vocab_size) + 4 + 8 * kd.topk_tail_samples}[kd.logits_transport]
+        k = min(kd.topk, vocab_size)
+        topk = (8 * k + 4 + 8 * kd.topk_tail_samples if kd.topk_encoding == "exact" else
+                nbytes_per_token(k, kd.topk_tail_samples, vocab_size))
+        return {"full": logits_bytes * vocab_size, "full_bf16": 2 * vocab_size, "topk": topk}[kd.logits_transport]
 
     @staticmethod
     def projected(logits: torch.Tensor, batch: dict, context: EncodeContext) -> torch.Tensor:
@@ -427,6 +437,7 @@ class Ensemble(TeacherAnswer):
 
 
 _TYPES: dict[str, type[TeacherAnswer]] = {"full": Distribution, "full_bf16": Distribution, "topk": Distribution,
+                                          COMPACT: Distribution,
                                           GROUPS: GroupDistributions, LABEL_LOG_PROBS: LabelLogProbs,
                                           TEACHERS: Ensemble}
 

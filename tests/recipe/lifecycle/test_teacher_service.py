@@ -35,7 +35,7 @@ from meshkd.recipe.teacher.completions_teacher import CompletionsTeacher
 from meshkd.recipe.teacher.served_protocol import ANSWER_PATH, TOKEN_VARIABLE, AnswerRequest
 from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError
 from tests.recipe.lifecycle.test_recipe import TrainRun, curve
-from tests.recipe.teacher.test_teacher_cache import TOPK, train_records
+from tests.recipe.teacher.test_teacher_cache import COMPACT, TOPK, train_records
 from tests.recipe.teacher.test_teacher_cache import assert_same_curve as assert_same_cached_curve
 from tests.tiny import base_config, with_layout
 from tests.world import run_world
@@ -143,19 +143,19 @@ def wait_for_metrics(run_dir: str, process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict:
-    """One server, three students at once (top-k, full, and one killed mid-run), and the in-job runs."""
+    """One server, four students at once (top-k exact and compact, full, and one killed mid-run)."""
     tmp = tmp_path_factory.mktemp("served")
     config = server_config(tmp)
     server = Server(write(config, tmp / "server.yaml"), 0, tmp / "server.log")
     runs = {}
     try:
-        for name, kd in (("topk", TOPK), ("full", FULL), ("killed", TOPK)):
+        for name, kd in (("topk", TOPK), ("compact", COMPACT), ("full", FULL), ("killed", TOPK)):
             runs[f"served_{name}"] = student(config, tmp, f"served_{name}", server.url, kd)
-        students = {name: train(write(runs[f"served_{name}"], tmp / f"{name}.yaml")) for name in ("topk", "full",
-                                                                                                  "killed")}
+        students = {name: train(write(runs[f"served_{name}"], tmp / f"{name}.yaml"))
+                    for name in ("topk", "compact", "full", "killed")}
         wait_for_metrics(runs["served_killed"]["logging"]["run_dir"], students["killed"])
         os.killpg(students["killed"].pid, signal.SIGKILL)
-        for name in ("topk", "full"):
+        for name in ("topk", "compact", "full"):
             finished(students[name])
         runs["health"] = server.health()
         runs["server"], runs["url"] = server, server.url
@@ -170,7 +170,7 @@ def in_job(served, tmp_path_factory) -> dict:
     """The same students with the teacher in their own job (on the student's rank)."""
     tmp = tmp_path_factory.mktemp("in_job")
     runs = {}
-    for name in ("topk", "full"):
+    for name in ("topk", "compact", "full"):
         config = copy.deepcopy(served[f"served_{name}"])
         del config["teacher_model"]["url"]
         config.pop("separate_meshes"), config.pop("teacher_distributed")
@@ -183,10 +183,11 @@ def in_job(served, tmp_path_factory) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("mode", ["topk", "full"])
+@pytest.mark.parametrize("mode", ["topk", "compact", "full"])
 def test_students_of_one_served_teacher_follow_the_in_job_curve(served, in_job, mode):
-    """Two students trained at once against one server (a third killed beside them) each follow the curve of
-    their run with the teacher in their own job, held-out figures of the teacher's distribution included."""
+    """Three students trained at once against one server (a fourth killed beside them) each follow the curve of
+    their run with the teacher in their own job, held-out figures of the teacher's distribution included; the
+    compact one's answers travel packed."""
     records = train_records(served[f"served_{mode}"])
     assert_same_curve(records, train_records(in_job[mode]))
     assert any(record.get("kd_loss", 0) > 0 for record in records)
@@ -219,7 +220,8 @@ def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> Answe
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
              "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
     settings = {"transport": transport, "vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 4,
-                "temperature": 2.0, "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None}
+                "topk_encoding": "exact", "temperature": 2.0, "ignore_index": -100, "hidden_layers": [],
+                "cross_tokenizer_loss": None}
     return AnswerRequest(batch, settings)
 
 
@@ -478,7 +480,8 @@ def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(se
     """vLLM's fields (`prompt_logprobs` of token-id prompts) against `meshkd serve-teacher`'s subset of them: the same
     top k, rest and label log-probabilities as the native answer where a loss reads them."""
     monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
-    settings = {"vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 0, "temperature": 1.0,
+    settings = {"vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 0, "topk_encoding": "exact",
+                "temperature": 1.0,
                 "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None}
     batch = packed_rows()
     native = ServedTeacher(served["url"], settings=settings, device=torch.device("cpu"))

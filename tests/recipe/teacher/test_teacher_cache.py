@@ -35,6 +35,7 @@ from tests.tiny import base_config, tiny_llama, with_layout
 from tests.world import run_world
 
 TOPK = {"logits_transport": "topk", "topk": 8, "topk_tail_samples": 4}
+COMPACT = {**TOPK, "topk_encoding": "compact"}
 
 
 class WriteCache:
@@ -99,11 +100,12 @@ def run_all(world_size: int, runs: dict[str, dict]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
-    """One rank: caches written by a dp 1 teacher (top-k with tail samples, and full_bf16), live and cached runs."""
+    """One rank: caches written by a dp 1 teacher (top-k with tail samples, exact and compact, and full_bf16), live
+    and cached runs."""
     tmp = tmp_path_factory.mktemp("one_rank")
     base = base_config(tmp)
     runs = {}
-    for mode, kd in (("topk", TOPK), ("bf16", {"logits_transport": "full_bf16"})):
+    for mode, kd in (("topk", TOPK), ("compact", COMPACT), ("bf16", {"logits_transport": "full_bf16"})):
         cache = str(tmp / f"cache_{mode}")
         runs[f"live_{mode}"] = variant(base, tmp, f"live_{mode}", student={"dp_size": 1}, kd=kd)
         runs[f"write_{mode}"] = variant(base, tmp, f"write_{mode}", student={"dp_size": 1}, kd=kd, cache=cache)
@@ -129,7 +131,7 @@ def two_ranks(tmp_path_factory) -> dict:
 pytestmark = pytest.mark.world
 
 
-@pytest.mark.parametrize("mode", ["topk", "bf16"])
+@pytest.mark.parametrize("mode", ["topk", "compact", "bf16"])
 def test_a_run_from_the_cache_follows_the_live_teacher(one_rank, mode):
     live = train_records(one_rank[f"live_{mode}"])
     assert_same_curve(train_records(one_rank[f"cached_{mode}"]), live)
@@ -153,6 +155,24 @@ def test_the_cache_holds_the_rows_the_run_asks_about(one_rank):
     assert manifest["splits"]["validation"]["rows"] == list(range(min(len(val), 2 * steps.global_batch_size)))
     # top-8 with 4 tail samples: 8 * 8 + 4 + 8 * 4 = 100 bytes a position, plus each shard's header
     assert 100 <= manifest["summary"]["train_bytes_per_position"] < 120
+
+
+def test_compact_answers_take_under_a_third_of_the_bytes_and_train_near_the_exact_curve(one_rank):
+    """`kd.topk_encoding: compact` (12 indices of 9 bits, 12 value bytes and log P_rest: 30 bytes a position at
+    V = 262, against 100) writes a cache under a third the size, and its run stays within the documented
+    tolerance of the exact answers' run: every loss and held-out loss within 2e-4 nats a token."""
+    sizes = {mode: json.loads(Path(one_rank[f"cached_{mode}"]["kd"]["teacher_cache"], MANIFEST).read_text())[
+        "summary"]["train_bytes_per_position"] for mode in ("topk", "compact")}
+    assert 30 <= sizes["compact"] < 40 and sizes["compact"] < sizes["topk"] / 3
+    exact, compact = train_records(one_rank["live_topk"]), train_records(one_rank["live_compact"])
+    assert [(r["kind"], r["step"]) for r in compact] == [(r["kind"], r["step"]) for r in exact]
+    differences = {}
+    for record, reference in zip(compact, exact):
+        for key in ("loss", "kd_loss", "ce_loss", "val_loss", "val_kd_loss"):
+            if key in reference:
+                differences[key] = max(differences.get(key, 0.0), abs(record[key] - reference[key]))
+    print(f"compact against exact top-k answers, largest differences: {differences}")
+    assert differences and max(differences.values()) <= 2e-4, differences
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,9 +205,11 @@ def test_a_copy_of_the_cache_fits_its_run(one_rank, tmp_path):
     (lambda c: c["kd"].update(logits_transport="full"), "kd.logits_transport"),
     (lambda c: c["kd"].update(topk=16), "kd.topk"),
     (lambda c: c["kd"].update(temperature=1.0), "kd.temperature"),
+    (lambda c: c["kd"].update(topk_encoding="compact"), "kd.topk_encoding"),
     (lambda c: c["model"]["random_init"].update(vocab_size=260), "vocabulary"),
     (lambda c: c["teacher_model"].update(seed=7), "teacher_model.seed"),
-], ids=["sequence_length", "packing", "val_fraction", "transport", "topk", "temperature", "vocabulary", "teacher"])
+], ids=["sequence_length", "packing", "val_fraction", "transport", "topk", "temperature", "compact", "vocabulary",
+        "teacher"])
 def test_a_cache_written_for_another_run_is_refused_naming_the_field(one_rank, tmp_path, change, field):
     config = copied(one_rank, tmp_path)
     change(config)
@@ -274,7 +296,8 @@ def test_the_cached_answer_is_the_live_teachers_encoding(one_rank, tmp_path):
     config = copied(one_rank, tmp_path)
     teacher, train = cached_teacher(config)
     # Rows holding one document from position 0: the model's own causal mask is theirs, as the runner's.
-    single = (train.attention_mask == 1).all(dim=1) & (train.position_ids == torch.arange(32)).all(dim=1)
+    rows_of = train[:]
+    single = (rows_of["attention_mask"] == 1).all(dim=1) & (rows_of["position_ids"] == torch.arange(32)).all(dim=1)
     held = set(json.loads(Path(config["kd"]["teacher_cache"], MANIFEST).read_text())["splits"]["train"]["rows"])
     rows = [row for row in single.nonzero()[:, 0].tolist() if row in held][:2]
     assert len(rows) == 2

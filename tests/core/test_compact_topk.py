@@ -1,0 +1,82 @@
+"""Compact top-k answers (`meshkd.core.compact_topk`): bytes a token, what decodes exactly, the decoded answer's
+KL to the exact one within the documented bound, the loss on the decoded answer, and malformed answers refused."""
+
+import math
+
+import pytest
+import torch
+
+from meshkd.core.compact_topk import COMPACT, nbytes_per_token, pack_topk, unpack_topk
+from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits
+from meshkd.core.loss import kd_loss_encoded
+
+BOUND = (1 / 32) ** 2 / 2  # the module docstring's second-order bound, nats a token
+
+
+def test_bytes_a_token():
+    assert nbytes_per_token(64, 32, 49152) == 264  # 96 indices of 16 bits, 64 value bytes, two float32
+    assert nbytes_per_token(64, 32, 151936) == 288  # 18-bit indices
+    assert nbytes_per_token(64, 0, 49152) == 196  # no tail samples: no mean of theirs
+    assert nbytes_per_token(8, 4, 262) == 30  # 12 x 9 bits = 14 bytes, 8 value bytes, 8
+
+
+@pytest.mark.parametrize("vocab, k, m, temperature", [(49152, 64, 32, 1.0), (151936, 64, 32, 2.0), (262, 8, 4, 0.5),
+                                                     (262, 8, 0, 1.0), (8, 8, 0, 1.0)])
+def test_indices_and_tail_mass_decode_exactly_and_the_values_within_the_bound(vocab, k, m, temperature):
+    torch.manual_seed(vocab + k)
+    logits = torch.randn(2, 40, vocab) * 4
+    exact = encode_teacher_logits(logits, "topk", k=k, temperature=temperature, tail_samples=m, seed=3)
+    compact = pack_topk(exact, vocab)
+    assert compact["mode"] == COMPACT and compact["packed"].dtype == torch.uint8
+    assert tuple(compact["packed"].shape) == (2, 40, nbytes_per_token(k, m, vocab))
+    decoded = unpack_topk(compact)
+    assert check_encoded_logits(decoded, (2, 40, vocab)) == "topk"
+    assert set(decoded) == set(exact) and decoded["temperature"] == temperature
+    for key in ("indices", "tail_log_prob", *(("tail_indices",) if m else ())):
+        assert torch.equal(decoded[key], exact[key]), key
+    # A proper distribution with the exact tail mass, its KL to the exact answer within the bound.
+    mass = decoded["log_probs"].exp().sum(-1) + decoded["tail_log_prob"].exp()
+    assert torch.allclose(mass, torch.ones_like(mass), atol=1e-5)
+    kl = (exact["log_probs"].exp() * (exact["log_probs"] - decoded["log_probs"])).sum(-1)
+    assert kl.max() <= BOUND and kl.min() >= -1e-6
+    if m:  # the samples' log-probabilities by their mean, all the loss reads of them
+        mean = exact["tail_log_probs"].mean(-1, keepdim=True)
+        assert torch.allclose(decoded["tail_log_probs"], mean.expand_as(decoded["tail_log_probs"]), atol=1e-6)
+
+
+def test_the_loss_on_the_decoded_answer_is_close_to_the_exact_ones():
+    """The loss moves by sum (p - p_hat)(log p - log q) over the k entries: small, but tied to the student's log q,
+    not to the bound alone; its gradient T (p_s - p_hat) by at most e^(1/16) - 1 of each teacher probability."""
+    torch.manual_seed(0)
+    vocab = 4096
+    teacher, student = torch.randn(3, 50, vocab) * 3, torch.randn(3, 50, vocab, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 50))
+    losses, grads = [], []
+    for packed in (False, True):
+        encoded = encode_teacher_logits(teacher, "topk", k=64, tail_samples=0)
+        encoded = unpack_topk(pack_topk(encoded, vocab)) if packed else encoded
+        loss = kd_loss_encoded(student, encoded, labels, temperature=1.0)
+        (grad,) = torch.autograd.grad(loss, student)
+        losses.append(loss.item())
+        grads.append(grad)
+    assert abs(losses[1] - losses[0]) <= 1e-3 * losses[0]
+    assert (grads[1] - grads[0]).abs().max() <= 0.05 / (3 * 50)  # p_hat moves by at most e^(1/16) - 1 of p
+
+
+def test_a_malformed_compact_answer_is_refused_naming_what_does_not_fit():
+    exact = encode_teacher_logits(torch.randn(1, 4, 262), "topk", k=8, tail_samples=4)
+    compact = pack_topk(exact, 262)
+    with pytest.raises(ValueError, match=r"packs 30 bytes a token \(uint8 \[\.\.\., 30\]\), got torch.uint8 "
+                                         r"\(1, 4, 29\)"):
+        unpack_topk({**compact, "packed": compact["packed"][..., :29]})
+    with pytest.raises(ValueError, match=r"needs integers k >= 1, tail_samples >= 0 and vocab >= k"):
+        unpack_topk({**compact, "vocab": 4})
+    with pytest.raises(ValueError, match=r"got torch.int32"):
+        unpack_topk({**compact, "packed": compact["packed"].int()})
+    # Index bits beyond the vocabulary decode to indices the loss's check refuses.
+    bad = compact["packed"].clone()
+    bad[..., 0] = 255
+    bad[..., 1] |= 1  # the first index: 511 >= 262
+    with pytest.raises(ValueError, match=r"indices must be distinct per token and lie in \[0, 262\)"):
+        check_encoded_logits(unpack_topk({**compact, "packed": bad}), (1, 4, 262))
+    assert math.isfinite(unpack_topk(compact)["log_probs"].sum().item())
