@@ -455,13 +455,21 @@ def store_key(tokenizer, dataset, arguments: dict) -> dict:
             "seed": dataset.seed if dataset.max_documents is not None else None, "settings": settings}
 
 
+TOKENIZE_CHARS = 1 << 20
+"""A chunk of documents ends at this many characters too: what tokenizing it holds (the ids as Python ints, the
+tokenizer's encodings) stays bounded whatever the documents' sizes, so the writing process's memory does not
+follow the corpus's largest documents."""
+
+
 def _chunks(documents: Iterable) -> Iterator[list]:
-    chunk = []
+    """`TOKENIZE_CHUNK` documents at a time, fewer where they reach `TOKENIZE_CHARS` (rows for workers: by count)."""
+    chunk, chars = [], 0
     for document in documents:
         chunk.append(document)
-        if len(chunk) == TOKENIZE_CHUNK:
+        chars += len(document) if isinstance(document, str) else 0
+        if len(chunk) == TOKENIZE_CHUNK or chars >= TOKENIZE_CHARS:
             yield chunk
-            chunk = []
+            chunk, chars = [], 0
     if chunk:
         yield chunk
 
