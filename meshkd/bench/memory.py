@@ -1,4 +1,5 @@
-"""The transport bench's `memory` section: peak memory of the chunked KD loss against the plain one.
+"""The transport bench's `memory` section: peak memory of the chunked KD loss against the plain one, and of one
+micro-batch's output layer and loss, fused (`meshkd.core.fused_output`) against whole logits.
 
 Each measurement runs in a fresh process (`python -m meshkd.bench.memory --memory-probe ...`): after the
 inputs exist the kernel's peak-RSS counter is reset and VmHWM is read after backward (on CUDA:
@@ -9,6 +10,7 @@ for the whole bench.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -55,6 +57,69 @@ def _memory_probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict
     return {"peak_bytes": peak - base, "value": float(loss.detach())}
 
 
+OUTPUT_VOCAB, OUTPUT_WIDTH = 151936, 896  # Qwen2.5-0.5B's vocabulary and width
+
+
+def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
+    """Run in a fresh process: peak bytes above the inputs of one micro-batch's output layer, CE and KD against a
+    top-64 + 32 tail answer (0.5 each), forward and backward, by whole logits ("whole": hidden @ W^T, then the
+    chunked losses) or fused ("fused"), and its seconds."""
+    import time
+
+    from meshkd.core.fused_output import chunk_answer, fused_output_loss
+    from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, k, m = OUTPUT_VOCAB, 64, 32
+    hidden = torch.randn(tokens, OUTPUT_WIDTH, generator=generator, requires_grad=True)
+    weight = (torch.randn(vocab, OUTPUT_WIDTH, generator=generator) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    spread = (torch.arange(k + m) * 1500 + torch.randint(0, vocab, (tokens, 1), generator=generator)) % vocab
+    mass = torch.randn(tokens, k + 1, generator=generator).mul(3).log_softmax(-1)
+    top = mass[:, :k].sort(dim=-1, descending=True).values
+    answer = {"mode": "topk", "temperature": 1.0, "log_probs": top, "indices": spread[:, :k].to(torch.int32),
+              "tail_log_prob": mass[:, k], "tail_indices": spread[:, k:].to(torch.int32),
+              "tail_log_probs": (mass[:, k:] - math.log(m)).expand(-1, m).contiguous()}
+
+    def objective(logits, tokens_of, cut=lambda a: a):
+        ce = cross_entropy_loss(logits, labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
+        kd = kd_loss_encoded(logits, cut(answer), labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
+        return 0.5 * ce + 0.5 * kd
+
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kib("VmRSS") * 1024
+    started = time.perf_counter()
+    if kind == "whole":
+        loss = objective(hidden @ weight.T, slice(None))
+    else:
+        loss = fused_output_loss(hidden, weight, lambda logits, cut: objective(
+            logits, cut, lambda a: chunk_answer(a, cut, (tokens,))), chunk_size=chunk_size)
+    loss.backward()
+    return {"peak_bytes": status_kib("VmHWM") * 1024 - base, "seconds": time.perf_counter() - started,
+            "value": float(loss.detach())}
+
+
+def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 1024) -> list[dict]:
+    """Per token count: both paths' peak MiB, seconds and loss value (whole logits only up to `whole_up_to`
+    tokens, beyond what fits this machine's memory)."""
+    rows = []
+    for tokens in tokens_list:
+        row = {"tokens": tokens, "vocab": OUTPUT_VOCAB, "width": OUTPUT_WIDTH,
+               "logits_mib": tokens * OUTPUT_VOCAB * 4 / MIB}
+        for kind in ("fused", "whole") if tokens <= whole_up_to else ("fused",):
+            command = [sys.executable, "-m", __name__, "--output-probe", kind, str(tokens), str(chunk_size)]
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            row.update({f"{kind}_mib": result["peak_bytes"] / MIB, f"{kind}_s": result["seconds"],
+                        f"{kind}_value": result["value"]})
+        if "whole_mib" in row:
+            row.update(ratio=row["fused_mib"] / row["whole_mib"], time_ratio=row["fused_s"] / row["whole_s"],
+                       value_difference=abs(row["fused_value"] / row["whole_value"] - 1))
+        rows.append(row)
+        print(f"meshkd bench memory, output layer: {json.dumps(row)}", flush=True)
+    return rows
+
+
 def _probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict:
     command = [sys.executable, "-m", __name__, "--memory-probe", kind, str(vocab), str(sequence), str(chunk_size)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
@@ -90,3 +155,5 @@ if __name__ == "__main__":  # the memory section's fresh processes
     if len(sys.argv) > 1 and sys.argv[1] == "--memory-probe":
         kind, vocab, sequence, chunk = sys.argv[2], *map(int, sys.argv[3:6])
         print(json.dumps(_memory_probe(kind, vocab, sequence, chunk)))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--output-probe":
+        print(json.dumps(_output_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))

@@ -61,7 +61,7 @@ def _settings(quick: bool) -> dict:
             "topk_sampled": [(16, 48), (64, 32)],
             "overlap": [(0.2, 0.2)], "overlap_micro_batches": 5, "overlap_repeats": 2,
             "memory_vocabs": [49152, 131072], "memory_sequence": 512, "memory_repeats": 1,
-            "memory_chunk_sizes": [128, 1024],
+            "memory_chunk_sizes": [128, 1024], "output_tokens": [2048], "output_whole_up_to": 2048,
         }  # fmt: skip
     return {
         "sizes_mib": [1, 4, 16, 64, 256], "bandwidth_repeats": 9, "latency_calls": 300, "latency_repeats": 7,
@@ -69,7 +69,7 @@ def _settings(quick: bool) -> dict:
         "topk_sampled": [(16, 48), (64, 32)],
         "overlap": [(0.2, 0.2), (0.1, 0.2), (0.2, 0.1)], "overlap_micro_batches": 8, "overlap_repeats": 3,
         "memory_vocabs": [49152, 131072], "memory_sequence": 2048, "memory_repeats": 3,
-        "memory_chunk_sizes": [128, 1024],
+        "memory_chunk_sizes": [128, 1024], "output_tokens": [2048, 8192, 32768], "output_whole_up_to": 8192,
     }  # fmt: skip
 
 
@@ -342,6 +342,13 @@ def _targets(results: dict) -> list[dict]:
             data["peak_growth"] <= 1.1)
         add("token store: seconds to the first batch, largest corpus", data["rows"][-1]["first_batch_s"], "<= 5",
             data["rows"][-1]["first_batch_s"] <= 5)
+    for row in results.get("output_layer", []):
+        if "ratio" in row:
+            add(f"fused / whole-logits output layer + loss peak memory, {row['tokens']} tokens", row["ratio"],
+                "<= 0.1 at 32k", row["tokens"] < 32768 or row["ratio"] <= 0.1)
+        if "time_ratio" in row and row["tokens"] == 2048:
+            add("fused / whole-logits output layer + loss time, 2048 tokens", row["time_ratio"], "<= 1.1",
+                row["time_ratio"] <= 1.1)
     for row in results.get("memory", []):
         name = f"vocab {row['vocab']}, chunk {row['chunk_size']}"
         add(f"chunked / naive KD loss peak memory, {name}", row["ratio"], "<= 0.25", row["ratio"] <= 0.25)
@@ -417,6 +424,17 @@ def _report(results: dict) -> str:
             [[r["vocab"], r["sequence"], r["chunk_size"], r["input_mib"], r["naive_mib"], r["chunked_mib"], r["ratio"],
               r["chunked_vs_naive"], r["chunked_vs_float64"], r["naive_vs_float64"]] for r in results["memory"]],
         ))  # fmt: skip
+    if "output_layer" in results:
+        parts.append(_table(
+            "(f) one micro-batch's output layer + CE + KD (top-64 + 32 tail), forward + backward, vocabulary 151936, "
+            "width 896: peak MiB above the inputs, whole logits (hidden @ W^T, then the chunked losses) against the "
+            "output layer fused with the loss (chunks of 1024 tokens); whole logits only where they fit",
+            ["tokens", "logits MiB", "whole MiB", "fused MiB", "ratio", "whole s", "fused s", "time ratio",
+             "value diff"],
+            [[r["tokens"], r["logits_mib"], r.get("whole_mib", "-"), r["fused_mib"], r.get("ratio", "-"),
+              r.get("whole_s", "-"), r["fused_s"], r.get("time_ratio", "-"), r.get("value_difference", "-")]
+             for r in results["output_layer"]],
+        ))  # fmt: skip
     parts.append(_table(
         "targets", ["target", "value", "goal", "met"],
         [[t["target"], t["value"], t["goal"], "yes" if t["met"] else "NO"] for t in results["targets"]],
@@ -437,6 +455,8 @@ def run(sections: list[str], quick: bool) -> dict:
         results["modes"] = modes.measure(settings)
     if "memory" in sections:
         results["memory"] = memory.measure(settings)
+        results["output_layer"] = memory.output_layer(settings["output_tokens"],
+                                                      whole_up_to=settings["output_whole_up_to"])
     return results
 
 

@@ -150,3 +150,12 @@ def test_the_lora_section_counts_what_trains_against_the_whole_student():
     for row in (whole, lora):
         assert row["optimizer_state_bytes"] == 2 * 4 * row["trainable_parameters"]
         assert row["peak_mib"] > 0 and row["peak_ratio"] == row["peak_mib"] / whole["peak_mib"]
+
+
+def test_the_output_layer_rows_measure_both_paths_on_the_same_loss():
+    """`memory.output_layer` (the memory section's fused-output rows): each path in a process of its own, the same
+    loss value, both peaks and times; whole logits left out beyond `whole_up_to`."""
+    both, fused_only = memory.output_layer([64, 128], whole_up_to=64, chunk_size=16)
+    assert both["value_difference"] < 1e-5 and both["fused_mib"] > 0 and both["whole_mib"] > 0
+    assert both["ratio"] == both["fused_mib"] / both["whole_mib"] and both["time_ratio"] > 0
+    assert "whole_mib" not in fused_only and fused_only["fused_mib"] > 0

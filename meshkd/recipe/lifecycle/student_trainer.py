@@ -38,6 +38,7 @@ from meshkd.recipe.lifecycle.run_report import RunFigures, run_report
 from meshkd.recipe.modeling import checkpoint as ckpt
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.evaluation import Evaluation, TeachersEvaluation, before_and_after
+from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.student.step_data import StepData, run_datasets
 from meshkd.recipe.student.student_model import export_student, lay_out_student, load_student, student_hidden_states
@@ -148,7 +149,8 @@ class StudentTrainer:
                               vocabulary_map=self._vocabulary_map,
                               teacher_weights=config.teacher_weights(),
                               hidden_states=self.hidden_states, group=self.student_group,
-                              stop_requested=self._stop.requested)
+                              stop_requested=self._stop.requested,
+                              fused_head=FusedHead.of(self.model, config, self.setup, self.pipeline, self.vocab_size))
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         # The same for every teacher: each vocabulary entry's bytes, counted once.

@@ -101,6 +101,7 @@ class KDConfig:
     topk: int = 64  # entries per token with logits_transport: topk
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
     topk_encoding: str = "exact"  # exact | compact: top-k answers packed, values quantized (meshkd.core.compact_topk)
+    fused_output_loss: bool = True  # the output layer applied inside the loss, chunk by chunk: no whole logits
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (the run fails) | skip_step (no update)

@@ -56,6 +56,7 @@ from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.batches import to_device
 from meshkd.recipe.modeling.adapters import trainable_parameters
 from meshkd.recipe.settings.config import ConfigError, KDConfig
+from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.router_loss import RouterLoss
 from meshkd.recipe.teacher.hidden_states import StudentHiddenStates
 from meshkd.recipe.teacher.teacher_answers import LossContext, TeacherAnswer, answer_of
@@ -202,12 +203,13 @@ class TrainStep:
                  router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
                  vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None,
                  hidden_states: StudentHiddenStates | None = None, group: dist.ProcessGroup | None = None,
-                 stop_requested: Callable[[], bool] | None = None) -> None:
+                 stop_requested: Callable[[], bool] | None = None, fused_head: FusedHead | None = None) -> None:
         self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
         self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
         self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
         self.router_loss, self.watch, self.hidden_states = router_loss, watch, hidden_states
         self.group, self.stop_requested = group, stop_requested or (lambda: False)
+        self.fused_head = fused_head
         self.stop_agreed = False  # whether any student rank was asked to stop, as of the last step's reduction
         self.answer_context = LossContext(kd, vocabulary_map=vocabulary_map, teacher_weights=teacher_weights,
                                           cp_size=setup.cp_size, index_checks=[])
@@ -237,14 +239,18 @@ class TrainStep:
             # Gradients are reduced over the data-parallel ranks once, after the step's last micro-batch.
             with gradient_sync(self.model, enabled=index == self.num_micro_batches - 1):
                 router = None
+                fused = self.fused_head is not None and self.fused_head.applies(answer)
                 with (self.router_loss.recording() if self.router_loss else contextlib.nullcontext(),
-                      self.hidden_states.tap.on() if self.hidden_states else contextlib.nullcontext()):
+                      self.hidden_states.tap.on() if self.hidden_states else contextlib.nullcontext(),
+                      self.fused_head.computing(micro_batch, answer, self.answer_context, norm=pairs.norm)
+                      if fused else contextlib.nullcontext()):
                     logits = student_logits(self.model, None, micro_batch)
                 hidden = self.hidden_states.tap.take() if self.hidden_states else None
                 if self.router_loss:  # under cp, this rank's share
                     statistics = self.router_loss.statistics(micro_batch["attention_mask"])
                     router = self.router_loss.local_loss(statistics, group=self._cp_group)
-                loss, values = self.micro_batch_loss(logits, micro_batch, answer, pairs.norm, router, hidden)
+                loss, values = self.micro_batch_loss(logits, micro_batch, answer, pairs.norm, router, hidden,
+                                                     fused=fused)
                 loss.backward()
             records.append(values)
         return records
@@ -265,25 +271,20 @@ class TrainStep:
 
     def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
                          norm: float | torch.Tensor, router: torch.Tensor | None = None,
-                         hidden: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         hidden: list[torch.Tensor] | None = None,
+                         fused: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
         `norm`: the step's global number of valid tokens, at least 1 (a 0-dim tensor in the step). `router`: an
         MoE student's load-balancing loss of this micro-batch (under cp this rank's share); the objective adds
         `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank. `hidden`: the
         student's outputs of `kd.hidden_states`' paired layers; the objective adds `weight` times their term
-        (`hidden_state_loss`)."""
-        kd = self.kd
-        labels = micro_batch["labels"]
-        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
-        ce = cross_entropy_loss(logits, labels, ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                                chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
-        kd_loss, figures = (None, {}) if kd.kd_ratio == 0 else answer.kd_loss(kd_logits, micro_batch,
-                                                                            self.answer_context, norm=norm)
-        loss = kd_objective(ce, kd_loss, kd.kd_ratio)
-        zero = torch.zeros((), device=logits.device)
-        values = {"ce_loss": ce.detach() if ce is not None else zero,
-                  "kd_loss": kd_loss.detach() if kd_loss is not None else zero, **figures}
+        (`hidden_state_loss`). `fused`: the logits are the objective the fused head computed (`FusedHead`)."""
+        if fused:
+            loss = self.fused_head.loss_of(logits)
+            values = {key: value.to(logits.device) for key, value in self.fused_head.values.items()}
+        else:
+            loss, values = self._objective(logits, micro_batch, answer, norm)
         if hidden is not None:
             term = answer.hidden_state_loss(hidden, micro_batch, self.answer_context, norm=norm,
                                             projections=self.hidden_states.projections)
@@ -296,6 +297,21 @@ class TrainStep:
         values["loss"] = loss.detach()
         # Wrappers average gradients over dp (and cp) ranks; the normalization asks for their sum.
         return loss * student_loss_scale(self.setup), values
+
+    def _objective(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
+                   norm: float | torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(1 - kd_ratio) CE + kd_ratio KD from whole logits, and its ce_loss / kd_loss values (and the answer's
+        figures)."""
+        kd = self.kd
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        ce = cross_entropy_loss(logits, micro_batch["labels"], ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                                chunk_size=kd.chunk_size) if kd.kd_ratio < 1 else None
+        kd_loss, figures = (None, {}) if kd.kd_ratio == 0 else answer.kd_loss(kd_logits, micro_batch,
+                                                                            self.answer_context, norm=norm)
+        zero = torch.zeros((), device=logits.device)
+        return kd_objective(ce, kd_loss, kd.kd_ratio), {"ce_loss": ce.detach() if ce is not None else zero,
+                                                        "kd_loss": kd_loss.detach() if kd_loss is not None else zero,
+                                                        **figures}
 
     def _finish(self, records: list[dict], pairs: _StepPairs, *, skipped_steps: int) -> dict:
         """Clip, reduce the step's figures over the student ranks and read them (the step's one host sync), apply

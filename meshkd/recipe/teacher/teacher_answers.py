@@ -41,6 +41,7 @@ import torch
 
 from meshkd.core.compact_topk import COMPACT, nbytes_per_token, pack_topk, unpack_topk
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
+from meshkd.core.fused_output import chunk_answer
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
     LOGITS_MODES,
@@ -48,6 +49,7 @@ from meshkd.core.logits_codec import (
     label_log_probs,
     split_label_log_probs,
     topk_index_errors,
+    topk_index_message,
 )
 from meshkd.core.loss import kd_loss_encoded
 from meshkd.core.loss import top1_agreements as _top1_agreements
@@ -268,6 +270,29 @@ class Distribution(TeacherAnswer):
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
         return self.divergence(logits, micro_batch, context, norm=norm), {}
+
+    def check_indices(self, context: LossContext, vocab_size: int) -> None:
+        """A top-k answer's index check, once for a micro-batch whose loss runs in chunks (`chunk_divergence`):
+        deferred into the step's reduction where the step gathers them (`LossContext.index_checks`), else now."""
+        if self.wire["mode"] != "topk":
+            return
+        errors = topk_index_errors(self.encoding, vocab_size)
+        if context.index_checks is not None:
+            context.index_checks.append(errors)
+        elif bool(errors):
+            raise ValueError(topk_index_message(vocab_size))
+
+    def chunk_divergence(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context: LossContext, *,
+                         norm: float | torch.Tensor) -> torch.Tensor:
+        """`divergence`'s share of the flattened positions `tokens`, given their logits [c, vocab]: the chunks'
+        shares add up to it (`meshkd.recipe.student.fused_head`; the index check is `check_indices`')."""
+        kd = context.kd
+        lead = tuple(micro_batch["labels"].shape)
+        counted = kd_labels(micro_batch, kd.ignore_index).reshape(-1)[tokens]
+        return kd_loss_encoded(logits, chunk_answer(self.encoding, tokens, lead), counted,
+                               temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
+                               chunk_size=logits.shape[0], divergence=kd.divergence, jsd_beta=kd.jsd_beta,
+                               skew_alpha=kd.skew_alpha, check_indices=False)
 
     def hidden_state_loss(self, student: list[torch.Tensor], micro_batch: dict, context: LossContext, *, norm: float,
                           projections: HiddenStateProjections | None = None) -> torch.Tensor:

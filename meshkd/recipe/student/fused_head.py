@@ -1,0 +1,103 @@
+"""The student's output layer fused with its loss in training (`kd.fused_output_loss`; `meshkd.core.fused_output`).
+
+Design. The model's own forward runs; for one micro-batch its output layer's forward is swapped (`computing`):
+it receives the last hidden states, computes the micro-batch's objective from them and its weight chunk by
+chunk (`kd.chunk_size` tokens, 1024 when unset), and returns, in place of the logits, that loss broadcast to
+the logits' shape (a stride-0 view: nothing of [tokens, vocab] is allocated). The model hands it back as its
+`.logits`; the step backpropagates from one of its entries, through the model's outputs, so FSDP2's and DDP's
+backward hooks run as for whole logits. The CE and KD values are kept for the step's metrics.
+
+It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is
+not pipelined, tp 1 (a vocab-parallel head's logits are sharded), cp 1, float32 compute (`model.dtype`), and a
+model that does not transform its logits after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's
+scaling, Cohere's scale; a model that does anyway is stopped at its first step, naming the key); and
+per micro-batch to a teacher's distribution (`Distribution`: full, full_bf16, top-k, compact) or no teacher
+(`kd.kd_ratio: 0`). Elsewhere the step computes whole logits as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from meshkd.core.fused_output import fused_output_loss
+from meshkd.core.loss import cross_entropy_loss, kd_objective
+from meshkd.recipe.teacher.teacher_answers import Distribution, LossContext, TeacherAnswer
+
+DEFAULT_CHUNK = 1024
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "logit_softcap")
+"""Config keys (or model attributes) of transformers models that change the logits after the output layer."""
+
+
+class FusedHead:
+    """The output layer of a laid-out student, swapped for one micro-batch at a time (see the module docstring)."""
+
+    def __init__(self, head: torch.nn.Module, *, kd, vocab_size: int, model_name: str = "the student") -> None:
+        self.head, self.kd, self.vocab_size, self.model_name = head, kd, vocab_size, model_name
+        self.values: dict[str, torch.Tensor] = {}
+        self._returned: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config, setup, pipeline, vocab_size: int) -> FusedHead | None:
+        """The fused head of a laid-out student (its pipeline, or None) where it applies, else None."""
+        causal_lm = getattr(model, "module", model)  # under DDP, the wrapped model
+        head = causal_lm.get_output_embeddings() if hasattr(causal_lm, "get_output_embeddings") else None
+        transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
+                         for where in (causal_lm.config, causal_lm))
+        if (not config.kd.fused_output_loss or pipeline is not None or setup.tp_size > 1 or setup.cp_size > 1
+                or config.model.dtype != "float32" or transforms or not isinstance(head, torch.nn.Linear)):
+            return None
+        return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__)
+
+    def applies(self, answer: TeacherAnswer | None) -> bool:
+        return answer is None or type(answer) is Distribution
+
+    @contextlib.contextmanager
+    def computing(self, micro_batch: dict, answer: Distribution | None, context: LossContext, *,
+                  norm: torch.Tensor) -> Iterator[None]:
+        """Within it, the model's forward returns the micro-batch's objective as its logits (see the module
+        docstring); `values` then holds its CE and KD values."""
+        kd, labels = self.kd, micro_batch["labels"]
+        flat_labels = labels.reshape(-1)
+        sums = {"ce_loss": torch.zeros(()), "kd_loss": torch.zeros(())}
+        if answer is not None and kd.kd_ratio > 0:
+            answer.check_indices(context, self.vocab_size)
+
+        def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
+            ce = kd_term = None
+            if kd.kd_ratio < 1:
+                ce = cross_entropy_loss(logits, flat_labels[tokens], ignore_index=kd.ignore_index,
+                                        num_valid_tokens=norm, chunk_size=logits.shape[0])
+                sums["ce_loss"] = sums["ce_loss"].to(ce.device) + ce.detach()
+            if kd.kd_ratio > 0:
+                student = logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
+                kd_term = answer.chunk_divergence(student, tokens, micro_batch, context, norm=norm)
+                sums["kd_loss"] = sums["kd_loss"].to(kd_term.device) + kd_term.detach()
+            return kd_objective(ce, kd_term, kd.kd_ratio)
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            loss = fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
+                                     chunk_size=kd.chunk_size or DEFAULT_CHUNK)
+            self._returned = loss.view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
+            return self._returned
+
+        self.head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
+        try:
+            yield
+        finally:
+            del self.head.forward
+            self.values = sums
+
+    def loss_of(self, logits: torch.Tensor) -> torch.Tensor:
+        """The objective `computing` returned as the model's logits, as a differentiable scalar.
+
+        Raises:
+            ConfigError: the model changed what its output layer returned (a transform `of` does not know)."""
+        if logits is not self._returned:
+            from meshkd.recipe.settings.config import ConfigError
+
+            raise ConfigError(f"kd.fused_output_loss: {self.model_name} changes its logits after its output layer, "
+                              "which the fused loss cannot follow; set kd.fused_output_loss: false")
+        return logits[(0,) * logits.ndim]

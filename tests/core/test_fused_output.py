@@ -1,0 +1,93 @@
+"""The output layer fused with the loss (`meshkd.core.fused_output`): the loss and the gradients with respect to
+the hidden states, the output weight (tied or not) and a bias equal the unfused path's, for CE and KD against
+full, bfloat16 and top-k answers and every divergence; bad inputs refused."""
+
+import pytest
+import torch
+
+from meshkd.core.fused_output import chunk_answer, fused_output_loss
+from meshkd.core.logits_codec import encode_teacher_logits
+from meshkd.core.loss import DIVERGENCES, cross_entropy_loss, kd_loss_encoded
+
+VOCAB, WIDTH = 300, 24
+
+
+def objective_of(answer, labels, *, divergence="forward_kl", temperature=2.0, kd_ratio=0.5):
+    """(1 - r) CE + r KD of a micro-batch, as a function of a chunk of its logits (and the whole-logits form)."""
+    norm = (labels != -100).sum()
+    flat = labels.reshape(-1)
+
+    def loss(logits, answer, labels):
+        ce = cross_entropy_loss(logits, labels, num_valid_tokens=norm, chunk_size=logits.shape[0])
+        kd = kd_loss_encoded(logits, answer, labels, temperature=temperature, num_valid_tokens=norm,
+                             chunk_size=logits.shape[0], divergence=divergence)
+        return (1 - kd_ratio) * ce + kd_ratio * kd
+
+    def on_chunk(logits, tokens):
+        return loss(logits, chunk_answer(answer, tokens, tuple(labels.shape)), flat[tokens])
+
+    return on_chunk, loss
+
+
+def case(seed: int, mode: str, *, tied: bool = False, bias: bool = False):
+    torch.manual_seed(seed)
+    hidden = torch.randn(2, 37, WIDTH, requires_grad=True)
+    weight = torch.randn(VOCAB, WIDTH, requires_grad=True)
+    b = torch.randn(VOCAB, requires_grad=True) if bias else None
+    labels = torch.randint(0, VOCAB, (2, 37))
+    labels[0, :5] = -100
+    teacher = torch.randn(2, 37, VOCAB) * 3
+    answer = encode_teacher_logits(teacher, "topk" if mode.startswith("topk") else mode, k=16, temperature=2.0,
+                                   tail_samples=8 if mode == "topk_tail" else 0, seed=1)
+    return hidden, weight, b, labels, answer
+
+
+@pytest.mark.parametrize("mode, divergence", [("full", d) for d in DIVERGENCES] + [
+    ("full_bf16", "forward_kl"), ("topk", "forward_kl"), ("topk_tail", "forward_kl")])
+def test_loss_and_gradients_equal_the_unfused_path(mode, divergence):
+    hidden, weight, _, labels, answer = case(0, mode)
+    on_chunk, loss = objective_of(answer, labels, divergence=divergence)
+    expected = loss((hidden @ weight.T).reshape(-1, VOCAB), answer if mode.startswith("full") and False else
+                    chunk_answer(answer, slice(None), tuple(labels.shape)), labels.reshape(-1))
+    grads = torch.autograd.grad(expected, (hidden, weight))
+    for chunk_size in (7, 16, 74, 1000):
+        got = fused_output_loss(hidden, weight, on_chunk, chunk_size=chunk_size)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for mine, theirs in zip(torch.autograd.grad(got, (hidden, weight)), grads):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tied_weight_and_a_bias_get_the_unfused_gradients():
+    """A weight shared with the input embeddings gets both uses' gradients; a bias its own."""
+    hidden, weight, bias, labels, answer = case(1, "topk_tail", bias=True)
+    ids = torch.randint(0, VOCAB, (2, 37))
+    on_chunk, loss = objective_of(answer, labels)
+
+    def total(fused: bool):
+        h = hidden + weight[ids]  # the embedding lookup reads the same weight
+        if fused:
+            return fused_output_loss(h, weight, on_chunk, chunk_size=10, bias=bias)
+        logits = (h @ weight.T + bias).reshape(-1, VOCAB)
+        return loss(logits, chunk_answer(answer, slice(None), tuple(labels.shape)), labels.reshape(-1))
+
+    expected = total(False)
+    grads = torch.autograd.grad(expected, (hidden, weight, bias))
+    got = total(True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(torch.autograd.grad(got, (hidden, weight, bias)), grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_without_gradients_only_the_value_and_bad_inputs_refused():
+    hidden, weight, _, labels, answer = case(2, "full")
+    on_chunk, loss = objective_of(answer, labels)
+    with torch.no_grad():
+        value = fused_output_loss(hidden, weight, on_chunk, chunk_size=9)
+    assert not value.requires_grad
+    expected = loss((hidden @ weight.T).reshape(-1, VOCAB), chunk_answer(answer, slice(None), tuple(labels.shape)),
+                    labels.reshape(-1))
+    torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"chunk_size must be >= 1, got 0"):
+        fused_output_loss(hidden, weight, on_chunk, chunk_size=0)
+    with pytest.raises(ValueError, match=r"hidden states of width 24 do not fit an output weight \(300, 23\)"):
+        fused_output_loss(hidden, weight[:, :23], on_chunk)

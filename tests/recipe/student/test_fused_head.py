@@ -1,0 +1,123 @@
+"""`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
+loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
+dp 2 student under FSDP2 and CE alone; where it does not apply, the step computes whole logits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.recipe.lifecycle.test_recipe import TrainRun
+from tests.recipe.teacher.test_teacher_cache import COMPACT, TOPK, train_records
+from tests.tiny import base_config, with_layout
+from tests.world import run_world
+
+pytestmark = pytest.mark.world
+
+CASES = {"full": ({}, {}), "topk": (TOPK, {}), "compact": (COMPACT, {}), "tied": (TOPK, {"tie_word_embeddings": True}),
+         "ce_only": ({"kd_ratio": 0.0}, {}), "reverse_kl": ({"divergence": "reverse_kl"}, {})}
+
+
+def runs_of(tmp, world: int, student: dict) -> dict[str, dict]:
+    base = base_config(tmp)
+    runs = {}
+    for name, (kd, model) in CASES.items():
+        for fused in (True, False):
+            config = with_layout(base, student, None)
+            config["kd"].update(kd, fused_output_loss=fused, chunk_size=16)  # several chunks a micro-batch
+            config["model"]["random_init"].update(model)
+            config["logging"]["run_dir"] = str(tmp / f"{name}_{'fused' if fused else 'whole'}")
+            runs[f"{name}_{'fused' if fused else 'whole'}"] = config
+    return runs
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    runs = runs_of(tmp_path_factory.mktemp("fused"), 1, {"dp_size": 1})
+    dp2 = runs_of(tmp_path_factory.mktemp("fused_dp2"), 2, {"dp_size": 2})
+    results = run_world(1, [_named(TrainRun(config), name) for name, config in runs.items()], timeout_s=60,
+                        deadline_s=600)
+    for name in runs:
+        results.check(name)
+    chosen = {name: dp2[name] for name in ("topk_fused", "topk_whole")}
+    results = run_world(2, [_named(TrainRun(config), f"dp2_{name}") for name, config in chosen.items()],
+                        timeout_s=60, deadline_s=300)
+    for name in chosen:
+        results.check(f"dp2_{name}")
+    return runs | {f"dp2_{name}": config for name, config in chosen.items()}
+
+
+def _named(check, name: str):
+    check.__name__ = name
+    return check
+
+
+@pytest.mark.parametrize("case", [*CASES, "dp2"])
+def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case):
+    prefix, name = ("dp2_", "topk") if case == "dp2" else ("", case)
+    fused, whole = (train_records(one_rank[f"{prefix}{name}_{kind}"]) for kind in ("fused", "whole"))
+    assert [(r["kind"], r["step"]) for r in fused] == [(r["kind"], r["step"]) for r in whole]
+    assert [sorted(r) for r in fused] == [sorted(r) for r in whole]
+    for record, reference in zip(fused, whole):
+        for key, value in reference.items():
+            if isinstance(value, float) and key != "grad_norm" and not key.endswith("perplexity"):
+                assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, record, reference)
+            elif isinstance(value, float):
+                assert record[key] == pytest.approx(value, rel=1e-4), (key, record, reference)
+
+
+def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
+    """`FusedHead.of`: a plain float32 student gets one; a pipelined, tp 2 or cp 2 student, a bfloat16 one, a model
+    that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing` the model's logits are
+    a stride-0 view of the loss: no [tokens, vocab] tensor exists."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from meshkd.recipe.settings.config import ConfigError
+    from meshkd.recipe.settings.config_loading import config_from_dict
+    from meshkd.recipe.student.fused_head import FusedHead
+    from meshkd.recipe.teacher.teacher_answers import LossContext
+    from tests.tiny import tiny_llama_model
+
+    config = config_from_dict(base_config_for_check(tmp_path))
+    ce_only = config_from_dict(base_config_for_check(tmp_path, kd_ratio=0.0))
+    plain = SimpleNamespace(tp_size=1, cp_size=1)
+    model = tiny_llama_model(vocab=262)
+    assert FusedHead.of(model, config, plain, None, 262) is not None
+    head = FusedHead.of(model, ce_only, plain, None, 262)
+    for setup, pipeline in ((SimpleNamespace(tp_size=2, cp_size=1), None), (SimpleNamespace(tp_size=1, cp_size=2),
+                                                                            None), (plain, object())):
+        assert FusedHead.of(model, config, setup, pipeline, 262) is None
+    for change in ({"model": {"dtype": "bfloat16"}}, {"kd": {"fused_output_loss": False}}):
+        changed = base_config_for_check(tmp_path)
+        for section, values in change.items():
+            changed[section].update(values)
+        assert FusedHead.of(model, config_from_dict(changed), plain, None, 262) is None
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=262, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert FusedHead.of(gemma, config, plain, None, 262) is None
+    granite = GraniteForCausalLM(GraniteConfig(vocab_size=262, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    assert FusedHead.of(granite, config, plain, None, 262) is None  # its logits are divided by logits_scaling
+    ids = torch.randint(0, 262, (2, 16))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(16).repeat(2, 1),
+             "attention_mask": torch.ones(2, 16, dtype=torch.int64)}
+    with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
+        logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+    assert tuple(logits.shape) == (2, 16, 262) and logits.stride() == (0, 0, 0)
+    head.loss_of(logits).backward()
+    assert model.lm_head.weight.grad is not None and float(head.values["ce_loss"]) > 0
+    assert "forward" not in vars(model.lm_head)  # the head's own forward is back
+    # A model that changes what its head returned is stopped, naming the key.
+    with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
+        scaled = model(input_ids=ids, position_ids=batch["position_ids"]).logits / 2
+    with pytest.raises(ConfigError, match=r"kd.fused_output_loss: LlamaForCausalLM changes its logits after its "
+                                          r"output layer.*set kd.fused_output_loss: false"):
+        head.loss_of(scaled)
+
+
+def base_config_for_check(tmp_path, **kd) -> dict:
+    config = base_config(tmp_path)
+    config["kd"].update(kd)
+    return config
