@@ -856,9 +856,9 @@ class SkipNonFiniteSteps:
         micro_batch_loss, calls = TrainStep.micro_batch_loss, []
         nan_steps = {2}
 
-        def poisoned(step_of, *args):
+        def poisoned(step_of, *args, **kwargs):
             calls.append(args)
-            loss, values = micro_batch_loss(step_of, *args)
+            loss, values = micro_batch_loss(step_of, *args, **kwargs)
             step = (len(calls) - 1) // step_of.num_micro_batches + 1
             return (loss * float("nan"), values) if step in nan_steps else (loss, values)
 
@@ -941,11 +941,11 @@ class FailOnStudentRankOne:
         owner = self.owner or TrainStep
         original, calls = getattr(owner, self.method), []
 
-        def failing(instance, *args):
+        def failing(instance, *args, **kwargs):
             calls.append(args)
             if dist.get_rank() == 1 and len(calls) == self.call:
                 raise RuntimeError(self.message)
-            return original(instance, *args)
+            return original(instance, *args, **kwargs)
 
         setattr(owner, self.method, failing)  # this process only: the check ends it
         if dist.get_rank() == 1:
