@@ -14,13 +14,15 @@ For each size:
   the ratio of their throughputs (target >= 0.8);
 - a rank's start: a fresh process opens the prepared store as a training rank does and draws step 0's batch;
   its peak resident memory (VmHWM) and the seconds from opening to the batch (after imports and the tokenizer);
-  the in-memory path's peak beside it at the smallest size. Targets: peak within 10% from the smallest to the
-  largest size; at most 5 s to the first batch at the largest.
+  at the smallest size beside it the in-memory packing's peak and, with no data key set (the store in
+  $MESHKD_CACHE), the first run's (which writes the store) and the second's. Targets: peak within 10% from the
+  smallest to the largest size; at most 5 s to the first batch at the largest.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -101,8 +103,9 @@ print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "rows": len(train
 """
 
 
-def _python(code: str, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+def _python(code: str, *args: str, env: dict | None = None) -> dict:
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False,
+                            env=env)
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -136,6 +139,10 @@ def run_section(quick: bool) -> dict:
                    "rank_peak_mib": rank["peak_mib"], "first_batch_s": rank["seconds"], "rows": rank["rows"]}
             if size == sizes[0]:
                 row["in_memory_peak_mib"] = _python(_RANK, str(config), "memory")["peak_mib"]
+                # No data key set: the store in $MESHKD_CACHE, written by the first run, read by the second.
+                env = {**os.environ, "MESHKD_CACHE": str(root / "cache")}
+                row["no_key_first_peak_mib"], row["no_key_second_peak_mib"] = (
+                    _python(_RANK, str(config), "default", env=env)["peak_mib"] for _ in range(2))
             rows.append(row)
             print(f"meshkd bench data: {json.dumps(row)}", flush=True)
             for path in corpus.iterdir():
@@ -154,6 +161,8 @@ def report(result: dict) -> str:
         f"prepare time (the packing plan included); a rank's peak and time to its first batch from the prepared "
         f"store",
         ["text GB", "tokens", "store MiB", "prepare s", "baseline s", "ratio", "rank peak MiB", "first batch s",
-         "in-memory peak MiB"],
+         "in-memory peak MiB", "no key: 1st / 2nd run MiB"],
         [[r["text_gb"], r["tokens"], r["store_mib"], r["prepare_s"], r["baseline_s"], r["throughput_ratio"],
-          r["rank_peak_mib"], r["first_batch_s"], r.get("in_memory_peak_mib", "")] for r in result["rows"]])
+          r["rank_peak_mib"], r["first_batch_s"], r.get("in_memory_peak_mib", ""),
+          f"{r['no_key_first_peak_mib']:.0f} / {r['no_key_second_peak_mib']:.0f}" if "no_key_first_peak_mib" in r
+          else ""] for r in result["rows"]])
