@@ -63,40 +63,58 @@ OUTPUT_VOCAB, OUTPUT_WIDTH = 151936, 896  # Qwen2.5-0.5B's vocabulary and width
 def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
     """Run in a fresh process: peak bytes above the inputs of one micro-batch's output layer, CE and KD against a
     top-64 + 32 tail answer (0.5 each), forward and backward, by whole logits ("whole": hidden @ W^T, then the
-    chunked losses) or fused ("fused"), and its seconds."""
+    chunked losses) or fused ("fused"), and its seconds. On CUDA the pass runs once to warm up (kernels, cuBLAS
+    workspace) and the second is measured."""
     import time
 
     from meshkd.core.fused_output import chunk_answer, fused_output_loss
     from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     generator = torch.Generator().manual_seed(0)
     vocab, k, m = OUTPUT_VOCAB, 64, 32
-    hidden = torch.randn(tokens, OUTPUT_WIDTH, generator=generator, requires_grad=True)
-    weight = (torch.randn(vocab, OUTPUT_WIDTH, generator=generator) * 0.02).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    hidden = torch.randn(tokens, OUTPUT_WIDTH, generator=generator).to(device).requires_grad_()
+    weight = (torch.randn(vocab, OUTPUT_WIDTH, generator=generator) * 0.02).to(device).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
     spread = (torch.arange(k + m) * 1500 + torch.randint(0, vocab, (tokens, 1), generator=generator)) % vocab
     mass = torch.randn(tokens, k + 1, generator=generator).mul(3).log_softmax(-1)
     top = mass[:, :k].sort(dim=-1, descending=True).values
     answer = {"mode": "topk", "temperature": 1.0, "log_probs": top, "indices": spread[:, :k].to(torch.int32),
               "tail_log_prob": mass[:, k], "tail_indices": spread[:, k:].to(torch.int32),
               "tail_log_probs": (mass[:, k:] - math.log(m)).expand(-1, m).contiguous()}
+    answer = {key: value.to(device) if torch.is_tensor(value) else value for key, value in answer.items()}
 
     def objective(logits, tokens_of, cut=lambda a: a):
         ce = cross_entropy_loss(logits, labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
         kd = kd_loss_encoded(logits, cut(answer), labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
         return 0.5 * ce + 0.5 * kd
 
-    Path("/proc/self/clear_refs").write_text("5")
-    base = status_kib("VmRSS") * 1024
-    started = time.perf_counter()
-    if kind == "whole":
-        loss = objective(hidden @ weight.T, slice(None))
+    def one_pass():
+        if kind == "whole":
+            loss = objective(hidden @ weight.T, slice(None))
+        else:
+            loss = fused_output_loss(hidden, weight, lambda logits, cut: objective(
+                logits, cut, lambda a: chunk_answer(a, cut, (tokens,))), chunk_size=chunk_size)
+        loss.backward()
+        return loss
+
+    if cuda:
+        one_pass()
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     else:
-        loss = fused_output_loss(hidden, weight, lambda logits, cut: objective(
-            logits, cut, lambda a: chunk_answer(a, cut, (tokens,))), chunk_size=chunk_size)
-    loss.backward()
-    return {"peak_bytes": status_kib("VmHWM") * 1024 - base, "seconds": time.perf_counter() - started,
-            "value": float(loss.detach())}
+        Path("/proc/self/clear_refs").write_text("5")
+        base = status_kib("VmRSS") * 1024
+    started = time.perf_counter()
+    loss = one_pass()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if cuda else status_kib("VmHWM") * 1024
+    return {"peak_bytes": peak - base, "seconds": seconds, "value": float(loss.detach())}
 
 
 def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 1024) -> list[dict]:
