@@ -68,7 +68,8 @@ def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
     import time
 
     from meshkd.core.fused_output import chunk_answer, fused_output_loss
-    from meshkd.core.loss import cross_entropy_loss, kd_loss_encoded
+    from meshkd.core.logits_codec import kd_loss_encoded
+    from meshkd.core.loss import cross_entropy_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -42,9 +42,8 @@ _STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 la
 
 def measure(settings: dict) -> dict:
     """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
-    from meshkd.core.compact_topk import pack_topk, unpack_topk
-    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes
-    from meshkd.core.loss import kd_loss_encoded
+    from meshkd.core.encodings.compact import pack_topk, unpack_topk
+    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes, kd_loss_encoded
     from meshkd.recipe.modeling import models
 
     source = models.demo_teacher_source()

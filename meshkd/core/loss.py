@@ -11,8 +11,8 @@ API:
   KL(p_s || (1 - alpha) * p_t + alpha * p_s), and the total variation distance 1/2 * sum |p_t - p_s|.
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
-- `kd_loss_encoded(student_logits, teacher, labels, ...)`: `kd_loss` against teacher logits in a
-  transport encoding (`meshkd.core.logits_codec`: full, full_bf16, or top-k with a tail bucket).
+- `kd_loss_topk(student_logits, teacher, labels, ...)`: forward KL against a top-k answer with its tail
+  (`meshkd.core.encodings.topk`); `meshkd.core.logits_codec.kd_loss_encoded` takes an answer of any encoding.
 - `kd_objective(ce, kd, kd_ratio)`: (1 - kd_ratio) * ce + kd_ratio * kd.
 - `top1_agreements(student_logits, teacher_top, labels, *, ignore_index=-100)`: how many valid positions have
   the teacher's likeliest token as the student's likeliest (an evaluation figure, no gradient).
@@ -64,7 +64,6 @@ from meshkd.core.chunked_loss import (
     student_weighted_chunk,
     token_normalizer,
 )
-from meshkd.core.logits_codec import check_encoded_logits
 
 _TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
@@ -153,12 +152,9 @@ def kd_loss(
     return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, compute_dtype)
 
 
-def check_divergence(divergence: str, jsd_beta: float, logits_transport: str = "full", *,
-                     skew_alpha: float = 0.1) -> None:
-    """ValueError for an unknown divergence, a JSD beta or skew alpha outside (0, 1), or a divergence the
-    transport cannot carry: every divergence but forward KL weighs vocab entries by the student's probability
-    (or compares the two distributions entry by entry), so it needs the teacher's whole distribution, which
-    top-k with a tail does not keep."""
+def check_divergence(divergence: str, jsd_beta: float, *, skew_alpha: float = 0.1) -> None:
+    """ValueError for an unknown divergence, or a JSD beta or skew alpha outside (0, 1). (Which divergences an
+    answer encoding carries: `AnswerEncoding.check_divergence`.)"""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
@@ -167,12 +163,9 @@ def check_divergence(divergence: str, jsd_beta: float, logits_transport: str = "
     if divergence.startswith("skew_") and not 0.0 < skew_alpha < 1.0:
         raise ValueError(f"skew_alpha must lie strictly between 0 and 1, got {skew_alpha} (alpha 0 is the plain "
                          "KL, alpha 1 gives 0)")
-    if divergence != "forward_kl" and logits_transport == "topk":
-        raise ValueError(f"divergence {divergence} needs the teacher's whole distribution: use logits transport "
-                         "full or full_bf16 (topk keeps k tokens and a tail and combines with forward_kl only)")
 
 
-def kd_loss_encoded(
+def kd_loss_topk(
     student_logits: Tensor,
     teacher: dict,
     labels: Tensor,
@@ -181,42 +174,22 @@ def kd_loss_encoded(
     ignore_index: int = -100,
     num_valid_tokens: int | Tensor | None = None,
     chunk_size: int | None = None,
-    divergence: str = "forward_kl",
-    jsd_beta: float = 0.5,
-    skew_alpha: float = 0.1,
-    check_indices: bool = True,
 ) -> Tensor:
-    """`kd_loss` against teacher logits in a transport encoding (`meshkd.core.logits_codec`).
-
-    "full" and "full_bf16" are `kd_loss` on the logits they carry. "topk" is the KL over the teacher's k
-    tokens plus its tail (a rest bucket, or sampled tail tokens; see `meshkd.core.logits_codec`), times
-    T^2, with the same conventions and the same three paths as `kd_loss`: plain (autograd, the
-    reference), chunked, and vocab-parallel for a student DTensor sharded on the vocab dim (each rank
-    reads the entries it owns; one MAX and one SUM all-reduce per chunk, the full vocabulary never
-    gathered).
+    """Forward KL against a checked top-k answer (`meshkd.core.encodings.topk`): the KL over the teacher's k
+    tokens plus its tail (a rest bucket, or sampled tail tokens), times T^2, with the same conventions and the
+    same three paths as `kd_loss`: plain (autograd, the reference), chunked, and vocab-parallel for a student
+    DTensor sharded on the vocab dim (each rank reads the entries it owns; one MAX and one SUM all-reduce per
+    chunk, the full vocabulary never gathered). The chunked and vocab-parallel paths read only indices in
+    range, so wrong indices give a wrong value, never an out-of-bounds read.
 
     Args:
         student_logits: [batch, sequence, vocab] or [tokens, vocab], or a vocab-sharded DTensor.
-        teacher: the encoding, as `send_logits` delivers it; validated against the student's global shape.
+        teacher: the answer, its fields checked (`meshkd.core.logits_codec.check_encoded_logits`).
         labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
-        temperature: T > 0; a "topk" encoding must have been made at the same temperature.
-        divergence, jsd_beta, skew_alpha: as for `kd_loss`; "topk" combines with "forward_kl" only
-            (`check_divergence`).
-        check_indices: False leaves the check of the top-k index values to the caller (`check_encoded_logits`),
-            which the chunked and vocab-parallel paths allow: they read only the entries in range, so wrong
-            indices give a wrong value, never an out-of-bounds read. The plain path always checks.
+        temperature: T > 0, the temperature the answer was made at.
     """
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    plain = chunk_size is None and not isinstance(student_logits, DTensor)
-    mode = check_encoded_logits(teacher, student_logits.shape, check_indices=check_indices or plain)
-    check_divergence(divergence, jsd_beta, mode, skew_alpha=skew_alpha)
-    if mode != "topk":
-        return kd_loss(
-            student_logits, teacher["logits"], labels, temperature=temperature, ignore_index=ignore_index,
-            num_valid_tokens=num_valid_tokens, chunk_size=chunk_size, divergence=divergence, jsd_beta=jsd_beta,
-            skew_alpha=skew_alpha,
-        )  # fmt: skip
     if not math.isclose(teacher["temperature"], temperature, rel_tol=1e-9):
         raise ValueError(
             f"the topk teacher logits were encoded at temperature {teacher['temperature']}, the loss asks for "

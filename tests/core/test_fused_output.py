@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from meshkd.core.fused_output import chunk_answer, fused_output_loss
-from meshkd.core.logits_codec import encode_teacher_logits
-from meshkd.core.loss import DIVERGENCES, cross_entropy_loss, kd_loss_encoded
+from meshkd.core.logits_codec import encode_teacher_logits, kd_loss_encoded
+from meshkd.core.loss import DIVERGENCES, cross_entropy_loss
 
 VOCAB, WIDTH = 300, 24
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkd.core.logits_codec import encode_teacher_logits
-from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_loss_encoded, kd_objective, top1_agreements
+from meshkd.core.logits_codec import encode_teacher_logits, kd_loss_encoded
+from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective, top1_agreements
 from tests.world import world_test
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from meshkd.core import wire
-from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, label_log_probs
-from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_loss_encoded
+from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, kd_loss_encoded, label_log_probs
+from meshkd.core.loss import cross_entropy_loss, kd_loss
 from tests.gpu import CUDA
 from tests.trees import assert_same_tree, sample_batch
 

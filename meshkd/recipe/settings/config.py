@@ -100,7 +100,7 @@ class KDConfig:
     logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.core.logits_codec)
     topk: int = 64  # entries per token with logits_transport: topk
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
-    topk_encoding: str = "exact"  # exact | compact: top-k answers packed, values quantized (meshkd.core.compact_topk)
+    topk_encoding: str = "exact"  # exact | compact: top-k answers packed (meshkd.core.encodings.compact)
     fused_output_loss: bool = True  # the output layer applied inside the loss, chunk by chunk: no whole logits
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks

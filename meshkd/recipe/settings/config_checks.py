@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from meshkd.core.encodings import choices, selected
 from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
@@ -165,12 +166,11 @@ def check_kd(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
     if not (kd.temperature > 0 and math.isfinite(kd.temperature)):
         raise ConfigError(f"kd.temperature must be a finite number > 0, got {kd.temperature}")
-    if kd.logits_transport not in ("full", "full_bf16", "topk"):
-        raise ConfigError(f"kd.logits_transport must be full, full_bf16 or topk, got {kd.logits_transport!r}")
+    for key in ("logits_transport", "topk_encoding"):  # the values the registered answer encodings take
+        if getattr(kd, key) not in choices(key):
+            raise ConfigError(f"kd.{key} must be {' or '.join(choices(key))}, got {getattr(kd, key)!r}")
     if kd.topk < 1 or kd.topk_tail_samples < 0:
         raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
-    if kd.topk_encoding not in ("exact", "compact"):
-        raise ConfigError(f"kd.topk_encoding must be exact or compact, got {kd.topk_encoding!r}")
     if kd.topk_encoding == "compact" and config.teachers is None and kd.logits_transport != "topk":
         raise ConfigError(f"kd.topk_encoding: compact packs top-k answers; set kd.logits_transport: topk (got "
                           f"{kd.logits_transport!r})")
@@ -192,7 +192,8 @@ def check_on_policy(config: KDRecipeConfig) -> None:
     """The divergence, `kd.mode` and `kd.generation`: completions that fit a row, a live teacher to score them."""
     kd, generation = config.kd, config.kd.generation
     try:
-        check_divergence(kd.divergence, kd.jsd_beta, kd.logits_transport, skew_alpha=kd.skew_alpha)
+        check_divergence(kd.divergence, kd.jsd_beta, skew_alpha=kd.skew_alpha)
+        selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding).check_divergence(kd.divergence)
     except ValueError as error:
         raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.skew_alpha / kd.logits_transport: {error}") from None
     if kd.mode not in ("off_policy", "on_policy"):
@@ -372,10 +373,11 @@ def check_teachers(config: KDRecipeConfig) -> None:
     if kd.combine == "mixture":
         for teacher in config.teachers:
             transport = teacher.logits_transport or kd.logits_transport
-            if transport not in ("full", "full_bf16"):
+            if transport not in choices("logits_transport", whole_distribution=True):
                 raise ConfigError(f"kd.combine mixture mixes the teachers' whole distributions: "
-                                  f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be full "
-                                  f"or full_bf16, got {transport!r}")
+                                  f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be "
+                                  f"{' or '.join(choices('logits_transport', whole_distribution=True))}, got "
+                                  f"{transport!r}")
     if kd.teacher_cache is not None:
         raise ConfigError("kd.teacher_cache: with several teachers each has its own, teachers[i].cache")
     if kd.cross_tokenizer is not None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from meshkd.core import wire
+from meshkd.core.encodings import choices
 from meshkd.core.logits_codec import TEACHER_ANSWERS
 from meshkd.recipe.corpus.rows import BATCH_KEYS, GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_KEYS, TEACHER_POSITIONS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
@@ -166,8 +167,9 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
         raise ValueError(f"settings must hold exactly {list(SETTINGS_KEYS)}, got {given}")
     if settings["transport"] not in TEACHER_ANSWERS:
         raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(TEACHER_ANSWERS)}")
-    if settings["topk_encoding"] not in ("exact", "compact"):
-        raise ValueError(f"settings.topk_encoding must be exact or compact, got {settings['topk_encoding']!r}")
+    if settings["topk_encoding"] not in choices("topk_encoding"):
+        raise ValueError(f"settings.topk_encoding must be {' or '.join(choices('topk_encoding'))}, got "
+                         f"{settings['topk_encoding']!r}")
     cross = settings["cross_tokenizer_loss"]
     if cross not in (None, *CROSS_LOSSES):
         raise ValueError(f"settings.cross_tokenizer_loss must be null or one of {list(CROSS_LOSSES)}, got {cross!r}")

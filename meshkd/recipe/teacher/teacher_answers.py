@@ -10,7 +10,7 @@ pass them on. The classes here make them on the teacher's side and read them on 
     answer.kd_loss(logits, micro_batch, context, norm=n)  (the KD term, figures for the step's metrics)
     answer.label_log_probs(), answer.kl(...), answer.top1_agreements(...)   an evaluation's figures
 
-- `Distribution` ("full", "full_bf16", "topk"; `meshkd.core.logits_codec`'s encodings): the teacher's
+- `Distribution` (every answer encoding of `meshkd.core.encodings`): the teacher's
   distribution over the student's vocabulary at every position (a cross-tokenizer teacher's projected onto
   it: `kd.cross_tokenizer.loss: projection`); the divergence of `kd.divergence` at the positions KD counts
   (`kd_labels`). Asked `with_label_log_probs`, it carries each label's log-probability besides.
@@ -39,19 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-from meshkd.core.compact_topk import COMPACT, nbytes_per_token, pack_topk, unpack_topk
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
+from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
 from meshkd.core.fused_output import chunk_answer
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
     LOGITS_MODES,
     encode_teacher_rows,
+    kd_loss_encoded,
     label_log_probs,
     split_label_log_probs,
-    topk_index_errors,
-    topk_index_message,
 )
-from meshkd.core.loss import kd_loss_encoded
 from meshkd.core.loss import top1_agreements as _top1_agreements
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
 from meshkd.core.teacher_protocol import Encoded
@@ -118,8 +116,8 @@ class LossContext:
     counted once over the cp ranks' sum).
 
     `index_checks`: None, each top-k answer's index values are checked where its loss is computed (a host sync
-    each); a list, each top-k answer's check (`topk_index_errors`, a device flag) is appended to it instead, for
-    the caller to read with the step's other figures (`meshkd.recipe.student.train_step.TrainStep`)."""
+    each); a list, each top-k answer's check (`AnswerEncoding.index_errors`, a device flag) is appended to it
+    instead, for the caller to read with the step's other figures (`meshkd.recipe.student.train_step.TrainStep`)."""
 
     kd: KDConfig
     vocabulary_map: VocabularyMap | None = None
@@ -171,15 +169,18 @@ class Distribution(TeacherAnswer):
     """The teacher's distribution at every position: full logits, bfloat16 logits or top-k with its tail."""
 
     def __init__(self, wire: dict) -> None:
-        if wire.get("mode") == COMPACT:  # unpacked where the student takes it: everything after reads "topk"
-            packing = ("k", "tail_samples", "vocab", "packed")
-            wire = {**{key: value for key, value in wire.items() if key not in packing}, **unpack_topk(wire)}
+        wire = encoding_named(wire.get("mode")).decode(wire)  # a packed answer unpacked where the student takes it
         super().__init__(wire)
         # An evaluation's answer carries each label's log-probability beside the encoding (`with_label_log_probs`),
         # a training answer perhaps the teacher's hidden states (`with_hidden_states`).
         beside = ("label_log_probs", HIDDEN_STATES)
         self.encoding = wire if not any(key in wire for key in beside) else {
             key: value for key, value in wire.items() if key not in beside}
+
+    @property
+    def encoded_as(self) -> AnswerEncoding:
+        """The (decoded) answer's encoding."""
+        return ENCODINGS[self.wire["mode"]]
 
     @classmethod
     def encode(cls, logits, batch, transport, context):
@@ -192,36 +193,30 @@ class Distribution(TeacherAnswer):
         kd = context.kd
         mode, with_labels, _ = transport.partition("+")
         distribution = logits if kd.cross_tokenizer is None else cls.projected(logits, batch, context)
+        encoding = selected(logits_transport=mode, topk_encoding=kd.topk_encoding)
         # Only tail samples read their seeds: one host sync for the whole batch then, not one per row.
-        sampled = mode == "topk" and kd.topk_tail_samples > 0
+        sampled = encoding.seeded(tail_samples=kd.topk_tail_samples)
         seeds = [context.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()] if sampled else (
             [0] * batch["input_ids"].shape[0])
-        wire = encode_teacher_rows(distribution, mode, seeds=seeds, k=min(kd.topk, distribution.shape[-1]),
+        wire = encode_teacher_rows(distribution, encoding.name, seeds=seeds, k=min(kd.topk, distribution.shape[-1]),
                                    temperature=kd.temperature, tail_samples=kd.topk_tail_samples)
-        if mode == "topk" and kd.topk_encoding == "compact":
-            wire = pack_topk(wire, distribution.shape[-1])
         if with_labels:
             wire["label_log_probs"] = LabelLogProbs.encode(logits, batch, LABEL_LOG_PROBS, context)["log_probs"]
         return wire
 
     @staticmethod
     def settings(kd: KDConfig) -> dict:
-        """The keys besides the logits that `kd.logits_transport`'s encoding depends on (what a teacher cache
-        records): top-k's size, tail samples, temperature and, when compact, its encoding; none for full logits
-        (the loss applies T)."""
-        if kd.logits_transport != "topk":
-            return {}
-        return {"kd.topk": kd.topk, "kd.topk_tail_samples": kd.topk_tail_samples, "kd.temperature": kd.temperature,
-                **({"kd.topk_encoding": kd.topk_encoding} if kd.topk_encoding != "exact" else {})}
+        """The keys besides the logits that the encoding `kd` chooses depends on (`AnswerEncoding.settings_keys`,
+        what a teacher cache records): for top-k its size, tail samples, temperature and, when compact, its
+        encoding; none for full logits (the loss applies T)."""
+        return {f"kd.{key}": getattr(kd, key) for key in selected_encoding(kd).settings_keys}
 
     @staticmethod
     def nbytes_per_token(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:
-        """Bytes of `kd.logits_transport`'s encoding of one position; `logits_bytes`: a full logit's (`full`
-        keeps the teacher's dtype, `meshkd.core.logits_codec`)."""
-        k = min(kd.topk, vocab_size)
-        topk = (8 * k + 4 + 8 * kd.topk_tail_samples if kd.topk_encoding == "exact" else
-                nbytes_per_token(k, kd.topk_tail_samples, vocab_size))
-        return {"full": logits_bytes * vocab_size, "full_bf16": 2 * vocab_size, "topk": topk}[kd.logits_transport]
+        """Bytes of one position's answer in the encoding `kd` chooses; `logits_bytes`: a full logit's (`full`
+        keeps the teacher's dtype)."""
+        return selected_encoding(kd).nbytes_per_token(vocab_size, k=min(kd.topk, vocab_size),
+                                                      tail_samples=kd.topk_tail_samples, logits_bytes=logits_bytes)
 
     @staticmethod
     def projected(logits: torch.Tensor, batch: dict, context: EncodeContext) -> torch.Tensor:
@@ -240,7 +235,7 @@ class Distribution(TeacherAnswer):
     @property
     def carries_logits(self) -> bool:
         """Whether the answer holds the teacher's whole logits ("logits" [rows, sequence, vocab]), not its top-k."""
-        return self.wire["mode"] in ("full", "full_bf16")
+        return self.encoded_as.whole_distribution
 
     @property
     def rows(self) -> int:
@@ -258,14 +253,14 @@ class Distribution(TeacherAnswer):
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits). That kernel reads
         # only indices in range, so a deferred check of their values still comes before any update.
-        deferred = context.index_checks is not None and self.wire["mode"] == "topk"
+        deferred = context.index_checks is not None and self.encoded_as.has_indices
         loss = kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
                                ignore_index=kd.ignore_index, num_valid_tokens=norm,
                                chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
                                divergence=kd.divergence, jsd_beta=kd.jsd_beta, skew_alpha=kd.skew_alpha,
                                check_indices=not deferred)
         if deferred:
-            context.index_checks.append(topk_index_errors(self.encoding, logits.shape[-1]))
+            context.index_checks.append(self.encoded_as.index_errors(self.encoding, logits.shape[-1]))
         return loss
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
@@ -274,13 +269,14 @@ class Distribution(TeacherAnswer):
     def check_indices(self, context: LossContext, vocab_size: int) -> None:
         """A top-k answer's index check, once for a micro-batch whose loss runs in chunks (`chunk_divergence`):
         deferred into the step's reduction where the step gathers them (`LossContext.index_checks`), else now."""
-        if self.wire["mode"] != "topk":
+        encoding = self.encoded_as
+        if not encoding.has_indices:
             return
-        errors = topk_index_errors(self.encoding, vocab_size)
+        errors = encoding.index_errors(self.encoding, vocab_size)
         if context.index_checks is not None:
             context.index_checks.append(errors)
         elif bool(errors):
-            raise ValueError(topk_index_message(vocab_size))
+            raise ValueError(encoding.index_message(vocab_size))
 
     def chunk_divergence(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context: LossContext, *,
                          norm: float | torch.Tensor) -> torch.Tensor:
@@ -461,10 +457,13 @@ class Ensemble(TeacherAnswer):
         return loss, figures
 
 
-_TYPES: dict[str, type[TeacherAnswer]] = {"full": Distribution, "full_bf16": Distribution, "topk": Distribution,
-                                          COMPACT: Distribution,
-                                          GROUPS: GroupDistributions, LABEL_LOG_PROBS: LabelLogProbs,
-                                          TEACHERS: Ensemble}
+_TYPES: dict[str, type[TeacherAnswer]] = {**dict.fromkeys(ENCODINGS, Distribution), GROUPS: GroupDistributions,
+                                          LABEL_LOG_PROBS: LabelLogProbs, TEACHERS: Ensemble}
+
+
+def selected_encoding(kd: KDConfig) -> AnswerEncoding:
+    """The answer encoding `kd.logits_transport` and `kd.topk_encoding` choose (`meshkd.core.encodings.selected`)."""
+    return selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding)
 
 
 def answer_type(transport: str, kd: KDConfig) -> type[TeacherAnswer]:

@@ -1,5 +1,5 @@
-"""Compact top-k answers: a "topk" encoding (`meshkd.core.logits_codec`) packed into bytes a token, for the wire,
-the teacher cache and a served teacher (`kd.topk_encoding: compact`).
+"""Compact top-k answers, "topk_compact": a "topk" answer (`meshkd.core.encodings.topk`) packed into bytes a token,
+for the wire, the teacher cache and a served teacher (`kd.topk_encoding: compact`).
 
 Design. Every token takes the same number of bytes, so a batch's answer stays one tensor, [..., nbytes] uint8,
 that the bridge, the cache and a served teacher carry, slice and concatenate as any other field:
@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from meshkd.core.encodings.base import ENCODINGS, AnswerEncoding, register
+from meshkd.core.encodings.topk import TopK
 
 COMPACT = "topk_compact"
 TOP_STEP = 16.0
@@ -101,6 +104,45 @@ def unpack_topk(compact: dict[str, Any]) -> dict[str, Any]:
     return encoded
 
 
+@register
+class CompactTopK(AnswerEncoding):
+    name = COMPACT
+    selected_by = {"logits_transport": "topk", "topk_encoding": "compact"}
+    settings_keys = (*TopK.settings_keys, "topk_encoding")
+    has_indices = True
+
+    @property
+    def exact(self) -> TopK:
+        return ENCODINGS[TopK.name]
+
+    def encode(self, logits, **options):
+        return pack_topk(self.exact.encode(logits, **options), logits.shape[-1])
+
+    def seeded(self, *, tail_samples):
+        return self.exact.seeded(tail_samples=tail_samples)
+
+    def decode(self, answer):
+        """The "topk" answer it carries; besides it, fields other than the packing's (an evaluation's label
+        log-probabilities, a teacher's hidden states) are kept."""
+        packing = ("k", "tail_samples", "vocab", "packed")
+        return {**{key: value for key, value in answer.items() if key not in packing}, **unpack_topk(answer)}
+
+    def check(self, answer, shape, *, check_indices):
+        self.exact.check(self.decode(answer), shape, check_indices=check_indices)
+
+    def index_errors(self, answer, vocab):
+        return self.exact.index_errors(self.decode(answer), vocab)
+
+    def index_message(self, vocab):
+        return self.exact.index_message(vocab)
+
+    def nbytes_per_token(self, vocab, *, k, tail_samples, logits_bytes):
+        return nbytes_per_token(k, tail_samples, vocab)
+
+    def loss(self, student_logits, answer, labels, **options):
+        return self.exact.loss(student_logits, self.decode(answer), labels, **options)
+
+
 def _pack_bits(values: Tensor, bits: int) -> Tensor:
     """[tokens, entries] non-negative integers below 2^bits -> [tokens, ceil(entries * bits / 8)] uint8."""
     tokens, entries = values.shape
@@ -129,4 +171,4 @@ def _unpack_bits(packed: Tensor, entries: int, bits: int) -> Tensor:
     return out
 
 
-__all__ = ["COMPACT", "index_bits", "nbytes_per_token", "pack_topk", "unpack_topk"]
+__all__ = ["COMPACT", "CompactTopK", "index_bits", "nbytes_per_token", "pack_topk", "unpack_topk"]

@@ -1,4 +1,4 @@
-"""Compact top-k answers (`meshkd.core.compact_topk`): bytes a token, what decodes exactly, the decoded answer's
+"""Compact top-k answers (`meshkd.core.encodings.compact`): bytes a token, what decodes exactly, the decoded answer's
 KL to the exact one within the documented bound, the loss on the decoded answer, and malformed answers refused."""
 
 import math
@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from meshkd.core.compact_topk import COMPACT, nbytes_per_token, pack_topk, unpack_topk
-from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits
-from meshkd.core.loss import kd_loss_encoded
+from meshkd.core.encodings.compact import COMPACT, nbytes_per_token, pack_topk, unpack_topk
+from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, kd_loss_encoded
 
 BOUND = (1 / 32) ** 2 / 2  # the module docstring's second-order bound, nats a token
 
