@@ -57,6 +57,32 @@ def test_loss_and_gradients_equal_the_unfused_path(mode, divergence):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_in_bfloat16_compute_it_equals_the_output_layer_under_autocast(weights):
+    """`compute_dtype=torch.bfloat16` (a mixed-precision student, whose output layer autocast runs in bfloat16;
+    or one whose weights are bfloat16 themselves): the loss and the gradients of autocast's unfused path, up to
+    the rounding of the weight's gradient, which the fused path sums over chunks in float32."""
+    hidden, weight, _, labels, answer = case(2, "topk_tail")
+    weight = weight.detach().to(getattr(torch, weights)).requires_grad_()
+    on_chunk, loss = objective_of(answer, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = hidden @ weight.T
+    assert logits.dtype == torch.bfloat16
+    expected = loss(logits.float().reshape(-1, VOCAB), chunk_answer(answer, slice(None), tuple(labels.shape)),
+                    labels.reshape(-1))
+    grads = torch.autograd.grad(expected, (hidden, weight))
+    for chunk_size in (7, 1000):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as in the student's forward: turned off inside
+            got = fused_output_loss(hidden, weight, on_chunk, chunk_size=chunk_size, compute_dtype=torch.bfloat16)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        mine = torch.autograd.grad(got, (hidden, weight))
+        assert [g.dtype for g in mine] == [g.dtype for g in grads]
+        torch.testing.assert_close(mine[0], grads[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine[1].float(), grads[1].float(), rtol=2e-2, atol=2e-3)
+    float32 = fused_output_loss(hidden, weight, on_chunk, chunk_size=7)
+    assert abs(float(float32.detach()) - float(expected.detach())) > 1e-5  # the bfloat16 rounding is matched
+
+
 def test_a_tied_weight_and_a_bias_get_the_unfused_gradients():
     """A weight shared with the input embeddings gets both uses' gradients; a bias its own."""
     hidden, weight, bias, labels, answer = case(1, "topk_tail", bias=True)

@@ -7,12 +7,13 @@ the logits' shape (a stride-0 view: nothing of [tokens, vocab] is allocated). Th
 `.logits`; the step backpropagates from one of its entries, through the model's outputs, so FSDP2's and DDP's
 backward hooks run as for whole logits. The CE and KD values are kept for the step's metrics.
 
-It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is
-not pipelined, tp 1 (a vocab-parallel head's logits are sharded), cp 1, float32 compute (`model.dtype`), and a
-model that does not transform its logits after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's
-scaling, Cohere's scale; a model that does anyway is stopped at its first step, naming the key); and
-per micro-batch to a teacher's distribution (`Distribution`: full, full_bf16, top-k, compact) or no teacher
-(`kd.kd_ratio: 0`). Elsewhere the step computes whole logits as before.
+It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is not
+pipelined, tp 1 (a vocab-parallel head's logits are sharded), cp 1, and a model that does not transform its logits
+after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does
+anyway is stopped at its first step, naming the key); and per micro-batch to a teacher's distribution
+(`Distribution`: full, full_bf16, top-k, compact) or no teacher (`kd.kd_ratio: 0`). Elsewhere the step computes
+whole logits as before. In a `model.dtype` other than float32 (mixed precision, or half-precision weights) the
+chunks' matmuls run in that dtype, as autocast runs the output layer (`fused_output_loss`'s `compute_dtype`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from meshkd.core.fused_output import fused_output_loss
 from meshkd.core.loss import cross_entropy_loss, kd_objective
+from meshkd.recipe.modeling.models import resolve_dtype
 from meshkd.recipe.teacher.teacher_answers import Distribution, LossContext, TeacherAnswer
 
 DEFAULT_CHUNK = 1024
@@ -34,8 +36,10 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", 
 class FusedHead:
     """The output layer of a laid-out student, swapped for one micro-batch at a time (see the module docstring)."""
 
-    def __init__(self, head: torch.nn.Module, *, kd, vocab_size: int, model_name: str = "the student") -> None:
+    def __init__(self, head: torch.nn.Module, *, kd, vocab_size: int, model_name: str = "the student",
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         self.head, self.kd, self.vocab_size, self.model_name = head, kd, vocab_size, model_name
+        self.compute_dtype = compute_dtype
         self.values: dict[str, torch.Tensor] = {}
         self._returned: torch.Tensor | None = None
 
@@ -47,9 +51,10 @@ class FusedHead:
         transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
                          for where in (causal_lm.config, causal_lm))
         if (not config.kd.fused_output_loss or pipeline is not None or setup.tp_size > 1 or setup.cp_size > 1
-                or config.model.dtype != "float32" or transforms or not isinstance(head, torch.nn.Linear)):
+                or transforms or not isinstance(head, torch.nn.Linear)):
             return None
-        return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__)
+        return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__,
+                   compute_dtype=resolve_dtype(config.model.dtype))
 
     def applies(self, answer: TeacherAnswer | None) -> bool:
         return answer is None or type(answer) is Distribution
@@ -79,7 +84,7 @@ class FusedHead:
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             loss = fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
-                                     chunk_size=kd.chunk_size or DEFAULT_CHUNK)
+                                     chunk_size=kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
             self._returned = loss.view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
             return self._returned
 

@@ -101,3 +101,14 @@ def test_each_row_gives_the_real_defaults(cell, defaults):
     for (name, item), value in zip(keys, values):
         assert value == "-" or yaml.safe_load(value) == _default(item), f"{name}: default {_default(item)!r}, " \
                                                                        f"the table says {value!r}"
+
+
+@pytest.mark.parametrize("key", ["logits_transport", "topk_encoding"])
+def test_the_reference_names_every_value_a_registered_answer_encoding_takes(key):
+    from meshkd.core.encodings import choices
+
+    text = REFERENCE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| `kd.{key}`"))
+    default = row.split(" | ")[1]
+    missing = [value for value in choices(key) if f"`{value}`" not in row and value != default]
+    assert not missing, f"docs/configuration.md's kd.{key} row does not name {missing}"
