@@ -52,19 +52,14 @@ class StudentTrainer:
 
     def __init__(self, config: KDRecipeConfig, setups: TeacherSetups, faults: FaultWatch,
                  device: torch.device, stop: StopRequest) -> None:
-        self.config = config
-        self.setups = setups
-        self.setup = setups.student
-        self.faults = faults
-        self.device = device
+        self.config, self.setups, self.setup, self.faults, self.device = config, setups, setups.student, faults, device
         self._stop = stop
         self.run_dir = Path(config.logging.run_dir)
         self.checkpoint_root = Path(config.checkpoint.dir or self.run_dir / "checkpoints")
         self.dp_size, self.dp_rank = self.setup.dp_size, self.setup.dp_mesh.get_local_rank()
         steps = config.step_scheduler
         self.num_micro_batches = steps.global_batch_size // (steps.local_batch_size * self.dp_size)
-        self.summary: dict = {}
-        self.start_step = 0
+        self.summary, self.start_step = {}, 0
         self.skipped_steps = 0  # non-finite steps skipped since this process started (kd.on_nonfinite)
         self.metrics: MetricsSink | None = None
         # For the end-of-run report: counted from here, in this process.
@@ -142,6 +137,7 @@ class StudentTrainer:
     def _setup_step(self) -> None:
         """The training step (on-policy: wrapped in the completions' step) and the evaluations."""
         config = self.config
+        fused_head = FusedHead.of(self.model, config, self.setup, self.pipeline, self.vocab_size)
         self.step = TrainStep(model=self.model, pipeline=self.pipeline, optimizer=self.optimizer,
                               scheduler=self.scheduler, setup=self.setup, kd=config.kd, vocab_size=self.vocab_size,
                               num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
@@ -150,7 +146,7 @@ class StudentTrainer:
                               teacher_weights=config.teacher_weights(),
                               hidden_states=self.hidden_states, group=self.student_group,
                               stop_requested=self._stop.requested,
-                              fused_head=FusedHead.of(self.model, config, self.setup, self.pipeline, self.vocab_size))
+                              fused_head=fused_head)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         # The same for every teacher: each vocabulary entry's bytes, counted once.
@@ -166,7 +162,7 @@ class StudentTrainer:
                               vocab_size=self.vocab_size, teacher_role=TeacherSetups.role(name),
                               # a teacher read from its cache (a CachedTeacher) answers in what the cache holds
                               validation_answer=teacher.answer_mode("validation") if name in self._manifests
-                              else None)
+                              else None, fused_head=fused_head)
 
         self.evaluation = TeachersEvaluation.of(
             {name: evaluation(name, source) for name, source in self.teacher_sources.items()},

@@ -31,6 +31,9 @@ batch each (`step_scheduler.val_batches` bounds them). The periodic ones (`val_e
 student's figures only: they run between steps while a prefetching teacher feed may already be asking for
 the next step's micro-batches on the bridge, and they stay as cheap as the student's forward.
 
+Where the training's output layer is fused with its loss (`kd.fused_output_loss`), the held-out sums are made
+through it too, chunk by chunk (`FusedHead.evaluating`): the [tokens, vocab] logits are never whole there either.
+
 `samples` scores the student's greedy completions of the validation prompts by the teacher; `first` is
 step 0's evaluation, which a resumed run reads back from its run directory instead of computing it again.
 Every student rank takes part: sums over the dp and cp ranks, and from a pipelined student's last stage to
@@ -59,9 +62,10 @@ from meshkd.recipe.common.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.corpus.batches import eval_batches, to_device
 from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks
-from meshkd.recipe.teacher.teacher_answers import Distribution, TeacherAnswer, answer_class, answer_of
+from meshkd.recipe.teacher.teacher_answers import Cut, Distribution, TeacherAnswer, answer_class, answer_of
 
 
 def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
@@ -102,6 +106,8 @@ class Evaluation:
         teacher_role: how a lost teacher is named (one of several: `TeacherSetups.role`).
         validation_answer: the one encoding the teacher answers validation rows in (a teacher cache's), where
             it cannot answer in others; None: the one asked.
+        fused_head: the training's fused output layer (`FusedHead.of`), through which the held-out figures are
+            summed chunk by chunk too (None: from whole logits).
     """
 
     def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, model: torch.nn.Module,
@@ -109,14 +115,15 @@ class Evaluation:
                  completions: Callable[[], StudentCompletions], watch: Callable[[str, str], Any],
                  group: dist.ProcessGroup | None, device: torch.device, byte_lengths: torch.Tensor,
                  vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None,
-                 teacher_role: str = "teacher", validation_answer: str | None = None) -> None:
+                 teacher_role: str = "teacher", validation_answer: str | None = None,
+                 fused_head: FusedHead | None = None) -> None:
         self.config, self.setup, self.model, self.pipeline, self.teacher = config, setup, model, pipeline, teacher
         self.val_set, self.val_prompts, self.completions = val_set, val_prompts, completions
         self.watch, self.group, self.device, self.teacher_role = watch, group, device, teacher_role
         self.byte_lengths, self.vocab_size = byte_lengths.to(device), vocab_size
         self.teacher_byte_lengths = (self.byte_lengths if teacher_byte_lengths is None
                                      else teacher_byte_lengths.to(device))
-        self.dp_rank = setup.dp_mesh.get_local_rank()
+        self.dp_rank, self.fused_head = setup.dp_mesh.get_local_rank(), fused_head
         self.without_distribution = None
         """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
         if validation_answer is not None and not issubclass(answer_class(validation_answer), Distribution):
@@ -153,11 +160,9 @@ class Evaluation:
             answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None
-            logits = student_logits(self.model, self.pipeline, micro_batch)
-            if logits is None:  # a pipeline stage before the last: the last stage's sums arrive below
-                continue
-            self._add_batch(sums, logits, micro_batch["labels"], answer, teacher_side(micro_batch)["labels"],
-                            with_distribution=with_distribution)
+            if not self._add_student(sums, micro_batch, answer, with_distribution=with_distribution):
+                continue  # a pipeline stage before the last: the last stage's sums arrive below
+            self._add_batch(sums, micro_batch["labels"], answer, teacher_side(micro_batch)["labels"])
         self.model.train()
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
@@ -165,34 +170,66 @@ class Evaluation:
         return self._figures(sum_over_ranks(sums, self.setup, device=self.device, and_cp=True),
                              with_teacher=with_teacher, with_distribution=with_distribution)
 
-    def _add_batch(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                   answer: TeacherAnswer | None, teacher_labels: torch.Tensor, *, with_distribution: bool) -> None:
-        """Add one micro-batch's (this rank's share's) sums; `answer`: the teacher's (its labels' log-probabilities,
-        with `with_distribution` a `Distribution` beside them), or None; `teacher_labels`: those of its
-        tokenization (the student's with one tokenizer)."""
+    def _add_student(self, sums: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None, *,
+                     with_distribution: bool) -> bool:
+        """Add the sums of the student's logits of a micro-batch (`_add_logits`): through the fused output layer
+        chunk by chunk (no [tokens, vocab] logits), or from its whole logits; False on a pipeline stage before
+        the last, which has none."""
+        labels = micro_batch["labels"]
+        if self.fused_head is None:
+            logits = student_logits(self.model, self.pipeline, micro_batch)
+            if logits is not None:
+                self._add_logits(sums, logits, labels, self._text_labels(labels), answer,
+                                 with_distribution=with_distribution)
+            return logits is not None
+        flat, text = labels.reshape(-1), self._text_labels(labels).reshape(-1)
+
+        def on_chunk(logits: torch.Tensor, tokens: slice) -> None:
+            self._add_logits(sums, logits, flat[tokens], text[tokens], answer, with_distribution=with_distribution,
+                             cut=(tokens, tuple(labels.shape)))
+
+        with self.fused_head.evaluating(on_chunk):
+            student_logits(self.model, self.pipeline, micro_batch)
+        return True
+
+    def _text_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels that cover text: the loss per byte leaves out those that cover none (EOS)."""
+        ignore = self.config.kd.ignore_index
+        return torch.where(self._label_bytes(labels, self.byte_lengths) > 0, labels, ignore)
+
+    def _label_bytes(self, labels: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
+        valid = labels != self.config.kd.ignore_index
+        return torch.where(valid, byte_lengths[labels.clamp(min=0)], 0)
+
+    def _add_logits(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, text_labels: torch.Tensor,
+                    answer: TeacherAnswer | None, *, with_distribution: bool, cut: Cut | None = None) -> None:
+        """Add the sums the student's logits give: of a micro-batch (this rank's share), or of some of its
+        positions (`cut`: `logits` [c, vocab] and the labels [c] of those flattened positions)."""
         kd, ignore = self.config.kd, self.config.kd.ignore_index
-        valid = labels != ignore
-        label_bytes = torch.where(valid, self.byte_lengths[labels.clamp(min=0)], 0)
-        # The labels that cover text: the loss per byte leaves out those that cover none (EOS).
-        text_labels = torch.where(label_bytes > 0, labels, ignore)
         sums[_STUDENT_CE] += cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1).double()
         sums[_STUDENT_NLL] += cross_entropy_loss(logits, text_labels, ignore_index=ignore, num_valid_tokens=1).double()
-        sums[_STUDENT_BYTES] += label_bytes.sum()
-        sums[_TOKENS] += valid.sum()
+        if answer is None or not with_distribution:
+            return
+        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+        sums[_KL] += answer.kl(kd_logits, labels, kd, cut)
+        sums[_TOP1] += answer.top1_agreements(kd_logits, labels, ignore_index=ignore, cut=cut)
+
+    def _add_batch(self, sums: torch.Tensor, labels: torch.Tensor, answer: TeacherAnswer | None,
+                   teacher_labels: torch.Tensor) -> None:
+        """Add the sums of one micro-batch (this rank's share) beside the student's logits': its tokens and
+        bytes, and the teacher's figures from `answer` (its labels' log-probabilities), or None; `teacher_labels`:
+        those of its tokenization (the student's with one tokenizer)."""
+        ignore = self.config.kd.ignore_index
+        sums[_STUDENT_BYTES] += self._label_bytes(labels, self.byte_lengths).sum()
+        sums[_TOKENS] += (labels != ignore).sum()
         if answer is None:
             return
         log_probs = answer.label_log_probs().to(self.device).double()  # 0 at ignored labels
         sums[_TEACHER_CE] -= log_probs.sum()
-        teacher_valid = teacher_labels != ignore
-        teacher_bytes = torch.where(teacher_valid, self.teacher_byte_lengths[teacher_labels.clamp(min=0)], 0)
-        sums[_TEACHER_TOKENS] += teacher_valid.sum()
+        teacher_bytes = self._label_bytes(teacher_labels, self.teacher_byte_lengths)
+        sums[_TEACHER_TOKENS] += (teacher_labels != ignore).sum()
         sums[_TEACHER_NLL] -= torch.where(teacher_bytes > 0, log_probs, 0.0).sum()
         sums[_TEACHER_BYTES] += teacher_bytes.sum()
-        if not with_distribution:
-            return
-        kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
-        sums[_KL] += answer.kl(kd_logits, labels, kd)
-        sums[_TOP1] += answer.top1_agreements(kd_logits, labels, ignore_index=ignore)
 
     @staticmethod
     def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool) -> dict[str, float]:

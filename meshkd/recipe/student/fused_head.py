@@ -19,7 +19,7 @@ chunks' matmuls run in that dtype, as autocast runs the output layer (`fused_out
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -83,17 +83,39 @@ class FusedHead:
             return kd_objective(ce, kd_term, kd.kd_ratio)
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            loss = fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
-                                     chunk_size=kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
+            loss = self._fused(hidden, objective)
             self._returned = loss.view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
             return self._returned
 
+        with self._swapped(forward):
+            yield
+        self.values = sums
+
+    @contextlib.contextmanager
+    def evaluating(self, on_chunk: Callable[[torch.Tensor, slice], None]) -> Iterator[None]:
+        """Within it (under no_grad), the model's forward hands each chunk's logits [c, vocab] (float32) and its
+        slice of the flattened positions to `on_chunk`, and returns zeros as its logits (a stride-0 view)."""
+        def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
+            on_chunk(logits, tokens)
+            return logits.new_zeros(())
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            return self._fused(hidden, objective).view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
+
+        with self._swapped(forward):
+            yield
+
+    def _fused(self, hidden: torch.Tensor, objective) -> torch.Tensor:
+        return fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
+                                 chunk_size=self.kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def _swapped(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
         self.head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
         try:
             yield
         finally:
             del self.head.forward
-            self.values = sums
 
     def loss_of(self, logits: torch.Tensor) -> torch.Tensor:
         """The objective `computing` returned as the model's logits, as a differentiable scalar.

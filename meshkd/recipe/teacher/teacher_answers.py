@@ -70,6 +70,8 @@ GROUPS = "groups"
 """The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
 
 Figures = dict[str, torch.Tensor]
+Cut = tuple[slice, tuple[int, ...]]
+"""Some positions of a micro-batch: a slice of its flattened positions and the positions' shape [rows, sequence]."""
 
 
 def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
@@ -304,21 +306,25 @@ class Distribution(TeacherAnswer):
     def label_log_probs(self) -> torch.Tensor:
         return split_label_log_probs(self.wire)[1]
 
-    def top_tokens(self) -> torch.Tensor:
-        """[rows, sequence] the teacher's most likely token at each position."""
-        return self.wire["logits"].argmax(-1) if self.carries_logits else self.wire["indices"][..., 0]
+    def top_tokens(self, cut: Cut | None = None) -> torch.Tensor:
+        """[rows, sequence] the teacher's most likely token at each position (`cut`: at those positions only)."""
+        top = self.wire["logits"].argmax(-1) if self.carries_logits else self.wire["indices"][..., 0]
+        return top if cut is None else top.reshape(-1)[cut[0]]
 
-    def kl(self, logits: torch.Tensor, labels: torch.Tensor, kd: KDConfig) -> torch.Tensor:
+    def kl(self, logits: torch.Tensor, labels: torch.Tensor, kd: KDConfig, cut: Cut | None = None) -> torch.Tensor:
         """float64: the forward KL(teacher || student) summed over the valid `labels`' positions, at
         `kd.temperature` (the training's forward-KL `kd_loss` is T^2 times it); exact for full logits, the
-        top-k estimate the training uses for top-k."""
-        kl = kd_loss_encoded(logits, self.encoding, labels, temperature=kd.temperature, ignore_index=kd.ignore_index,
+        top-k estimate the training uses for top-k. `cut`: `logits` [c, vocab] and `labels` [c] are those of
+        some flattened positions only (the fused output layer's chunk)."""
+        encoding = self.encoding if cut is None else chunk_answer(self.encoding, *cut)
+        kl = kd_loss_encoded(logits, encoding, labels, temperature=kd.temperature, ignore_index=kd.ignore_index,
                              num_valid_tokens=1, chunk_size=kd.chunk_size or max(labels.numel(), 1))
         return kl.double() / kd.temperature**2
 
-    def top1_agreements(self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
+    def top1_agreements(self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+                        cut: Cut | None = None) -> torch.Tensor:
         """The number of valid labels where the student's likeliest token is the teacher's (`top_tokens`)."""
-        return _top1_agreements(logits, self.top_tokens(), labels, ignore_index=ignore_index)
+        return _top1_agreements(logits, self.top_tokens(cut), labels, ignore_index=ignore_index)
 
     @staticmethod
     def mixture(members: dict[str, Distribution], weights: dict[str, float], *, temperature: float) -> Distribution:

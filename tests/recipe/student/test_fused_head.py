@@ -128,6 +128,11 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     head.loss_of(logits).backward()
     assert model.lm_head.weight.grad is not None and float(head.values["ce_loss"]) > 0
     assert "forward" not in vars(model.lm_head)  # the head's own forward is back
+    chunks = []  # an evaluation's forward: each chunk's logits handed on, none made whole
+    with torch.no_grad(), head.evaluating(lambda logits, tokens: chunks.append((tuple(logits.shape), tokens))):
+        zeros = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+    assert zeros.stride() == (0, 0, 0) and [shape for shape, _ in chunks] == [(32, 262)]
+    assert "forward" not in vars(model.lm_head)
     # A model that changes what its head returned is stopped, naming the key.
     with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
         scaled = model(input_ids=ids, position_ids=batch["position_ids"]).logits / 2
