@@ -8,12 +8,15 @@ the logits' shape (a stride-0 view: nothing of [tokens, vocab] is allocated). Th
 backward hooks run as for whole logits. The CE and KD values are kept for the step's metrics.
 
 It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is not
-pipelined, tp 1 (a vocab-parallel head's logits are sharded), cp 1, and a model that does not transform its logits
-after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does
-anyway is stopped at its first step, naming the key); and per micro-batch to a teacher's distribution
-(`Distribution`: full, full_bf16, top-k, compact) or no teacher (`kd.kd_ratio: 0`). Elsewhere the step computes
-whole logits as before. In a `model.dtype` other than float32 (mixed precision, or half-precision weights) the
-chunks' matmuls run in that dtype, as autocast runs the output layer (`fused_output_loss`'s `compute_dtype`).
+pipelined, tp 1 (a vocab-parallel head's logits are sharded), and a model that does not transform its logits after
+the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does anyway is
+stopped at its first step, naming the key); and per micro-batch to one teacher's distribution (`Distribution`: full,
+full_bf16, top-k, compact), several teachers' (`Ensemble`: sum, mixture, route) or no teacher (`kd.kd_ratio: 0`).
+Under context parallel each cp rank's head sees its own share of the positions, as the micro-batch and the answer
+are cut (`shard_micro_batch`, `TeacherAnswer.shard`), and its loss is over that share, as whole logits' is.
+Elsewhere the step computes whole logits as before. In a `model.dtype` other than float32 (mixed precision, or
+half-precision weights) the chunks' matmuls run in that dtype, as autocast runs the output layer
+(`fused_output_loss`'s `compute_dtype`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from meshkd.core.fused_output import fused_output_loss
 from meshkd.core.loss import cross_entropy_loss, kd_objective
 from meshkd.recipe.modeling.models import resolve_dtype
-from meshkd.recipe.teacher.teacher_answers import Distribution, LossContext, TeacherAnswer
+from meshkd.recipe.teacher.teacher_answers import LossContext, TeacherAnswer
 
 DEFAULT_CHUNK = 1024
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "logit_softcap")
@@ -50,20 +53,21 @@ class FusedHead:
         head = causal_lm.get_output_embeddings() if hasattr(causal_lm, "get_output_embeddings") else None
         transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
                          for where in (causal_lm.config, causal_lm))
-        if (not config.kd.fused_output_loss or pipeline is not None or setup.tp_size > 1 or setup.cp_size > 1
-                or transforms or not isinstance(head, torch.nn.Linear)):
+        if (not config.kd.fused_output_loss or pipeline is not None or setup.tp_size > 1 or transforms
+                or not isinstance(head, torch.nn.Linear)):
             return None
         return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__,
                    compute_dtype=resolve_dtype(config.model.dtype))
 
     def applies(self, answer: TeacherAnswer | None) -> bool:
-        return answer is None or type(answer) is Distribution
+        """Whether the loss against `answer` can be computed by chunks of positions (`chunk_kd_loss`)."""
+        return answer is None or hasattr(answer, "chunk_kd_loss")
 
     @contextlib.contextmanager
-    def computing(self, micro_batch: dict, answer: Distribution | None, context: LossContext, *,
+    def computing(self, micro_batch: dict, answer: TeacherAnswer | None, context: LossContext, *,
                   norm: torch.Tensor) -> Iterator[None]:
         """Within it, the model's forward returns the micro-batch's objective as its logits (see the module
-        docstring); `values` then holds its CE and KD values."""
+        docstring); `values` then holds its CE and KD values and the answer's figures (`chunk_kd_loss`)."""
         kd, labels = self.kd, micro_batch["labels"]
         flat_labels = labels.reshape(-1)
         sums = {"ce_loss": torch.zeros(()), "kd_loss": torch.zeros(())}
@@ -78,8 +82,9 @@ class FusedHead:
                 sums["ce_loss"] = sums["ce_loss"].to(ce.device) + ce.detach()
             if kd.kd_ratio > 0:
                 student = logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
-                kd_term = answer.chunk_divergence(student, tokens, micro_batch, context, norm=norm)
-                sums["kd_loss"] = sums["kd_loss"].to(kd_term.device) + kd_term.detach()
+                kd_term, figures = answer.chunk_kd_loss(student, tokens, micro_batch, context, norm=norm)
+                for key, value in {"kd_loss": kd_term, **figures}.items():
+                    sums[key] = sums[key].to(value.device) + value.detach() if key in sums else value.detach()
             return kd_objective(ce, kd_term, kd.kd_ratio)
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:

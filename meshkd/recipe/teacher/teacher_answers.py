@@ -34,7 +34,9 @@ A new kind of answer is one class here, one entry in `_TYPES` and, if a teacher 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -248,25 +250,22 @@ class Distribution(TeacherAnswer):
                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """`kd.divergence` at the positions KD counts; `rows`: a bool [rows] mask, the others do not count (no
         indexing of a sharded vocabulary)."""
-        kd = context.kd
-        counted = kd_labels(micro_batch, kd.ignore_index)
-        if rows is not None:
-            counted = counted.masked_fill(~rows[:, None], kd.ignore_index)
+        self.check_indices(context, logits.shape[-1])
         # chunk_size None: the micro-batch as one chunk, through the same kernel as chunks (the loss module's
         # autograd formula, its reference, makes more passes over the [tokens, vocab] logits). That kernel reads
         # only indices in range, so a deferred check of their values still comes before any update.
-        deferred = context.index_checks is not None and self.encoded_as.has_indices
-        loss = kd_loss_encoded(logits, self.encoding, counted, temperature=kd.temperature,
-                               ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                               chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1),
-                               divergence=kd.divergence, jsd_beta=kd.jsd_beta, skew_alpha=kd.skew_alpha,
-                               check_indices=not deferred)
-        if deferred:
-            context.index_checks.append(self.encoded_as.index_errors(self.encoding, logits.shape[-1]))
-        return loss
+        return self._divergence(logits, self.encoding, self._counted(micro_batch, context, rows), context, norm=norm,
+                                chunk_size=context.kd.chunk_size or max(micro_batch["labels"].numel(), 1))
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
         return self.divergence(logits, micro_batch, context, norm=norm), {}
+
+    def chunk_kd_loss(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context: LossContext, *,
+                      norm: float | torch.Tensor) -> tuple[torch.Tensor, Figures]:
+        """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab], and its figures'
+        shares: the chunks' add up to them (`meshkd.recipe.student.fused_head`; the index check is
+        `check_indices`', once a micro-batch)."""
+        return self.chunk_divergence(logits, tokens, micro_batch, context, norm=norm), {}
 
     def check_indices(self, context: LossContext, vocab_size: int) -> None:
         """A top-k answer's index check, once for a micro-batch whose loss runs in chunks (`chunk_divergence`):
@@ -281,16 +280,27 @@ class Distribution(TeacherAnswer):
             raise ValueError(encoding.index_message(vocab_size))
 
     def chunk_divergence(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context: LossContext, *,
-                         norm: float | torch.Tensor) -> torch.Tensor:
+                         norm: float | torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`divergence`'s share of the flattened positions `tokens`, given their logits [c, vocab]: the chunks'
-        shares add up to it (`meshkd.recipe.student.fused_head`; the index check is `check_indices`')."""
+        shares add up to it."""
+        counted = self._counted(micro_batch, context, rows).reshape(-1)[tokens]
+        answer = chunk_answer(self.encoding, tokens, tuple(micro_batch["labels"].shape))
+        return self._divergence(logits, answer, counted, context, norm=norm, chunk_size=logits.shape[0])
+
+    @staticmethod
+    def _counted(micro_batch: dict, context: LossContext, rows: torch.Tensor | None) -> torch.Tensor:
+        """The labels KD counts (`kd_labels`), those of rows outside `rows` (a bool [rows] mask) left out."""
+        ignore = context.kd.ignore_index
+        counted = kd_labels(micro_batch, ignore)
+        return counted if rows is None else counted.masked_fill(~rows[:, None], ignore)
+
+    @staticmethod
+    def _divergence(logits: torch.Tensor, encoding: dict, counted: torch.Tensor, context: LossContext, *,
+                    norm: float | torch.Tensor, chunk_size: int) -> torch.Tensor:
         kd = context.kd
-        lead = tuple(micro_batch["labels"].shape)
-        counted = kd_labels(micro_batch, kd.ignore_index).reshape(-1)[tokens]
-        return kd_loss_encoded(logits, chunk_answer(self.encoding, tokens, lead), counted,
-                               temperature=kd.temperature, ignore_index=kd.ignore_index, num_valid_tokens=norm,
-                               chunk_size=logits.shape[0], divergence=kd.divergence, jsd_beta=kd.jsd_beta,
-                               skew_alpha=kd.skew_alpha, check_indices=False)
+        return kd_loss_encoded(logits, encoding, counted, temperature=kd.temperature, ignore_index=kd.ignore_index,
+                               num_valid_tokens=norm, chunk_size=chunk_size, divergence=kd.divergence,
+                               jsd_beta=kd.jsd_beta, skew_alpha=kd.skew_alpha, check_indices=False)
 
     def hidden_state_loss(self, student: list[torch.Tensor], micro_batch: dict, context: LossContext, *, norm: float,
                           projections: HiddenStateProjections | None = None) -> torch.Tensor:
@@ -414,7 +424,7 @@ class LabelLogProbs(TeacherAnswer):
 class Ensemble(TeacherAnswer):
     """Several teachers' answers ("answers": name -> answer on the wire, "wait_s": name -> seconds waited)."""
 
-    @property
+    @functools.cached_property
     def members(self) -> dict[str, Distribution]:
         """Each teacher's answer, by name, in the ensemble's order."""
         return {name: answer_of(member) for name, member in self.wire["answers"].items()}
@@ -429,38 +439,63 @@ class Ensemble(TeacherAnswer):
         return Ensemble({**self.wire, "answers": {name: member.shard(setup).wire
                                                  for name, member in self.members.items()}})
 
+    def check_indices(self, context: LossContext, vocab_size: int) -> None:
+        """Each member's (`Distribution.check_indices`)."""
+        for member in self.members.values():
+            member.check_indices(context, vocab_size)
+
     def kd_loss(self, logits, micro_batch, context, *, norm):
         """The KD term by `kd.combine` (module docstring); figures: each teacher's own divergence (detached;
         with "mixture" computed for the metrics only), the rows it answered and, routed, its tokens."""
+        return self._combined(lambda answer, rows=None: answer.divergence(logits, micro_batch, context, norm=norm,
+                                                                          rows=rows), micro_batch, context,
+                              device=logits.device)
+
+    def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
+        """`kd_loss`' share of the flattened positions `tokens` (`Distribution.chunk_kd_loss`); the rows each
+        teacher answered are counted with the micro-batch's first chunk."""
+        return self._combined(lambda answer, rows=None: answer.chunk_divergence(logits, tokens, micro_batch, context,
+                                                                                norm=norm, rows=rows),
+                              micro_batch, context, device=logits.device, tokens=tokens)
+
+    def _combined(self, divergence: Callable[..., torch.Tensor], micro_batch: dict, context: LossContext, *,
+                  device: torch.device, tokens: slice | None = None) -> tuple[torch.Tensor, Figures]:
+        """`kd.combine` of the members' `divergence(answer, rows=None)` (of the whole micro-batch, or of the
+        positions `tokens`), and the figures."""
         kd, weights, members = context.kd, context.teacher_weights, self.members
-
-        def divergence(answer: Distribution, rows: torch.Tensor | None = None) -> torch.Tensor:
-            return answer.divergence(logits, micro_batch, context, norm=norm, rows=rows)
-
         routes = micro_batch[ROUTE][:, 0] if kd.combine == "route" else None
         if kd.combine == "route":
             rows = {name: routes == index for index, name in enumerate(members)}
-            merged = Distribution.merged(members, rows)
+            merged = self._made("merged", lambda: Distribution.merged(members, rows))
             each = {name: divergence(merged, rows[name]) for name in members}
             loss = sum(each.values())
         elif kd.combine == "sum":
             each = {name: divergence(member) for name, member in members.items()}
             loss = sum(weights[name] * value for name, value in each.items())
         elif kd.combine == "mixture":
-            loss = divergence(Distribution.mixture(members, weights, temperature=kd.temperature))
+            loss = divergence(self._made("mixture", lambda: Distribution.mixture(members, weights,
+                                                                                 temperature=kd.temperature)))
             with torch.no_grad():
                 each = {name: divergence(member) for name, member in members.items()}
         else:
             raise ValueError(f"combine must be sum, mixture or route, got {kd.combine!r}")
         figures = {f"kd_loss/{name}": value.detach() for name, value in each.items()}
-        # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
-        figures.update({f"teacher_rows/{name}": torch.tensor(member.rows / context.cp_size, device=logits.device)
-                        for name, member in members.items()})
+        if tokens is None or tokens.start == 0:
+            # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
+            figures.update({f"teacher_rows/{name}": torch.tensor(member.rows / context.cp_size, device=device)
+                            for name, member in members.items()})
         if routes is not None:  # each teacher's tokens: the step turns its share into its own mean
             counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
-            figures.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).sum()
-                            for index, name in enumerate(members)})
+            figures.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).reshape(-1)[
+                tokens if tokens is not None else slice(None)].sum() for index, name in enumerate(members)})
         return loss, figures
+
+    def _made(self, name: str, make: Callable[[], Distribution]) -> Distribution:
+        """The members' combined answer `name`, made once for the micro-batch whatever the chunks asking."""
+        made = self.__dict__.setdefault("_combined_answers", {})
+        if name not in made:
+            made[name] = make()
+        return made[name]
 
 
 _TYPES: dict[str, type[TeacherAnswer]] = {**dict.fromkeys(ENCODINGS, Distribution), GROUPS: GroupDistributions,

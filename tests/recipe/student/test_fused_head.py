@@ -1,7 +1,8 @@
 """`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
 loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
-dp 2 student under FSDP2, CE alone and a bfloat16 (mixed-precision) student; where it does not apply, the step
-computes whole logits."""
+dp 2 student under FSDP2, a cp 2 student, CE alone, a bfloat16 (mixed-precision) student and two teachers
+combined by sum, mixture or route (with each teacher's figures); where it does not apply, the step computes whole
+logits."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.world
 CASES = {"full": ({}, {}, {}), "topk": (TOPK, {}, {}), "compact": (COMPACT, {}, {}),
          "tied": (TOPK, {"tie_word_embeddings": True}, {}), "ce_only": ({"kd_ratio": 0.0}, {}, {}),
          "reverse_kl": ({"divergence": "reverse_kl"}, {}, {}), "bfloat16": (TOPK, {}, {"dtype": "bfloat16"})}
+TEACHER_CASES = ("sum", "mixture", "route")
 BFLOAT16_REL = 5e-3
 """A bfloat16 student's fused and whole-logits losses after its first step agree to this (measured: 2.0e-3 at
 step 5): the first step's values are equal, but the output weight's gradient is rounded to bfloat16 per chunk
@@ -42,20 +44,50 @@ def runs_of(tmp, world: int, student: dict) -> dict[str, dict]:
     return runs
 
 
+def teachers_runs(tmp) -> dict[str, dict]:
+    """Two different teachers combined by sum and mixture (full answers), and routed (top-k answers)."""
+    from tests.recipe.teacher.test_teachers import (
+        MIXED,
+        llama_teacher,
+        qwen_teacher,
+        routed_corpus,
+        teacher,
+        with_teachers,
+    )
+
+    corpus = routed_corpus(tmp / "routed_corpus")
+    runs = {}
+    for combine in TEACHER_CASES:
+        for fused in (True, False):
+            name = f"{combine}_{'fused' if fused else 'whole'}"
+            kd = {"logits_transport": "topk", "topk": 16, "topk_tail_samples": 4} if combine == "route" else {}
+            teachers = MIXED if combine != "route" else [teacher("code", llama_teacher(), 1.0),
+                                                         teacher("prose", qwen_teacher(), 1.0)]  # weights unused
+            config = with_teachers(tmp / name, {"dp_size": 1}, teachers, combine=combine, fused_output_loss=fused,
+                                   chunk_size=16, **kd)
+            if combine == "route":
+                config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
+            runs[name] = config
+    return runs
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     runs = runs_of(tmp_path_factory.mktemp("fused"), 1, {"dp_size": 1})
+    runs |= teachers_runs(tmp_path_factory.mktemp("fused_teachers"))
     dp2 = runs_of(tmp_path_factory.mktemp("fused_dp2"), 2, {"dp_size": 2})
     results = run_world(1, [_named(TrainRun(config), name) for name, config in runs.items()], timeout_s=60,
                         deadline_s=600)
     for name in runs:
         results.check(name)
-    chosen = {name: dp2[name] for name in ("topk_fused", "topk_whole")}
-    results = run_world(2, [_named(TrainRun(config), f"dp2_{name}") for name, config in chosen.items()],
-                        timeout_s=60, deadline_s=300)
+    cp2 = runs_of(tmp_path_factory.mktemp("fused_cp2"), 2, {"dp_size": 1, "cp_size": 2})
+    chosen = {f"{layout}_{name}": runs[name] for layout, runs in (("dp2", dp2), ("cp2", cp2))
+              for name in ("topk_fused", "topk_whole")}
+    results = run_world(2, [_named(TrainRun(config), name) for name, config in chosen.items()],
+                        timeout_s=60, deadline_s=400)
     for name in chosen:
-        results.check(f"dp2_{name}")
-    return runs | {f"dp2_{name}": config for name, config in chosen.items()}
+        results.check(name)
+    return runs | chosen
 
 
 def _named(check, name: str):
@@ -63,9 +95,9 @@ def _named(check, name: str):
     return check
 
 
-@pytest.mark.parametrize("case", [*CASES, "dp2"])
+@pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, "dp2", "cp2"])
 def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case):
-    prefix, name = ("dp2_", "topk") if case == "dp2" else ("", case)
+    prefix, name = (f"{case}_", "topk") if case in ("dp2", "cp2") else ("", case)
     fused, whole = (train_records(one_rank[f"{prefix}{name}_{kind}"]) for kind in ("fused", "whole"))
     assert [(r["kind"], r["step"]) for r in fused] == [(r["kind"], r["step"]) for r in whole]
     assert [sorted(r) for r in fused] == [sorted(r) for r in whole]
@@ -80,6 +112,8 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
         return
     for record, reference in zip(fused, whole):
         for key, value in reference.items():
+            if key.startswith("teacher_wait_s/"):  # each teacher's wait: a time
+                continue
             if isinstance(value, float) and key != "grad_norm" and not key.endswith("perplexity"):
                 assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, record, reference)
             elif isinstance(value, float):
@@ -87,8 +121,8 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
 
 
 def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
-    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined, tp 2 or
-    cp 2 student, a model that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing`
+    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined or tp 2
+    student, a model that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing`
     the model's logits are a stride-0 view of the loss: no [tokens, vocab] tensor exists."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
 
@@ -104,8 +138,7 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     model = tiny_llama_model(vocab=262)
     assert FusedHead.of(model, config, plain, None, 262) is not None
     head = FusedHead.of(model, ce_only, plain, None, 262)
-    for setup, pipeline in ((SimpleNamespace(tp_size=2, cp_size=1), None), (SimpleNamespace(tp_size=1, cp_size=2),
-                                                                            None), (plain, object())):
+    for setup, pipeline in ((SimpleNamespace(tp_size=2, cp_size=1), None), (plain, object())):
         assert FusedHead.of(model, config, setup, pipeline, 262) is None
     bfloat16 = base_config_for_check(tmp_path)
     bfloat16["model"]["dtype"] = "bfloat16"

@@ -128,9 +128,9 @@ def teachers_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     stored["dataset"]["token_store"] = str(tmp / "routed_store" / "tokens")
     stored["logging"]["run_dir"] = str(tmp / "routed_store" / "run")
     runs["routed_stored"] = (stored, False)
-    # Compared with several teachers' answers, which the step reads from whole logits (the fused output layer,
-    # `kd.fused_output_loss`, takes one teacher's): whole logits on both sides, so that the curves may agree to
-    # the last digits (the fused layer's own agreement with whole logits: tests/recipe/student/test_fused_head.py).
+    # Whole logits in every run (`kd.fused_output_loss: false`), so that runs whose sums are made in other orders
+    # (one teacher against two, one process against layouts) may agree to the last digits (the fused layer's own
+    # agreement with whole logits, several teachers' too: tests/recipe/student/test_fused_head.py).
     for config, _ in runs.values():
         config["kd"]["fused_output_loss"] = False
     return runs
