@@ -8,6 +8,7 @@ import torch
 from meshkd.core.fused_output import chunk_answer, fused_output_loss
 from meshkd.core.logits_codec import encode_teacher_logits, kd_loss_encoded
 from meshkd.core.loss import DIVERGENCES, cross_entropy_loss
+from tests.world import world_test
 
 VOCAB, WIDTH = 300, 24
 
@@ -29,14 +30,14 @@ def objective_of(answer, labels, *, divergence="forward_kl", temperature=2.0, kd
     return on_chunk, loss
 
 
-def case(seed: int, mode: str, *, tied: bool = False, bias: bool = False):
+def case(seed: int, mode: str, *, tied: bool = False, bias: bool = False, vocab: int = VOCAB):
     torch.manual_seed(seed)
     hidden = torch.randn(2, 37, WIDTH, requires_grad=True)
-    weight = torch.randn(VOCAB, WIDTH, requires_grad=True)
-    b = torch.randn(VOCAB, requires_grad=True) if bias else None
-    labels = torch.randint(0, VOCAB, (2, 37))
+    weight = torch.randn(vocab, WIDTH, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    labels = torch.randint(0, vocab, (2, 37))
     labels[0, :5] = -100
-    teacher = torch.randn(2, 37, VOCAB) * 3
+    teacher = torch.randn(2, 37, vocab) * 3
     answer = encode_teacher_logits(teacher, "topk" if mode.startswith("topk") else mode, k=16, temperature=2.0,
                                    tail_samples=8 if mode == "topk_tail" else 0, seed=1)
     return hidden, weight, b, labels, answer
@@ -117,3 +118,40 @@ def test_without_gradients_only_the_value_and_bad_inputs_refused():
         fused_output_loss(hidden, weight, on_chunk, chunk_size=0)
     with pytest.raises(ValueError, match=r"hidden states of width 24 do not fit an output weight \(300, 23\)"):
         fused_output_loss(hidden, weight[:, :23], on_chunk)
+
+
+def check_a_vocab_parallel_output_layer_gets_the_unfused_loss_and_gradients():
+    """A weight (and bias) sharded over the vocabulary on tp 2, evenly (300) and not (301: 151 and 150 rows):
+    the objective sees DTensor logits, and the loss and every gradient equal the unfused single-process path's;
+    the hidden states' gradient is summed over the ranks whether they come as a replicated DTensor or a tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for vocab, mode, as_dtensor in ((300, "topk_tail", True), (301, "full", True), (301, "topk", False)):
+        hidden, weight, bias, labels, answer = case(4, mode, bias=True, vocab=vocab)
+        on_chunk, loss = objective_of(answer, labels)
+        expected = loss((hidden @ weight.T + bias).reshape(-1, vocab),
+                        chunk_answer(answer, slice(None), tuple(labels.shape)), labels.reshape(-1))
+        grads = torch.autograd.grad(expected, (hidden, weight, bias))
+        sharded_hidden = (distribute_tensor(hidden.detach(), mesh, [Replicate()]) if as_dtensor
+                          else hidden.detach().clone()).requires_grad_()
+        sharded_weight, sharded_bias = (distribute_tensor(value.detach(), mesh, [Shard(0)]).requires_grad_()
+                                        for value in (weight, bias))
+        seen = []
+
+        def objective(logits, tokens, seen=seen, on_chunk=on_chunk):
+            seen.append((isinstance(logits, DTensor), tuple(logits.shape)))
+            return on_chunk(logits, tokens)
+
+        got = fused_output_loss(sharded_hidden, sharded_weight, objective, chunk_size=7, bias=sharded_bias)
+        got.backward()
+        assert seen == [(True, (min(7, 74 - start), vocab)) for start in range(0, 74, 7)]
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+        mine = [value.grad.full_tensor() if isinstance(value.grad, DTensor) else value.grad
+                for value in (sharded_hidden, sharded_weight, sharded_bias)]
+        for got_grad, want in zip(mine, grads):
+            torch.testing.assert_close(got_grad, want, rtol=1e-5, atol=1e-6)
+
+
+test_vocab_parallel = world_test(2, [check_a_vocab_parallel_output_layer_gets_the_unfused_loss_and_gradients])

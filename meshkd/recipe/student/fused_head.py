@@ -8,14 +8,15 @@ the logits' shape (a stride-0 view: nothing of [tokens, vocab] is allocated). Th
 backward hooks run as for whole logits. The CE and KD values are kept for the step's metrics.
 
 It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is not
-pipelined, tp 1 (a vocab-parallel head's logits are sharded), and a model that does not transform its logits after
-the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does anyway is
-stopped at its first step, naming the key); and per micro-batch to one teacher's distribution (`Distribution`: full,
-full_bf16, top-k, compact), several teachers' (`Ensemble`: sum, mixture, route) or no teacher (`kd.kd_ratio: 0`).
-Under context parallel each cp rank's head sees its own share of the positions, as the micro-batch and the answer
-are cut (`shard_micro_batch`, `TeacherAnswer.shard`), and its loss is over that share, as whole logits' is.
-Elsewhere the step computes whole logits as before. In a `model.dtype` other than float32 (mixed precision, or
-half-precision weights) the chunks' matmuls run in that dtype, as autocast runs the output layer
+pipelined (any dp, tp or cp: under tp the head is vocab-parallel, each rank computes its vocabulary slice of a
+chunk's logits and the losses' vocab-parallel paths combine them), and a model that does not transform its logits
+after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does
+anyway is stopped at its first step, naming the key); and per micro-batch to one teacher's distribution
+(`Distribution`: full, full_bf16, top-k, compact), several teachers' (`Ensemble`: sum, mixture, route) or no teacher
+(`kd.kd_ratio: 0`). Under context parallel each cp rank's head sees its own share of the positions, as the
+micro-batch and the answer are cut (`shard_micro_batch`, `TeacherAnswer.shard`), and its loss is over that share, as
+whole logits' is. Elsewhere the step computes whole logits as before. In a `model.dtype` other than float32 (mixed
+precision, or half-precision weights) the chunks' matmuls run in that dtype, as autocast runs the output layer
 (`fused_output_loss`'s `compute_dtype`).
 """
 
@@ -25,6 +26,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from meshkd.core.fused_output import fused_output_loss
 from meshkd.core.loss import cross_entropy_loss, kd_objective
@@ -53,7 +55,7 @@ class FusedHead:
         head = causal_lm.get_output_embeddings() if hasattr(causal_lm, "get_output_embeddings") else None
         transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
                          for where in (causal_lm.config, causal_lm))
-        if (not config.kd.fused_output_loss or pipeline is not None or setup.tp_size > 1 or transforms
+        if (not config.kd.fused_output_loss or pipeline is not None or transforms
                 or not isinstance(head, torch.nn.Linear)):
             return None
         return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__,
@@ -89,7 +91,7 @@ class FusedHead:
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             loss = self._fused(hidden, objective)
-            self._returned = loss.view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
+            self._returned = self._as_logits(loss, hidden)
             return self._returned
 
         with self._swapped(forward):
@@ -102,10 +104,10 @@ class FusedHead:
         slice of the flattened positions to `on_chunk`, and returns zeros as its logits (a stride-0 view)."""
         def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
             on_chunk(logits, tokens)
-            return logits.new_zeros(())
+            return torch.zeros((), device=logits.device)
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            return self._fused(hidden, objective).view(1, 1, 1).expand(*hidden.shape[:-1], self.head.out_features)
+            return self._as_logits(self._fused(hidden, objective), hidden)
 
         with self._swapped(forward):
             yield
@@ -113,6 +115,18 @@ class FusedHead:
     def _fused(self, hidden: torch.Tensor, objective) -> torch.Tensor:
         return fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
                                  chunk_size=self.kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
+
+    def _as_logits(self, loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`loss` broadcast to the logits' shape, a stride-0 view; for a vocab-parallel head a DTensor sharded on
+        the vocabulary as its logits are (each rank's share a view of its own copy of the loss)."""
+        weight, lead = self.head.weight, tuple(hidden.shape[:-1])
+        ones = (1,) * (len(lead) + 1)
+        if not isinstance(weight, DTensor):
+            return loss.view(ones).expand(*lead, self.head.out_features)
+        local = loss.view(ones).expand(*lead, weight.to_local().shape[0])
+        placements = [Shard(len(lead)) if placement == Shard(0) else placement for placement in weight.placements]
+        return DTensor.from_local(local, weight.device_mesh, placements, run_check=False,
+                                  shape=(*lead, weight.shape[0]), stride=(0,) * len(ones))
 
     @contextlib.contextmanager
     def _swapped(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
@@ -132,4 +146,5 @@ class FusedHead:
 
             raise ConfigError(f"kd.fused_output_loss: {self.model_name} changes its logits after its output layer, "
                               "which the fused loss cannot follow; set kd.fused_output_loss: false")
-        return logits[(0,) * logits.ndim]
+        local = logits.to_local() if isinstance(logits, DTensor) else logits  # each rank's copy of the loss
+        return local[(0,) * local.ndim]

@@ -1,6 +1,6 @@
 """`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
 loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
-dp 2 student under FSDP2, a cp 2 student, CE alone, a bfloat16 (mixed-precision) student and two teachers
+dp 2 student under FSDP2, a cp 2 and a tp 2 student, CE alone, a bfloat16 (mixed-precision) student and two teachers
 combined by sum, mixture or route (with each teacher's figures); where it does not apply, the step computes whole
 logits."""
 
@@ -81,7 +81,8 @@ def one_rank(tmp_path_factory) -> dict:
     for name in runs:
         results.check(name)
     cp2 = runs_of(tmp_path_factory.mktemp("fused_cp2"), 2, {"dp_size": 1, "cp_size": 2})
-    chosen = {f"{layout}_{name}": runs[name] for layout, runs in (("dp2", dp2), ("cp2", cp2))
+    tp2 = runs_of(tmp_path_factory.mktemp("fused_tp2"), 2, {"dp_size": 1, "tp_size": 2})
+    chosen = {f"{layout}_{name}": runs[name] for layout, runs in (("dp2", dp2), ("cp2", cp2), ("tp2", tp2))
               for name in ("topk_fused", "topk_whole")}
     results = run_world(2, [_named(TrainRun(config), name) for name, config in chosen.items()],
                         timeout_s=60, deadline_s=400)
@@ -95,9 +96,12 @@ def _named(check, name: str):
     return check
 
 
-@pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, "dp2", "cp2"])
+LAYOUTS = ("dp2", "cp2", "tp2")
+
+
+@pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, *LAYOUTS])
 def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case):
-    prefix, name = (f"{case}_", "topk") if case in ("dp2", "cp2") else ("", case)
+    prefix, name = (f"{case}_", "topk") if case in LAYOUTS else ("", case)
     fused, whole = (train_records(one_rank[f"{prefix}{name}_{kind}"]) for kind in ("fused", "whole"))
     assert [(r["kind"], r["step"]) for r in fused] == [(r["kind"], r["step"]) for r in whole]
     assert [sorted(r) for r in fused] == [sorted(r) for r in whole]
@@ -121,7 +125,7 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
 
 
 def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
-    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined or tp 2
+    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined
     student, a model that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing`
     the model's logits are a stride-0 view of the loss: no [tokens, vocab] tensor exists."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
@@ -138,8 +142,7 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     model = tiny_llama_model(vocab=262)
     assert FusedHead.of(model, config, plain, None, 262) is not None
     head = FusedHead.of(model, ce_only, plain, None, 262)
-    for setup, pipeline in ((SimpleNamespace(tp_size=2, cp_size=1), None), (plain, object())):
-        assert FusedHead.of(model, config, setup, pipeline, 262) is None
+    assert FusedHead.of(model, config, plain, object(), 262) is None  # a pipelined student
     bfloat16 = base_config_for_check(tmp_path)
     bfloat16["model"]["dtype"] = "bfloat16"
     assert FusedHead.of(model, config_from_dict(bfloat16), plain, None, 262).compute_dtype == torch.bfloat16
