@@ -60,11 +60,12 @@ def _memory_probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict
 OUTPUT_VOCAB, OUTPUT_WIDTH = 151936, 896  # Qwen2.5-0.5B's vocabulary and width
 
 
-def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
+def _output_probe(kind: str, tokens: int, chunk_size: int, dtype: str = "float32") -> dict:
     """Run in a fresh process: peak bytes above the inputs of one micro-batch's output layer, CE and KD against a
     top-64 + 32 tail answer (0.5 each), forward and backward, by whole logits ("whole": hidden @ W^T, then the
-    chunked losses) or fused ("fused"), and its seconds. On CUDA the pass runs once to warm up (kernels, cuBLAS
-    workspace) and the second is measured."""
+    chunked losses) or fused ("fused"), and its seconds; `dtype` "bfloat16": the output layer's matmul in
+    bfloat16 on float32 weights (whole: under autocast; fused: its `compute_dtype`). On CUDA the pass runs once
+    to warm up (kernels, cuBLAS workspace) and the second is measured."""
     import time
 
     from meshkd.core.fused_output import chunk_answer, fused_output_loss
@@ -91,12 +92,17 @@ def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
         kd = kd_loss_encoded(logits, cut(answer), labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
         return 0.5 * ce + 0.5 * kd
 
+    compute_dtype = getattr(torch, dtype)
+
     def one_pass():
         if kind == "whole":
-            loss = objective(hidden @ weight.T, slice(None))
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+                logits = hidden @ weight.T
+            loss = objective(logits.float(), slice(None))
         else:
             loss = fused_output_loss(hidden, weight, lambda logits, cut: objective(
-                logits, cut, lambda a: chunk_answer(a, cut, (tokens,))), chunk_size=chunk_size)
+                logits, cut, lambda a: chunk_answer(a, cut, (tokens,))), chunk_size=chunk_size,
+                compute_dtype=compute_dtype)
         loss.backward()
         return loss
 
@@ -118,15 +124,16 @@ def _output_probe(kind: str, tokens: int, chunk_size: int) -> dict:
     return {"peak_bytes": peak - base, "seconds": seconds, "value": float(loss.detach())}
 
 
-def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 1024) -> list[dict]:
+def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 1024,
+                 dtype: str = "float32") -> list[dict]:
     """Per token count: both paths' peak MiB, seconds and loss value (whole logits only up to `whole_up_to`
-    tokens, beyond what fits this machine's memory)."""
+    tokens, beyond what fits this machine's memory); `dtype`: the output layer's compute dtype."""
     rows = []
     for tokens in tokens_list:
-        row = {"tokens": tokens, "vocab": OUTPUT_VOCAB, "width": OUTPUT_WIDTH,
+        row = {"tokens": tokens, "vocab": OUTPUT_VOCAB, "width": OUTPUT_WIDTH, "dtype": dtype,
                "logits_mib": tokens * OUTPUT_VOCAB * 4 / MIB}
         for kind in ("fused", "whole") if tokens <= whole_up_to else ("fused",):
-            command = [sys.executable, "-m", __name__, "--output-probe", kind, str(tokens), str(chunk_size)]
+            command = [sys.executable, "-m", __name__, "--output-probe", kind, str(tokens), str(chunk_size), dtype]
             done = subprocess.run(command, check=True, capture_output=True, text=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
             row.update({f"{kind}_mib": result["peak_bytes"] / MIB, f"{kind}_s": result["seconds"],
@@ -175,4 +182,4 @@ if __name__ == "__main__":  # the memory section's fresh processes
         kind, vocab, sequence, chunk = sys.argv[2], *map(int, sys.argv[3:6])
         print(json.dumps(_memory_probe(kind, vocab, sequence, chunk)))
     elif len(sys.argv) > 1 and sys.argv[1] == "--output-probe":
-        print(json.dumps(_output_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        print(json.dumps(_output_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])))

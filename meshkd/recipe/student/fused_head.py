@@ -130,11 +130,17 @@ class FusedHead:
 
     @contextlib.contextmanager
     def _swapped(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-        self.head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
+        # An instance attribute. A tensor-parallel head has one already (transformers' styles wrap the module's
+        # forward so): it is put back after, else the class's forward comes back.
+        previous = self.head.__dict__.get("forward")
+        self.head.forward = forward
         try:
             yield
         finally:
-            del self.head.forward
+            if previous is None:
+                del self.head.forward
+            else:
+                self.head.forward = previous
 
     def loss_of(self, logits: torch.Tensor) -> torch.Tensor:
         """The objective `computing` returned as the model's logits, as a differentiable scalar.

@@ -169,6 +169,11 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
         zeros = model(input_ids=ids, position_ids=batch["position_ids"]).logits
     assert zeros.stride() == (0, 0, 0) and [shape for shape, _ in chunks] == [(32, 262)]
     assert "forward" not in vars(model.lm_head)
+    wrapped = model.lm_head.forward  # as transformers' tensor-parallel styles wrap a head: the wrapper comes back
+    model.lm_head.forward = wrapped
+    with torch.no_grad(), head.evaluating(lambda logits, tokens: None):
+        model(input_ids=ids, position_ids=batch["position_ids"])
+    assert vars(model.lm_head)["forward"] is wrapped
     # A model that changes what its head returned is stopped, naming the key.
     with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
         scaled = model(input_ids=ids, position_ids=batch["position_ids"]).logits / 2
