@@ -117,16 +117,15 @@ class FusedHead:
                                  chunk_size=self.kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
 
     def _as_logits(self, loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """`loss` broadcast to the logits' shape, a stride-0 view; for a vocab-parallel head a DTensor sharded on
-        the vocabulary as its logits are (each rank's share a view of its own copy of the loss)."""
+        """`loss` as the logits' shape with stride 0 (`_Broadcast`); for a vocab-parallel head a DTensor sharded on
+        the vocabulary as its logits are (each rank's share holding its own copy of the loss)."""
         weight, lead = self.head.weight, tuple(hidden.shape[:-1])
-        ones = (1,) * (len(lead) + 1)
         if not isinstance(weight, DTensor):
-            return loss.view(ones).expand(*lead, self.head.out_features)
-        local = loss.view(ones).expand(*lead, weight.to_local().shape[0])
+            return _Broadcast.apply(loss, (*lead, self.head.out_features))
+        local = _Broadcast.apply(loss, (*lead, weight.to_local().shape[0]))
         placements = [Shard(len(lead)) if placement == Shard(0) else placement for placement in weight.placements]
         return DTensor.from_local(local, weight.device_mesh, placements, run_check=False,
-                                  shape=(*lead, weight.shape[0]), stride=(0,) * len(ones))
+                                  shape=(*lead, weight.shape[0]), stride=(0,) * (len(lead) + 1))
 
     @contextlib.contextmanager
     def _swapped(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
@@ -152,5 +151,34 @@ class FusedHead:
 
             raise ConfigError(f"kd.fused_output_loss: {self.model_name} changes its logits after its output layer, "
                               "which the fused loss cannot follow; set kd.fused_output_loss: false")
-        local = logits.to_local() if isinstance(logits, DTensor) else logits  # each rank's copy of the loss
-        return local[(0,) * local.ndim]
+        return _LossOf.apply(logits.to_local() if isinstance(logits, DTensor) else logits)  # this rank's copy
+
+
+class _Broadcast(torch.autograd.Function):
+    """A scalar as a tensor of `shape` all of whose entries are it: one stored value (stride 0), not a view (which
+    FSDP2 warns of in a module's output). Backward takes the scalar's gradient from one entry of the incoming
+    gradient: `_LossOf`, the one reader of these logits, hands it on there."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.empty_strided(shape, (0,) * len(shape), dtype=loss.dtype, device=loss.device)
+        out.as_strided((1,), (1,)).copy_(loss.reshape(1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[(0,) * grad.ndim], None
+
+
+class _LossOf(torch.autograd.Function):
+    """The loss `_Broadcast` made into logits, back as a scalar; backward hands the scalar's gradient on as a
+    stride-0 tensor of the logits' shape, so no [tokens, vocab] gradient is allocated either."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        ctx.shape = logits.shape
+        return logits[(0,) * logits.ndim].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.reshape((1,) * len(ctx.shape)).expand(ctx.shape)

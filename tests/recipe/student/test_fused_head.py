@@ -127,7 +127,8 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
 def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
     """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined
     student, a model that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing`
-    the model's logits are a stride-0 view of the loss: no [tokens, vocab] tensor exists."""
+    the model's logits are the loss at every entry (stride 0) and so is their gradient: no [tokens, vocab] tensor
+    exists in forward or backward."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
 
     from meshkd.recipe.settings.config import ConfigError
@@ -160,8 +161,11 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
              "attention_mask": torch.ones(2, 16, dtype=torch.int64)}
     with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
         logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
-    assert tuple(logits.shape) == (2, 16, 262) and logits.stride() == (0, 0, 0)
+    assert tuple(logits.shape) == (2, 16, 262) and logits.stride() == (0, 0, 0) and not logits._is_view()
+    strides = []  # nor in backward: the logits' gradient is a stride-0 tensor too
+    logits.register_hook(lambda grad: strides.append(grad.stride()))
     head.loss_of(logits).backward()
+    assert strides == [(0, 0, 0)]
     assert model.lm_head.weight.grad is not None and float(head.values["ce_loss"]) > 0
     assert "forward" not in vars(model.lm_head)  # the head's own forward is back
     chunks = []  # an evaluation's forward: each chunk's logits handed on, none made whole
