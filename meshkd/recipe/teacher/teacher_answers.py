@@ -8,6 +8,7 @@ pass them on. The classes here make them on the teacher's side and read them on 
     answer_of(wire)                                       the wire dict -> its type, where the student takes it
     answer.shard(setup)                                   this cp rank's share, cut as the student's batch is
     answer.kd_loss(logits, micro_batch, context, norm=n)  (the KD term, figures for the step's metrics)
+    answer.chunk_kd_loss(logits, tokens, ...)             the same of some positions (the fused output layer's)
     answer.label_log_probs(), answer.kl(...), answer.top1_agreements(...)   an evaluation's figures
 
 - `Distribution` (every answer encoding of `meshkd.core.encodings`): the teacher's
