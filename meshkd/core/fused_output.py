@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 Objective = Callable[[Tensor, slice], Tensor]
 
@@ -124,6 +124,8 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden states of width {hidden.shape[-1]} do not fit an output weight {tuple(weight.shape)}")
     dtype, layout = compute_dtype or torch.float32, _Layout(weight)
+    if isinstance(hidden, DTensor) and not all(placement.is_replicate() for placement in hidden.placements):
+        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)  # every position
     local_hidden = layout.local(hidden.detach())
     rows = local_hidden.reshape(-1, local_hidden.shape[-1])
     w = layout.local(weight.detach()).to(dtype)  # cast once, as autocast caches a weight's cast

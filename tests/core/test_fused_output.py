@@ -123,19 +123,22 @@ def test_without_gradients_only_the_value_and_bad_inputs_refused():
 def check_a_vocab_parallel_output_layer_gets_the_unfused_loss_and_gradients():
     """A weight (and bias) sharded over the vocabulary on tp 2, evenly (300) and not (301: 151 and 150 rows):
     the objective sees DTensor logits, and the loss and every gradient equal the unfused single-process path's;
-    the hidden states' gradient is summed over the ranks whether they come as a replicated DTensor or a tensor."""
+    the hidden states' gradient is summed over the ranks whether they come as a replicated DTensor, a tensor, or
+    a DTensor sharded on the sequence (gathered first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    for vocab, mode, as_dtensor in ((300, "topk_tail", True), (301, "full", True), (301, "topk", False)):
+    for vocab, mode, given in ((300, "topk_tail", "replicated"), (301, "full", "replicated"), (301, "topk", "tensor"),
+                               (300, "full", "sequence")):
         hidden, weight, bias, labels, answer = case(4, mode, bias=True, vocab=vocab)
         on_chunk, loss = objective_of(answer, labels)
         expected = loss((hidden @ weight.T + bias).reshape(-1, vocab),
                         chunk_answer(answer, slice(None), tuple(labels.shape)), labels.reshape(-1))
         grads = torch.autograd.grad(expected, (hidden, weight, bias))
-        sharded_hidden = (distribute_tensor(hidden.detach(), mesh, [Replicate()]) if as_dtensor
-                          else hidden.detach().clone()).requires_grad_()
+        placements = {"replicated": [Replicate()], "sequence": [Shard(1)]}.get(given)
+        sharded_hidden = (hidden.detach().clone() if placements is None
+                          else distribute_tensor(hidden.detach(), mesh, placements)).requires_grad_()
         sharded_weight, sharded_bias = (distribute_tensor(value.detach(), mesh, [Shard(0)]).requires_grad_()
                                         for value in (weight, bias))
         seen = []

@@ -101,7 +101,7 @@ class FusedHead:
     @contextlib.contextmanager
     def evaluating(self, on_chunk: Callable[[torch.Tensor, slice], None]) -> Iterator[None]:
         """Within it (under no_grad), the model's forward hands each chunk's logits [c, vocab] (float32) and its
-        slice of the flattened positions to `on_chunk`, and returns zeros as its logits (a stride-0 view)."""
+        slice of the flattened positions to `on_chunk`, and returns zeros as its logits (stride 0)."""
         def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
             on_chunk(logits, tokens)
             return torch.zeros((), device=logits.device)
