@@ -146,6 +146,60 @@ def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 
     return rows
 
 
+def _step_probe(kind: str, tokens: int) -> dict:
+    """Run in a fresh process: peak bytes above the model of one micro-batch's forward and backward through a
+    transformers model (a one-layer Llama of width 64 with Qwen2.5's vocabulary, CE on `tokens` positions, as
+    the trainer computes it): "whole" from its logits, "fused" within `FusedHead.computing` (what `meshkd train`
+    does), so the peak counts what the model hands back and its gradient too, not the kernel alone."""
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshkd.core.loss import cross_entropy_loss
+    from meshkd.recipe.settings.config import KDConfig
+    from meshkd.recipe.student.fused_head import FusedHead
+    from meshkd.recipe.teacher.teacher_answers import LossContext
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=OUTPUT_VOCAB, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, OUTPUT_VOCAB, (1, tokens))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(tokens)[None]}
+    kd = KDConfig(kd_ratio=0.0, chunk_size=1024)
+    head = FusedHead(model.lm_head, kd=kd, vocab_size=OUTPUT_VOCAB)
+    norm = torch.tensor(float(tokens))
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kib("VmRSS") * 1024
+    started = time.perf_counter()
+    if kind == "whole":
+        logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+        loss = cross_entropy_loss(logits, batch["labels"], num_valid_tokens=norm, chunk_size=1024)
+    else:
+        with head.computing(batch, None, LossContext(kd), norm=norm):
+            logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
+        loss = head.loss_of(logits)
+    loss.backward()
+    return {"peak_bytes": status_kib("VmHWM") * 1024 - base, "seconds": time.perf_counter() - started,
+            "value": float(loss.detach())}
+
+
+def training_step(tokens_list: list[int]) -> list[dict]:
+    """Per token count: `_step_probe`'s peak MiB, seconds and loss of both paths, side by side."""
+    rows = []
+    for tokens in tokens_list:
+        row = {"tokens": tokens, "vocab": OUTPUT_VOCAB, "logits_mib": tokens * OUTPUT_VOCAB * 4 / MIB}
+        for kind in ("fused", "whole"):
+            command = [sys.executable, "-m", "meshkd.bench.memory", "--step-probe", kind, str(tokens)]
+            result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True)
+                                .stdout.strip().splitlines()[-1])
+            row.update({f"{kind}_mib": result["peak_bytes"] / MIB, f"{kind}_s": result["seconds"],
+                        f"{kind}_value": result["value"]})
+        row.update(ratio=row["fused_mib"] / row["whole_mib"], time_ratio=row["fused_s"] / row["whole_s"])
+        rows.append(row)
+        print(f"meshkd bench memory, training step: {json.dumps(row)}", flush=True)
+    return rows
+
+
 def _probe(kind: str, vocab: int, sequence: int, chunk_size: int) -> dict:
     command = [sys.executable, "-m", __name__, "--memory-probe", kind, str(vocab), str(sequence), str(chunk_size)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
@@ -183,3 +237,7 @@ if __name__ == "__main__":  # the memory section's fresh processes
         print(json.dumps(_memory_probe(kind, vocab, sequence, chunk)))
     elif len(sys.argv) > 1 and sys.argv[1] == "--output-probe":
         print(json.dumps(_output_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--step-probe":
+        print(json.dumps(_step_probe(sys.argv[2], int(sys.argv[3]))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--training-step":  # rows of both paths: --training-step 2048 8192
+        training_step([int(tokens) for tokens in sys.argv[2:]])
