@@ -159,3 +159,11 @@ def test_the_output_layer_rows_measure_both_paths_on_the_same_loss():
     assert both["value_difference"] < 1e-5 and both["fused_mib"] > 0 and both["whole_mib"] > 0
     assert both["ratio"] == both["fused_mib"] / both["whole_mib"] and both["time_ratio"] > 0
     assert "whole_mib" not in fused_only and fused_only["fused_mib"] > 0
+
+
+def test_the_training_step_rows_measure_the_trainers_fused_head_against_whole_logits():
+    """`memory.training_step`: a transformers model's forward and backward, fused through `FusedHead.computing`
+    and from whole logits, each in a process of its own: the same loss, both peaks and times."""
+    (row,) = memory.training_step([64])
+    assert row["fused_value"] == pytest.approx(row["whole_value"], rel=1e-6)
+    assert row["fused_mib"] > 0 and row["whole_mib"] > 0 and row["ratio"] == row["fused_mib"] / row["whole_mib"]
