@@ -104,7 +104,7 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
     """The loss `objective` gives the logits `hidden @ weight^T (+ bias)`, computed `chunk_size` tokens at a time.
 
     Args:
-        hidden: [..., H] the student's last hidden states (after its final norm); a replicated DTensor too.
+        hidden: [..., H] the student's last hidden states (after its final norm); a DTensor too (gathered first).
         weight: [V, H] its output layer's weight, or a DTensor sharded over the vocabulary (a vocab-parallel
             head: the objective then gets DTensor logits sharded on the vocabulary); `bias`: [V] or None.
         objective: (logits [c, V] float32, the chunk's token slice of the flattened positions) -> that chunk's
