@@ -131,8 +131,8 @@ def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size, *, c
 
     Everything a peer could get wrong is checked here, before any of it is used: the mode, fields, dtypes,
     shapes, and for an answer with indices (top-k) that they lie in [0, vocab) and are distinct per token (one
-    host sync). With `check_indices` False the index values are left to the caller (`topk_index_errors`, which
-    reads nothing back): a training step folds them into the one reduction it makes per step anyway.
+    host sync). With `check_indices` False the index values are left to the caller (`AnswerEncoding.index_errors`,
+    which reads nothing back): a training step folds them into the one reduction it makes per step anyway.
 
     Raises:
         ValueError: with what is wrong.
@@ -142,15 +142,8 @@ def check_encoded_logits(encoded: Any, shape: tuple[int, ...] | torch.Size, *, c
     return mode
 
 
-def topk_index_errors(encoded: dict[str, Any], vocab: int) -> Tensor:
-    """Whether a top-k answer (its fields checked by `check_encoded_logits`) holds an index outside [0, `vocab`)
-    or one repeated within a token's k, as a 0-dim bool tensor on the indices' device: nothing is read back,
-    so the caller decides when to wait for it."""
-    return encoding_named(encoded["mode"]).index_errors(encoded, vocab)
-
-
 def topk_index_message(vocab: int) -> str:
-    """What `check_encoded_logits` says of top-k indices that `topk_index_errors` finds wrong."""
+    """What `check_encoded_logits` says of top-k indices that `AnswerEncoding.index_errors` finds wrong."""
     return ENCODINGS["topk"].index_message(vocab)
 
 
@@ -210,4 +203,4 @@ def encoded_nbytes(encoded: Any) -> int:
 __all__ = ["LABEL_LOG_PROBS", "LOGITS_MODES", "TEACHER_ANSWERS", "WITH_LABEL_LOG_PROBS", "AnswerEncoding",
            "check_encoded_logits", "decode_teacher_logits", "encode_teacher_logits", "encode_teacher_rows",
            "encoded_nbytes", "kd_loss_encoded", "label_log_probs",
-           "split_label_log_probs", "topk_index_errors", "topk_index_message", "with_label_log_probs"]
+           "split_label_log_probs", "topk_index_message", "with_label_log_probs"]
