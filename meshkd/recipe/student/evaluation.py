@@ -160,9 +160,13 @@ class Evaluation:
             answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None
-            if not self._add_student(sums, micro_batch, answer, with_distribution=with_distribution):
+            labels = micro_batch["labels"]
+            label_bytes = self._label_bytes(labels, self.byte_lengths)
+            # The labels that cover text: the loss per byte leaves out those that cover none (EOS).
+            text_labels = torch.where(label_bytes > 0, labels, kd.ignore_index)
+            if not self._add_student(sums, micro_batch, text_labels, answer, with_distribution=with_distribution):
                 continue  # a pipeline stage before the last: the last stage's sums arrive below
-            self._add_batch(sums, micro_batch["labels"], answer, teacher_side(micro_batch)["labels"])
+            self._add_batch(sums, labels, label_bytes, answer, teacher_side(micro_batch)["labels"])
         self.model.train()
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
@@ -170,8 +174,8 @@ class Evaluation:
         return self._figures(sum_over_ranks(sums, self.setup, device=self.device, and_cp=True),
                              with_teacher=with_teacher, with_distribution=with_distribution)
 
-    def _add_student(self, sums: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None, *,
-                     with_distribution: bool) -> bool:
+    def _add_student(self, sums: torch.Tensor, micro_batch: dict, text_labels: torch.Tensor,
+                     answer: TeacherAnswer | None, *, with_distribution: bool) -> bool:
         """Add the sums of the student's logits of a micro-batch (`_add_logits`): through the fused output layer
         chunk by chunk (no [tokens, vocab] logits), or from its whole logits; False on a pipeline stage before
         the last, which has none."""
@@ -179,10 +183,9 @@ class Evaluation:
         if self.fused_head is None:
             logits = student_logits(self.model, self.pipeline, micro_batch)
             if logits is not None:
-                self._add_logits(sums, logits, labels, self._text_labels(labels), answer,
-                                 with_distribution=with_distribution)
+                self._add_logits(sums, logits, labels, text_labels, answer, with_distribution=with_distribution)
             return logits is not None
-        flat, text = labels.reshape(-1), self._text_labels(labels).reshape(-1)
+        flat, text = labels.reshape(-1), text_labels.reshape(-1)
 
         def on_chunk(logits: torch.Tensor, tokens: slice) -> None:
             self._add_logits(sums, logits, flat[tokens], text[tokens], answer, with_distribution=with_distribution,
@@ -192,12 +195,8 @@ class Evaluation:
             student_logits(self.model, self.pipeline, micro_batch)
         return True
 
-    def _text_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """The labels that cover text: the loss per byte leaves out those that cover none (EOS)."""
-        ignore = self.config.kd.ignore_index
-        return torch.where(self._label_bytes(labels, self.byte_lengths) > 0, labels, ignore)
-
     def _label_bytes(self, labels: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
+        """Each label's UTF-8 bytes by `byte_lengths`, 0 at ignored labels."""
         valid = labels != self.config.kd.ignore_index
         return torch.where(valid, byte_lengths[labels.clamp(min=0)], 0)
 
@@ -214,13 +213,14 @@ class Evaluation:
         sums[_KL] += answer.kl(kd_logits, labels, kd, cut)
         sums[_TOP1] += answer.top1_agreements(kd_logits, labels, ignore_index=ignore, cut=cut)
 
-    def _add_batch(self, sums: torch.Tensor, labels: torch.Tensor, answer: TeacherAnswer | None,
-                   teacher_labels: torch.Tensor) -> None:
+    def _add_batch(self, sums: torch.Tensor, labels: torch.Tensor, label_bytes: torch.Tensor,
+                   answer: TeacherAnswer | None, teacher_labels: torch.Tensor) -> None:
         """Add the sums of one micro-batch (this rank's share) beside the student's logits': its tokens and
-        bytes, and the teacher's figures from `answer` (its labels' log-probabilities), or None; `teacher_labels`:
-        those of its tokenization (the student's with one tokenizer)."""
+        bytes (`label_bytes`: each label's), and the teacher's figures from `answer` (its labels'
+        log-probabilities), or None; `teacher_labels`: those of its tokenization (the student's with one
+        tokenizer)."""
         ignore = self.config.kd.ignore_index
-        sums[_STUDENT_BYTES] += self._label_bytes(labels, self.byte_lengths).sum()
+        sums[_STUDENT_BYTES] += label_bytes.sum()
         sums[_TOKENS] += (labels != ignore).sum()
         if answer is None:
             return
