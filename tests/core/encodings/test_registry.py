@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshkd.core.encodings import ENCODINGS, choices, register, selected
-from meshkd.core.encodings.full import FullLogits
+from meshkd.core.encodings.full import Bfloat16Logits, FullLogits
 from meshkd.core.logits_codec import LOGITS_MODES, check_encoded_logits, encode_teacher_logits, kd_loss_encoded
 from meshkd.core.loss import kd_loss
 from meshkd.recipe.settings.config import ConfigError
@@ -64,17 +64,14 @@ def test_kd_keys_choose_the_most_specific_registered_encoding():
         register(type("Again", (FullLogits,), {"name": "full"}))
 
 
-class Float16Logits(FullLogits):
-    """A contributor's new encoding: the teacher's logits rounded to float16 (2 V bytes a position)."""
+class Float16Logits(Bfloat16Logits):
+    """A contributor's new encoding: the teacher's logits rounded to float16 (2 V bytes a position, as bfloat16's)."""
 
     name = "full_fp16"
     selected_by = {"logits_transport": "full_fp16"}
 
     def encode(self, logits, **options):
         return {"mode": self.name, "logits": logits.to(torch.float16)}
-
-    def nbytes_per_token(self, vocab, *, k, tail_samples, logits_bytes):
-        return 2 * vocab
 
 
 @pytest.fixture
