@@ -62,7 +62,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 
 # The recipe's sub-packages in docs/architecture.md's order: each imports only those before it.
-RECIPE_ORDER = ("common", "settings", "corpus", "modeling", "teacher", "student", "lifecycle")
+RECIPE_ORDER = ("common", "records", "settings", "corpus", "modeling", "teacher", "student", "lifecycle")
 
 
 @pytest.mark.parametrize("package", RECIPE_ORDER)

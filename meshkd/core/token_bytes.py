@@ -152,7 +152,7 @@ def encode_with_byte_spans_and_offsets(
     byte_table: Sequence[bytes | None] | None = None,
 ) -> tuple[list[TokenSpans], list[list[tuple[int, int]]]]:
     """`encode_with_byte_spans` and, per document, the tokenizer's own character offsets of its tokens (BOS and
-    EOS left out): what an answer-only mask is read from (`meshkd.recipe.corpus.records.answer_tokens`), with one
+    EOS left out): what an answer-only mask is read from (`meshkd.recipe.corpus.tokenizing.answer_tokens`), with one
     tokenization for both."""
     if add_bos and tokenizer.bos_token_id is None:
         raise ValueError(f"add_bos=True but the tokenizer {type(tokenizer).__name__} has no bos_token")

@@ -17,7 +17,7 @@ in one order on both sides by `group_positions`), and the student's loss compare
 (`group_kd_loss`). On-policy rows, made of the student's own samples, get their
 teacher side when they are made (`CompletionAligner`).
 
-Chat and prompt / completion rows are rendered by each side's own template (`meshkd.recipe.corpus.records`), so the
+Chat and prompt / completion rows are rendered by each side's own template (`meshkd.recipe.records`), so the
 two texts differ but for the answers: each side's labels are its own answer tokens, and only the answers'
 bytes are aligned (`align_shared_spans`; `pack_rows`); the rest of each side pairs with nothing, so KD counts
 the answers alone.
@@ -42,7 +42,6 @@ from meshkd.core.token_bytes import (
     token_bytes,
 )
 from meshkd.recipe.common.metrics import warn0
-from meshkd.recipe.corpus.records import Document, answer_tokens
 from meshkd.recipe.corpus.rows import (
     BATCH_KEYS,
     GROUP_ENDS,
@@ -52,6 +51,8 @@ from meshkd.recipe.corpus.rows import (
     PackedDataset,
     padding_rows,
 )
+from meshkd.recipe.corpus.tokenizing import answer_tokens
+from meshkd.recipe.records import Document
 from meshkd.recipe.settings.config import ConfigError
 
 TEACHER_LENGTH_KEY = "kd.cross_tokenizer.teacher_sequence_length"
@@ -70,12 +71,6 @@ def run_packing(config, student_tokenizer, teacher_tokenizer) -> Callable[[list[
         return None
     return aligned_packing(student_tokenizer, teacher_tokenizer, sequence_length=config.step_scheduler.sequence_length,
                            teacher_sequence_length=config.teacher_sequence_length, pack=config.dataset.packing)
-
-
-def rendering_teacher(config, teacher_tokenizer):
-    """The tokenizer that renders the teacher's side of chat and prompt / completion rows
-    (`meshkd.recipe.corpus.data.build_run_datasets`' `teacher_tokenizer`): the teacher's, with `kd.cross_tokenizer`."""
-    return teacher_tokenizer if config.kd.cross_tokenizer is not None and config.dataset.records != "text" else None
 
 
 def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
@@ -130,7 +125,7 @@ def pack_rows(texts: list[str], student_tokenizer, teacher_tokenizer, *, sequenc
 def encode_aligned(texts: list[str], student_tokenizer, teacher_tokenizer) -> tuple[list, list, list, list, list]:
     """Per text: the student's tokens (`TokenSpans`) and which train, the teacher's likewise, and their
     `Alignment`. A text row is read alike by both; a chat or prompt / completion row
-    (`meshkd.recipe.corpus.records.Document`) by each in its own rendering (`Document.teacher`), aligned on the
+    (`meshkd.recipe.records.Document`) by each in its own rendering (`Document.teacher`), aligned on the
     passages both hold (`Document.shared`: the answers, by `align_shared_spans`), each side's targets its own
     answer tokens."""
     teachers = [getattr(text, "teacher", None) or text for text in texts]
@@ -150,7 +145,7 @@ def encode_aligned(texts: list[str], student_tokenizer, teacher_tokenizer) -> tu
 
 def encode_rows(tokenizer, texts: list[str]) -> tuple[list[TokenSpans], list[torch.Tensor | None]]:
     """Each text's tokens with their byte spans, EOS appended when the text takes it (`Document.eos`, as
-    `meshkd.recipe.corpus.records.tokenize_documents` does), and which of them train (None: all), read from the
+    `meshkd.recipe.corpus.tokenizing.tokenize_documents` does), and which of them train (None: all), read from the
     same tokenization's character offsets (`answer_tokens`: the EOS trains with the answer it ends)."""
     spans, offsets = encode_with_byte_spans_and_offsets(tokenizer, texts,
                                                         add_eos=[getattr(text, "eos", True) for text in texts])

@@ -7,7 +7,7 @@ Design:
 - The validation split takes a seeded share of the DOCUMENTS before packing, so no document contributes
   tokens to both splits.
 - Rows of JSONL, parquet, CSV, arrow and JSON files and of a Hugging Face dataset become documents by
-  `dataset.records` (`meshkd.recipe.corpus.records`: text, or chat and prompt / completion rows whose answers alone
+  `dataset.records` (`meshkd.recipe.records`: text, or chat and prompt / completion rows whose answers alone
   train).
 - Each document is tokenized without special tokens, the tokenizer's EOS appended (unless a chat template
   closes it), and packed greedily first-fit in document order into rows of `sequence_length` tokens (the
@@ -47,10 +47,11 @@ from meshkd.recipe.corpus.documents import (
     reading_arguments,
     validation_documents,
 )
-from meshkd.recipe.corpus.records import Document, prompt_reader, tokenize_documents
 from meshkd.recipe.corpus.routing import routed_packing
 from meshkd.recipe.corpus.rows import IGNORE_INDEX, PackedDataset, first_fit, padding_rows
 from meshkd.recipe.corpus.token_store import stored_datasets
+from meshkd.recipe.corpus.tokenizing import tokenize_documents
+from meshkd.recipe.records import Document, prompt_reader
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -96,8 +97,8 @@ def build_datasets(
         on_bad_file: a file that is not text (binary, or not valid UTF-8): "read" decodes it anyway (with
             `encoding_errors`), "error" raises ValueError naming it, "skip" leaves it out with a warning.
         route_key: JSONL field naming each document's teacher: the texts `pack_texts` gets carry it
-            (`meshkd.recipe.corpus.records.Document.route`).
-        read_record: turns each JSONL or `datasets` row into its document (`meshkd.recipe.corpus.records.record_reader`:
+            (`meshkd.recipe.records.Document.route`).
+        read_record: turns each JSONL or `datasets` row into its document (`meshkd.recipe.records.record_reader`:
             chat and prompt / completion rows, whose answers alone train); None: `text_key` and `route_key`.
         hf_section: a `dataset.hf` section (`meshkd.recipe.corpus.hf_sources`) whose rows follow the files'.
         pack: False puts every document (or row-sized piece of one) in a row of its own: an ordinary

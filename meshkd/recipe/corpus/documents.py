@@ -10,7 +10,7 @@ a file in blocks and JSONL files are read line by line, so a file larger than me
 
 Files ending in `.parquet`, `.csv`, `.arrow` or `.json` are read with `datasets` (`meshkd.recipe.corpus.hf_sources`),
 as is the dataset `dataset.hf` names. Every row of JSONL and those sources becomes a `Document` by
-`dataset.records` (`meshkd.recipe.corpus.records`: text, chat or prompt / completion rows; with `route_key`, several
+`dataset.records` (`meshkd.recipe.records`: text, chat or prompt / completion rows; with `route_key`, several
 teachers' `kd.combine: route`, each also names its teacher).
 
 A recipe's `dataset` section reads as `reading_arguments` says; `corpus_documents` is its documents in corpus
@@ -33,7 +33,7 @@ import torch
 
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.hf_sources import builder_of, file_rows, section_rows
-from meshkd.recipe.corpus.records import Document, record_reader
+from meshkd.recipe.records import Document, record_reader
 from meshkd.recipe.settings.config_loading import expand_path
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
@@ -122,7 +122,7 @@ def iter_documents(
 ) -> Iterator[Document]:
     """The documents of `files` (then of the `dataset.hf` section `hf_section`), in order, one at a time.
 
-    `read_record` turns a row into its document (`meshkd.recipe.corpus.records.record_reader`); None reads the
+    `read_record` turns a row into its document (`meshkd.recipe.records.record_reader`); None reads the
     `text_key` column (and with `route_key` the teacher's name) of text rows.
     """
     if read_record is None:
@@ -145,7 +145,7 @@ def iter_rows(files: list[str], *, format: str | None, encoding_errors: str, on_
     order, before `to_document` (`read_record` says which files may be plain text and name teachers)."""
     if on_bad_file not in BAD_FILE_POLICIES:
         raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
-    for rows in _sources(files, format, encoding_errors, on_bad_file, read_record.records == "text",
+    for rows in _sources(files, format, encoding_errors, on_bad_file, read_record.row_format.plain_text_files,
                          read_record.route_key, hf_section):
         yield from rows
 
@@ -254,7 +254,7 @@ def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
                       teachers: list[str] | None = None, teacher_tokenizer=None) -> dict:
     """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
     renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names routed
-    rows may give (`meshkd.recipe.corpus.records.record_reader`)."""
+    rows may give (`meshkd.recipe.records.record_reader`)."""
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
             "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
             "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,

@@ -1,6 +1,6 @@
 """Rows routed to one of several teachers (`kd.combine: route`, `dataset.teacher_key`).
 
-Each JSONL document names its teacher (`meshkd.recipe.corpus.records.Document.route`). A split's documents are
+Each JSONL document names its teacher (`meshkd.recipe.records.Document.route`). A split's documents are
 packed teacher by teacher, so a row holds one teacher's documents only, and every row carries its teacher's
 index in `teachers` under `meshkd.core.teacher_ensemble.ROUTE` ([rows, 1]; -1 in padding rows). The teacher
 ensemble then sends each teacher only its rows.

@@ -3,9 +3,9 @@
 Design:
 - `dataset.token_store: DIR` keeps each corpus's tokens under DIR/<key digest>/, the key being what the tokens
   depend on: every source file by path, size and mtime (a `dataset.hf` directory's files likewise, a Hub id by
-  name and revision), the tokenizer's fingerprint and chat template, and the reading settings. A changed source
-  or tokenizer gives another key, so a new store is written (and the run says so); the old one stays until
-  removed.
+  name and revision), the tokenizer's fingerprint and chat template, and the reading settings (those of every
+  row and the row format's `settings_keys`, `meshkd.recipe.records`). A changed source or tokenizer gives another
+  key, so a new store is written (and the run says so); the old one stays until removed.
 - Files: `tokens.bin` (every document's ids back to back, in the smallest unsigned type that holds the
   vocabulary), `trains.bin` (a byte per token, 1 where it trains, for chat / prompt_completion rows),
   `documents.bin` (int64 [documents + 1] offsets), `routes.bin` (int32, each document's teacher index in
@@ -24,7 +24,7 @@ Design:
   (`plan_aligned`: pieces of whole groups, first fit on both sides), its rows `StoredAlignedRows`.
 - Whole on-policy prompts are a corpus of their own, stored and planned the same way (one per row, unpacked):
   those of chat / prompt_completion rows (each row's text before its last answer, read by
-  `records.prompt_reader`) under the key of the rows plus `prompts`, those of text rows under
+  `meshkd.recipe.records.prompt_reader`) under the key of the rows plus `prompts`, those of text rows under
   `dataset.prompt_key` as the corpus of that column. Tokenized as the in-memory path tokenizes them, not cut
   from the rows' tokens: a prompt's tokens need not be a prefix of its row's (BPE merges across the boundary).
 - `StoredRows` is a split's rows (`meshkd.recipe.corpus.stored_rows`, with the plans): a batch is built on demand from
@@ -60,14 +60,9 @@ from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.corpus.aligned_data import encode_aligned
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
-from meshkd.recipe.corpus.records import (
-    TOKENIZE_CHUNK,
-    prompt_reader,
-    record_reader,
-    tokenize_documents,
-    tokenizer_fingerprint,
-)
 from meshkd.recipe.corpus.stored_rows import StoredAlignedRows, StoredRows, plan_aligned, plan_routed, plan_split
+from meshkd.recipe.corpus.tokenizing import TOKENIZE_CHUNK, tokenize_documents, tokenizer_fingerprint
+from meshkd.recipe.records import format_named, prompt_reader, record_reader
 from meshkd.recipe.settings.config_loading import expand_path
 
 FORMAT, VERSION = "meshkd-token-store", 1
@@ -202,7 +197,7 @@ class TokenStore:
     @staticmethod
     def write(directory: Path, key: dict, documents: Iterable[list[tuple]], vocabulary: int, *, masked: bool,
               routed: bool, progress: bool, teacher_vocabulary: int | None = None) -> None:
-        """Write the store of `documents` (chunks of (ids, trains, route index): `records.tokenize_documents`'
+        """Write the store of `documents` (chunks of (ids, trains, route index): `tokenizing.tokenize_documents`'
         output with each document's teacher index, None unless `routed`) at `directory`, atomically.
 
         With `teacher_vocabulary` (a cross-tokenizer corpus) each document also gives the teacher's ids and
@@ -325,17 +320,18 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
     tokens and each document's groups, and the rows are its packing's (`StoredAlignedRows`).
 
     `prompts`: the store holds each chat or prompt / completion row's on-policy prompt in place of the row
-    (`records.prompt_reader`), a corpus of its own under its own key. The on-policy prompts of text rows under
-    `dataset.prompt_key` need nothing more: they are the corpus of that column (`dataset.text_key` set to it)."""
+    (`meshkd.recipe.records.prompt_reader`), a corpus of its own under its own key. The on-policy prompts of text
+    rows under `dataset.prompt_key` need nothing more: they are the corpus of that column (`dataset.text_key` set
+    to it)."""
     teacher = None if aligned is None else aligned.teacher_tokenizer
-    rendering = teacher if dataset.records != "text" else None  # the teacher renders chat rows its own way
-    arguments = documents.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=rendering)
+    row_format = format_named(dataset.records)
+    arguments = documents.reading_arguments(dataset, tokenizer, routes, teacher_tokenizer=teacher)
     if prompts:
         arguments["read_record"] = prompt_reader(arguments["read_record"])
     key = store_key(tokenizer, dataset, arguments) | {"routes": routes} | ({"prompts": True} if prompts else {})
     if teacher is not None:
         key["teacher"] = {"tokenizer": tokenizer_fingerprint(teacher),
-                          "chat_template": None if rendering is None else teacher.chat_template}
+                          "chat_template": teacher.chat_template if row_format.rendered else None}
     root = store_root(dataset)
     directory = root / digest(key)
     split_key = {"sequence_length": sequence_length, "packing": pack, "val_fraction": dataset.val_fraction,
@@ -351,7 +347,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
                 f" ({len(others)} store(s) of other sources, tokenizer or settings there)" if others else ""),
                 file=sys.stderr, flush=True)
             TokenStore.write(directory, key, _tokenized(tokenizer, dataset, arguments, routes, aligned, prompts),
-                             len(tokenizer), masked=dataset.records != "text" and not prompts,
+                             len(tokenizer), masked=row_format.marks_answers and not prompts,
                              routed=routes is not None,
                              progress=progress, teacher_vocabulary=None if teacher is None else len(teacher))
         store = TokenStore(directory)
@@ -384,7 +380,7 @@ def stored_datasets(tokenizer, dataset, *, sequence_length: int, pack: bool, wai
 def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, aligned=None,
                prompts: bool = False) -> Iterator[list]:
     """Chunks of the corpus's tokenized documents, in corpus order: (ids, trains, route index) per document
-    (`records.tokenize_documents`, empty ones kept; the index in `routes` of the teacher it names, None
+    (`tokenizing.tokenize_documents`, empty ones kept; the index in `routes` of the teacher it names, None
     unless routed), and with `aligned` the teacher's ids and trains and the groups (`_tokenize_chunk`). With
     `dataset.tokenize_workers` > 1 (and no `max_documents`, whose count needs the documents in order), the
     rows are read here and turned into documents and tokens in worker processes, `imap` keeping the order;
@@ -425,8 +421,7 @@ _WORKER: dict = {}
 
 
 def _start_worker(tokenizer, dataset, routes: list[str] | None, aligned=None, prompts: bool = False) -> None:
-    rendering = None if aligned is None or dataset.records == "text" else aligned.teacher_tokenizer
-    read = record_reader(dataset, tokenizer, routes, rendering)
+    read = record_reader(dataset, tokenizer, routes, None if aligned is None else aligned.teacher_tokenizer)
     _WORKER.update(tokenizer=tokenizer, read=prompt_reader(read) if prompts else read, routes=routes,
                    cut=dataset.max_document_chars, aligned=aligned)
 
@@ -443,15 +438,15 @@ def _tokenize_rows(rows: list) -> list[tuple]:
 def store_key(tokenizer, dataset, arguments: dict) -> dict:
     """What a store's tokens depend on (see the module docstring)."""
     files = documents.match_files(arguments["paths"]) if arguments["paths"] else []
-    settings = {name: getattr(dataset, name) for name in
-                ("format", "records", "train_on", "chat_template", "text_key", "messages_key", "prompt_key",
-                 "completion_key", "system_key", "context_key", "max_documents", "max_document_chars", "on_bad_file")}
+    row_format = format_named(dataset.records)
+    reading = ("format", "records", "text_key", "max_documents", "max_document_chars", "on_bad_file")
+    settings = {name: getattr(dataset, name) for name in (*reading, *row_format.settings_keys)}
     if dataset.chat_roles:  # only when set: the stores of runs without it keep their keys
         settings["chat_roles"] = dataset.chat_roles
     return {"sources": [[path, os.path.getsize(path), os.stat(path).st_mtime_ns] for path in files],
             "dataset.hf": None if dataset.hf is None else hf_fingerprint(dataset.hf),
             "tokenizer": tokenizer_fingerprint(tokenizer),
-            "chat_template": tokenizer.chat_template if dataset.records != "text" else None,
+            "chat_template": tokenizer.chat_template if row_format.rendered else None,
             "seed": dataset.seed if dataset.max_documents is not None else None, "settings": settings}
 
 

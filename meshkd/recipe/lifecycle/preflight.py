@@ -22,10 +22,11 @@ from meshkd.recipe.common.faults import about
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.common.versions import check_versions
 from meshkd.recipe.corpus import documents, hf_sources
-from meshkd.recipe.corpus.aligned_data import check_row_lengths, rendering_teacher
+from meshkd.recipe.corpus.aligned_data import check_row_lengths
 from meshkd.recipe.lifecycle.world import uses_cuda
 from meshkd.recipe.modeling import models
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
+from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
@@ -153,7 +154,7 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     _check_student_against_teacher(config, student, teacher, vocab_size,
                                    served_layers=served.get("num_layers") if served else None)
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
-        if rendering_teacher(config, teacher_tokenizer) is not None:  # rows read again, rendered for both sides
+        if format_named(config.dataset.records).rendered:  # rows read again, rendered for both sides
             found = _read_data(config, tokenizer, files, teachers, teacher_tokenizer=teacher_tokenizer)
         check_row_lengths(config, found, tokenizer, teacher_tokenizer)
     return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import yaml
 
 from meshkd.core.bridge import KDMeshBridge
+from meshkd.core.combinations import combination_named
 from meshkd.core.packing import configure_packing
 from meshkd.core.teacher_ensemble import TeacherEnsemble
 from meshkd.core.teacher_protocol import TeacherFeed, TeacherSource
@@ -101,8 +102,7 @@ class StudentTrainer:
         return {"student": self._model.get_output_embeddings().weight.shape[0], **rows}
 
     def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
-        """Lay out the models (teachers first, as their ranks do), then the optimizer, the step and evaluations.
-
+        """Lay out the models (teachers first, as their ranks do), then the optimizer, the step and evaluations;
         `bridges`: to each teacher on ranks of its own, by name."""
         self.vocab_size, self.bridges = vocab_size, bridges
         datasets = {"train": self.train_set, "validation": self.val_set}
@@ -115,7 +115,7 @@ class StudentTrainer:
         self.teacher = TeacherEnsemble.of(
             self.teacher_sources, roles={name: TeacherSetups.role(name) for name in self.teacher_sources},
             watch=self.faults.watch, transports={name: view.kd.logits_transport for name, view in self.views.items()},
-            route=self.config.kd.combine == "route")
+            route=combination_named(self.config.kd.combine).routes_rows)
         self.model, self.pipeline, self.router_loss = lay_out_student(
             self._model, self._checkpoint, self.config, self.setup, device=self.device,
             num_micro_batches=self.num_micro_batches)

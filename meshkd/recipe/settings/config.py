@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.typed_yaml import ConfigError, apply_override
 
 __all__ = ["ConfigError", "KDRecipeConfig", "apply_override"]
@@ -145,7 +146,7 @@ class DatasetConfig:
     paths: list[str] = field(default_factory=list)  # files and globs, read in order; ${stdlib}: Python's sources
     hf: HFDatasetConfig | None = None  # a Hugging Face dataset, read after the files of paths
     format: str | None = None  # text | jsonl: read every file of paths so; null: by extension
-    records: str = "text"  # what a row holds: text | chat (messages) | prompt_completion (meshkd.recipe.corpus.records)
+    records: str = "text"  # what a row holds: text | chat (messages) | prompt_completion (meshkd.recipe.records)
     train_on: str = "answers"  # chat / prompt_completion: answers | last_answer | all (tokens the loss counts)
     chat_template: bool | None = None  # prompt_completion rendered with model.tokenizer's template; null: if it has one
     text_key: str = "text"  # the column holding the text of text rows
@@ -167,8 +168,8 @@ class DatasetConfig:
 
     @property
     def whole_prompts(self) -> bool:
-        """Derived: whether on-policy prompts are whole (a `prompt_key` column; chat, prompt_completion rows)."""
-        return self.prompt_key is not None or self.records != "text"
+        """Derived: whether on-policy prompts are whole (a `prompt_key` column, or rows that mark their answers)."""
+        return self.prompt_key is not None or format_named(self.records).marks_answers
 
 
 @dataclass

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 
+from meshkd.core.combinations import COMBINATIONS, combination_named
 from meshkd.core.encodings import choices, selected
 from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_teacher_layouts
+from meshkd.recipe.records import format_named
+from meshkd.recipe.records.chat_template import TRAIN_ON
 from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
 from meshkd.recipe.settings.typed_yaml import ConfigError
 
-RECORD_FORMATS = ("text", "chat", "prompt_completion")
-TRAIN_ON = ("answers", "last_answer", "all")
 LOSSES = ("mse", "cosine")
 
 MAX_WORLD_SIZE = 1 << 20
@@ -35,6 +36,7 @@ def validate(config: KDRecipeConfig) -> None:
     One teacher is the list of one (`KDRecipeConfig.teacher_list`): the keys that spell it are checked, then
     each teacher's one-teacher view (errors of one of several named `teachers.NAME:`), then the layout of
     the student and every teacher against the world it needs."""
+    check_dataset(config)  # first: the on-policy checks read the row format
     if config.peft is not None:
         check_peft(config)
     if config.teachers is None:
@@ -49,7 +51,6 @@ def validate(config: KDRecipeConfig) -> None:
                 check_served_teacher(view)
         except ConfigError as error:
             raise error if config.teachers is None else ConfigError(f"teachers.{name}: {error}") from None
-    check_dataset(config)
     check_step_scheduler(config)
     check_optimizer(config.optimizer)
     check_lr_scheduler(config)
@@ -363,21 +364,17 @@ def check_teachers(config: KDRecipeConfig) -> None:
     if sum(teacher.weight for teacher in config.teachers) <= 0:
         raise ConfigError("teachers: every weight is 0; give at least one teacher a weight > 0")
     kd = config.kd
-    if kd.combine not in ("sum", "mixture", "route"):
-        raise ConfigError(f"kd.combine must be sum, mixture or route, got {kd.combine!r}")
-    if (kd.combine == "route") != (config.dataset.teacher_key is not None):
-        raise ConfigError("kd.combine route sends each row to the teacher its documents name: it needs "
-                          "dataset.teacher_key (the JSONL field with the name), and dataset.teacher_key needs it")
-    if kd.combine == "route":
-        check_routing(config)
-    if kd.combine == "mixture":
-        for teacher in config.teachers:
-            transport = teacher.logits_transport or kd.logits_transport
-            if transport not in choices("logits_transport", whole_distribution=True):
-                raise ConfigError(f"kd.combine mixture mixes the teachers' whole distributions: "
-                                  f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be "
-                                  f"{' or '.join(choices('logits_transport', whole_distribution=True))}, got "
-                                  f"{transport!r}")
+    try:
+        combination = combination_named(kd.combine)
+        if combination.routes_rows != (config.dataset.teacher_key is not None):
+            raise ValueError(f"kd.combine {kd.combine} " + (
+                "sends each row to the teacher its documents name: it needs dataset.teacher_key (the JSONL field "
+                "with the name)" if combination.routes_rows else "does not route rows: dataset.teacher_key needs "
+                "a kd.combine that does (" + ", ".join(name for name, other in COMBINATIONS.items()
+                                                       if other.routes_rows) + ")"))
+        combination.check(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if kd.teacher_cache is not None:
         raise ConfigError("kd.teacher_cache: with several teachers each has its own, teachers[i].cache")
     if kd.cross_tokenizer is not None:
@@ -386,28 +383,6 @@ def check_teachers(config: KDRecipeConfig) -> None:
     if kd.hidden_states is not None:
         raise ConfigError("kd.hidden_states does not yet work with several teachers (teachers); use one teacher "
                           "(teacher_model) for it")
-
-
-def check_routing(config: KDRecipeConfig) -> None:
-    """`kd.combine: route`: what routing each row to one teacher cannot do yet, or makes meaningless."""
-    if len(config.teachers) < 2:
-        raise ConfigError("kd.combine route sends each row to one of several teachers: give at least two in "
-                          "teachers, or leave kd.combine and dataset.teacher_key out")
-    cached = [teacher.name for teacher in config.teachers if teacher.cache is not None]
-    if cached:
-        raise ConfigError(f"teachers.{cached[0]}.cache does not yet work with kd.combine route (a cache holds "
-                          "the rows of unrouted packing)")
-    for teacher in config.teachers:
-        if teacher.weight != 1.0:
-            raise ConfigError(f"teachers.{teacher.name}.weight: with kd.combine route each row learns from its "
-                              "own teacher alone, so weights have no effect; leave them out")
-    transports = {teacher.logits_transport or config.kd.logits_transport for teacher in config.teachers}
-    if len(transports) > 1:
-        raise ConfigError(f"kd.combine route puts the teachers' answers for one micro-batch together: give every "
-                          f"teacher the same logits_transport, got {sorted(transports)}")
-    if config.kd.mode == "on_policy":
-        raise ConfigError("kd.combine route does not yet work with kd.mode on_policy (the prompts would need "
-                          "their teacher too)")
 
 
 # -------------------------------------------------------------------------------------------------------------- dataset
@@ -424,11 +399,13 @@ def check_dataset(config: KDRecipeConfig) -> None:
         raise ConfigError("dataset.hf.path is empty: give a save_to_disk directory, a Hub id or a datasets builder")
     if dataset.tokenize_workers < 1:
         raise ConfigError(f"dataset.tokenize_workers must be >= 1, got {dataset.tokenize_workers}")
-    if dataset.records not in RECORD_FORMATS:
-        raise ConfigError(f"dataset.records must be one of {', '.join(RECORD_FORMATS)}, got {dataset.records!r}")
+    try:
+        row_format = format_named(dataset.records)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if dataset.train_on not in TRAIN_ON:
         raise ConfigError(f"dataset.train_on must be one of {', '.join(TRAIN_ON)}, got {dataset.train_on!r}")
-    if dataset.records != "text" and config.kd.cross_tokenizer is not None and config.kd.generates:
+    if row_format.rendered and config.kd.cross_tokenizer is not None and config.kd.generates:
         raise ConfigError(f"dataset.records {dataset.records!r} with kd.cross_tokenizer does not yet work with "
                           "kd.mode on_policy or kd.generation.evaluate (the student's samples would reach the "
                           "teacher in the student's chat template); use kd.mode off_policy")

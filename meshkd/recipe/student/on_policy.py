@@ -42,6 +42,7 @@ import torch
 from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
 from meshkd.recipe.corpus.data import build_run_datasets
 from meshkd.recipe.corpus.rows import PackedDataset, padding_rows
+from meshkd.recipe.records import format_named
 from meshkd.recipe.student.train_step import TrainStep, step_items, sum_over_ranks
 
 
@@ -338,12 +339,12 @@ def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[Pac
     Raises ValueError naming the key when a prompt is longer than `max_prompt_tokens` (the sequence length
     less `max_new_tokens`) or no row has a non-empty prompt.
     """
-    key = f"dataset.prompt_key {dataset.prompt_key!r}" if dataset.records == "text" else (
-        f"dataset.records {dataset.records!r} (the prompts before the answers)")
+    marked = format_named(dataset.records).marks_answers  # else the prompts are a column of their own
+    key = (f"dataset.records {dataset.records!r} (the prompts before the answers)" if marked else
+           f"dataset.prompt_key {dataset.prompt_key!r}")
     try:
         splits = build_run_datasets(tokenizer, dataset, sequence_length=max_prompt_tokens + 1, pack=False,
-                                    **({"text_key": dataset.prompt_key} if dataset.records == "text" else
-                                       {"prompts": True}))
+                                    **({"prompts": True} if marked else {"text_key": dataset.prompt_key}))
     except ValueError as error:
         raise ValueError(f"{key}: {error}") from None
     for split in splits:

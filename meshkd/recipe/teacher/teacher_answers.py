@@ -20,13 +20,10 @@ pass them on. The classes here make them on the teacher's side and read them on 
 - `LabelLogProbs` ("label_log_probs"): the teacher's log-probability of each label of its own tokenization,
   what an evaluation of the teacher's loss asks for.
 - `Ensemble` ("teachers"): several teachers' answers (made by `meshkd.core.teacher_ensemble.TeacherEnsemble`),
-  combined by `kd.combine`, with weights w normalized to sum to 1:
-  - "sum": sum_i w_i D(teacher_i || student), each divergence on its own answer, any transport;
-  - "mixture": D(sum_i w_i p_i || student), against the mixture of the teachers' distributions at the
-    temperature (`Distribution.mixture`; whole-distribution answers: full or full_bf16);
-  - "route": each row's divergence to its own teacher, which alone was asked for it (the rows' `ROUTE`
-    field; the answers put back together by `Distribution.merged`).
-  Two identical teachers give the one-teacher objective by sum or mixture, and a weight of 0 drops a teacher.
+  combined by the combination `kd.combine` names (`meshkd.core.combinations`: sum, mixture of the
+  distributions, `Distribution.mixture`, or route, each row to its own teacher, the answers put back together by
+  `Distribution.merged`), with weights w normalized to sum to 1. Two identical teachers give the one-teacher
+  objective by sum or mixture, and a weight of 0 drops a teacher.
 A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
 paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
 (`meshkd.recipe.teacher.hidden_states`).
@@ -42,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshkd.core.combinations import combination_named
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
 from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
 from meshkd.core.fused_output import chunk_answer
@@ -464,22 +462,11 @@ class Ensemble(TeacherAnswer):
         """`kd.combine` of the members' `divergence(answer, rows=None)` (of the whole micro-batch, or of the
         positions `tokens`), and the figures."""
         kd, weights, members = context.kd, context.teacher_weights, self.members
-        routes = micro_batch[ROUTE][:, 0] if kd.combine == "route" else None
-        if kd.combine == "route":
-            rows = {name: routes == index for index, name in enumerate(members)}
-            merged = self._made("merged", lambda: Distribution.merged(members, rows))
-            each = {name: divergence(merged, rows[name]) for name in members}
-            loss = sum(each.values())
-        elif kd.combine == "sum":
-            each = {name: divergence(member) for name, member in members.items()}
-            loss = sum(weights[name] * value for name, value in each.items())
-        elif kd.combine == "mixture":
-            loss = divergence(self._made("mixture", lambda: Distribution.mixture(members, weights,
-                                                                                 temperature=kd.temperature)))
-            with torch.no_grad():
-                each = {name: divergence(member) for name, member in members.items()}
-        else:
-            raise ValueError(f"combine must be sum, mixture or route, got {kd.combine!r}")
+        combination = combination_named(kd.combine)
+        routes = micro_batch[ROUTE][:, 0] if combination.routes_rows else None
+        if "_combined_answer" not in self.__dict__:  # made once for the micro-batch whatever the chunks asking
+            self._combined_answer = combination.combined(members, weights, routes=routes, temperature=kd.temperature)
+        loss, each = combination.loss(members, self._combined_answer, divergence, weights)
         figures = {f"kd_loss/{name}": value.detach() for name, value in each.items()}
         if tokens is None or tokens.start == 0:
             # The rows each teacher answered (its own only when routed), counted once over the cp ranks' sum.
@@ -490,13 +477,6 @@ class Ensemble(TeacherAnswer):
             figures.update({f"kd_tokens/{name}": (counted & (routes == index)[:, None]).reshape(-1)[
                 tokens if tokens is not None else slice(None)].sum() for index, name in enumerate(members)})
         return loss, figures
-
-    def _made(self, name: str, make: Callable[[], Distribution]) -> Distribution:
-        """The members' combined answer `name`, made once for the micro-batch whatever the chunks asking."""
-        made = self.__dict__.setdefault("_combined_answers", {})
-        if name not in made:
-            made[name] = make()
-        return made[name]
 
 
 _TYPES: dict[str, type[TeacherAnswer]] = {**dict.fromkeys(ENCODINGS, Distribution), GROUPS: GroupDistributions,

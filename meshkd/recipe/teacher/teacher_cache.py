@@ -51,9 +51,10 @@ from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.corpus.batches import to_device, training_rows
 from meshkd.recipe.corpus.hf_sources import hf_fingerprint
-from meshkd.recipe.corpus.records import tokenizer_fingerprint
 from meshkd.recipe.corpus.rows import teacher_side
+from meshkd.recipe.corpus.tokenizing import tokenizer_fingerprint
 from meshkd.recipe.modeling import models
+from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher.hidden_states import paired_layers
@@ -74,15 +75,15 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
 
     `teacher_tokenizer`: the teacher's, with `kd.cross_tokenizer`."""
     dataset, kd = config.dataset, config.kd
+    row_format = format_named(dataset.records)
     files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
     key = {
         "dataset.paths": [[os.path.abspath(path), os.path.getsize(path), file_sha256(path)] for path in files],
         **{f"dataset.{name}": getattr(dataset, name) for name in
            ("format", "text_key", "val_fraction", "seed", "max_documents", "max_document_chars", "packing")},
-        **({f"dataset.{name}": getattr(dataset, name) for name in  # the answer-only mask is in the labels
-            ("records", "train_on", "chat_template", "messages_key", "prompt_key", "completion_key", "system_key",
-             "context_key")} | {"model.tokenizer.chat_template": tokenizer.chat_template}
-           if dataset.records != "text" else {}),
+        # the row format's keys (the answer-only mask is in the labels) and the template that renders its rows
+        **{f"dataset.{name}": getattr(dataset, name) for name in row_format.settings_keys},
+        **({"model.tokenizer.chat_template": tokenizer.chat_template} if row_format.rendered else {}),
         # only when set, so that the caches of runs without it keep their keys
         **({"dataset.chat_roles": dataset.chat_roles} if dataset.chat_roles else {}),
         **({"dataset.hf": hf_fingerprint(dataset.hf)} if dataset.hf is not None else {}),
@@ -100,7 +101,7 @@ def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tok
                                            "teacher_sequence_length": config.teacher_sequence_length},
                     "teacher_model.tokenizer": tokenizer_fingerprint(teacher_tokenizer),
                     "kd.temperature": kd.temperature})
-        if dataset.records != "text":  # the teacher renders the rows with its own template
+        if row_format.rendered:  # the teacher renders the rows with its own template
             key["teacher_model.tokenizer.chat_template"] = teacher_tokenizer.chat_template
     return key
 

@@ -17,9 +17,9 @@ import torch
 
 from meshkd.bench.corpora import stdlib_chat_rows
 from meshkd.recipe.corpus import data
-from meshkd.recipe.corpus.records import record_reader
 from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
+from meshkd.recipe.records import record_reader
 from meshkd.recipe.settings.config import DatasetConfig, HFDatasetConfig
 from tests.core.tokenizers_on_the_fly import smollm2_tokenizer
 from tests.trees import packed

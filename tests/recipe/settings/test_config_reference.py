@@ -112,3 +112,16 @@ def test_the_reference_names_every_value_a_registered_answer_encoding_takes(key)
     default = row.split(" | ")[1]
     missing = [value for value in choices(key) if f"`{value}`" not in row and value != default]
     assert not missing, f"docs/configuration.md's kd.{key} row does not name {missing}"
+
+
+
+@pytest.mark.parametrize("key, package, registry", [("dataset.records", "meshkd.recipe.records", "FORMATS"),
+                                                    ("kd.combine", "meshkd.core.combinations", "COMBINATIONS")])
+def test_the_reference_names_every_registered_row_format_and_combination(key, package, registry):
+    import importlib
+
+    names = getattr(importlib.import_module(package), registry)
+    row = next(line for line in REFERENCE.read_text().splitlines() if line.startswith(f"| `{key}`"))
+    default = row.split(" | ")[1]
+    missing = [name for name in names if f"`{name}`" not in row and name != default]
+    assert not missing, f"docs/configuration.md's {key} row does not name {missing}"
