@@ -190,9 +190,9 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
     """`meshkd prepare-data`: the token store of the config's corpus and its packing, written here; and that of
     its whole on-policy prompts when the run completes them (`DatasetConfig.whole_prompts`)."""
     config = load_config(config_path, overrides)
-    from meshkd.recipe.lifecycle.preflight import cross_teacher_tokenizer
     from meshkd.recipe.modeling.loaders import load_section_tokenizer
     from meshkd.recipe.student.step_data import run_datasets
+    from meshkd.recipe.teacher.sources import cross_teacher_tokenizer
 
     tokenizer = load_section_tokenizer(config.model)
     # With kd.cross_tokenizer the store holds the teacher's tokens too (a cache's teacher tokenizer if it names none).

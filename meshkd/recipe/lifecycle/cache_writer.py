@@ -42,8 +42,8 @@ from meshkd.recipe.modeling import models
 from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
+from meshkd.recipe.teacher.sources import SourceContext
 from meshkd.recipe.teacher.teacher_answers import Distribution
-from meshkd.recipe.teacher.teacher_sources import teacher_source
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
@@ -164,8 +164,7 @@ class CacheWriter:
         directory = self.directory
         key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size,
                               teacher_tokenizer=checked.teacher_tokenizer)
-        identity = checked.served["teacher"] if checked.served and "teacher" in checked.served else (
-            cache.teacher_identity(self.config))
+        identity = (checked.teacher.report or {}).get("teacher") or cache.teacher_identity(self.config)
         plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
         (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
         done, keep = [], set()
@@ -224,10 +223,9 @@ class CacheWriter:
 
     def _forward(self, setup, checked, vocab_size: int, *, encodes: bool):
         """request -> answer: the teacher laid out on this world, or a served one asked (`teacher_model.url`)."""
-        config = self.config
-        if config.teacher_model.url is not None:
-            source = teacher_source(config, manifest=None, bridge=None, loaded=None, setup=setup, device=self.device,
-                                    datasets={}, vocab_size=vocab_size, vocabulary_map=None)
+        config, kind = self.config, checked.source
+        if not (kind.own_ranks or kind.loads_here):  # a teacher outside this job: its source is asked
+            source = kind.make(config, checked.teacher, SourceContext(setup, self.device, {}, vocab_size, None))
             return lambda request: source.request(request.batch, request.logits_transport)
         model, checkpoint = load_teacher(config)
         rows = model.get_output_embeddings().weight.shape[0]

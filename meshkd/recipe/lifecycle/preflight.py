@@ -30,8 +30,8 @@ from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
 from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
-from meshkd.recipe.teacher import completions_teacher, served_protocol, served_teacher, teacher_cache
 from meshkd.recipe.teacher.hidden_states import check_pairs
+from meshkd.recipe.teacher.sources import SourceKind, TeacherCheck, kind_of
 
 # The corpus is read (each file checked to be text, and for a document) only when it is at most this large.
 _PREFLIGHT_READ_BYTES = 64 << 20
@@ -44,10 +44,10 @@ class Preflight:
     tokenizer: object
     teacher_tokenizer: object  # the student's own when the teacher's answers come from a cache
     student_vocab_rows: int
-    teacher_vocab_rows: int  # the skeleton's, or the cache's teacher's
-    cache_manifest: dict | None = None  # training from kd.teacher_cache: its manifest, checked against the run
+    teacher_vocab_rows: int  # the skeleton's, the cache's teacher's, the server's
+    source: SourceKind  # where the teacher's answers come from (`meshkd.recipe.teacher.sources`)
+    teacher: TeacherCheck  # what its preflight learnt of the teacher (a cache's manifest, a server's health)
     teacher_width: int | None = None  # the teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)
-    served: dict | None = None  # a teacher at teacher_model.url: its server's health report, checked against the run
 
 
 def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
@@ -63,19 +63,6 @@ def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
 
 def _embedding_rows(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
-
-
-def _names_tokenizer(section) -> bool:
-    return section.tokenizer is not None or section.path is not None or section.gguf_file is not None
-
-
-def cross_teacher_tokenizer(config: KDRecipeConfig):
-    """The teacher's tokenizer of a `kd.cross_tokenizer` run: `teacher_model`'s, or, training from a cache
-    with no teacher named, the one the cache holds (`teacher_cache.cache_teacher_tokenizer`)."""
-    with about("teacher_model.tokenizer"):
-        if config.kd.teacher_cache is not None and not _names_tokenizer(config.teacher_model):
-            return teacher_cache.cache_teacher_tokenizer(config)
-        return load_section_tokenizer(config.teacher_model)
 
 
 def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True,
@@ -106,8 +93,8 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         FileNotFoundError: naming the missing file or path.
     """
     check_versions()
-    from_cache = config.kd.teacher_cache is not None and not writing_cache
-    separate = config.separate_meshes and not from_cache and config.teacher_model.url is None
+    kind = kind_of(config, writing_cache=writing_cache)
+    separate = kind.own_ranks
     _check_sizes_given(config, separate)
     outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
     for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
@@ -124,42 +111,24 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
     with about("model"):
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
-    manifest = teacher = served = None
-    if config.teacher_model.url is not None and not from_cache:  # the server stands for the teacher
-        # With kd.cross_tokenizer the config names the teacher's tokenizer (the rows' teacher side), else it is
-        # the student's.
-        teacher_tokenizer = cross_teacher_tokenizer(config) if config.kd.cross_tokenizer is not None else tokenizer
-        served = check_served_teacher(config, teacher_tokenizer, student_rows=_embedding_rows(student))
-        teacher_rows, teacher_width = served["vocab_rows"], served["hidden_size"]
-    elif from_cache:  # the cache stands for the teacher: with the student's tokenizer, or its own saved in it
-        teacher_tokenizer = tokenizer
-        if config.kd.cross_tokenizer is not None:
-            teacher_tokenizer = cross_teacher_tokenizer(config)
-        manifest = teacher_cache.check_cache(config, tokenizer, student_vocab_rows=_embedding_rows(student),
-                                             teacher_tokenizer=teacher_tokenizer)
-        teacher_rows, teacher_width = manifest["teacher_vocab_rows"], manifest.get("teacher_hidden_size")
-    else:
-        with about("teacher_model.tokenizer"):
-            teacher_tokenizer = load_section_tokenizer(config.teacher_model)
-        with about("teacher_model"):
-            teacher = load_section_skeleton(config.teacher_model, "teacher_model")
-        teacher_rows, teacher_width = _embedding_rows(teacher), teacher.config.get_text_config().hidden_size
-    vocab_size = _common_vocabulary(config, tokenizer, teacher_tokenizer, _embedding_rows(student), teacher_rows)
+    # The teacher, as its source knows it: a skeleton, a cache's manifest, a server's health.
+    teacher = kind.check(config, tokenizer, student_rows=_embedding_rows(student))
+    teacher_tokenizer = teacher.tokenizer
+    vocab_size = _common_vocabulary(config, tokenizer, teacher_tokenizer, _embedding_rows(student), teacher.vocab_rows)
     roles = [Role("distributed", config.distributed, "model", student, config.model)]
-    if teacher is not None:
+    if teacher.skeleton is not None:
         roles.append(Role("teacher_distributed" if separate else "distributed", config.teacher_layout,
-                          "teacher_model", teacher, config.teacher_model))
+                          "teacher_model", teacher.skeleton, config.teacher_model))
     for role in roles:
         _check_role(config, role)
-    _check_student_against_teacher(config, student, teacher, vocab_size,
-                                   served_layers=served.get("num_layers") if served else None)
+    _check_student_against_teacher(config, student, teacher.num_layers, vocab_size)
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
         if format_named(config.dataset.records).rendered:  # rows read again, rendered for both sides
             found = _read_data(config, tokenizer, files, teachers, teacher_tokenizer=teacher_tokenizer)
         check_row_lengths(config, found, tokenizer, teacher_tokenizer)
     return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
-                     student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher_rows,
-                     cache_manifest=manifest, teacher_width=teacher_width, served=served)
+                     student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher.vocab_rows, source=kind,
+                     teacher=teacher, teacher_width=teacher.hidden_size)
 
 
 def preflight_teacher(config: KDRecipeConfig) -> None:
@@ -171,35 +140,6 @@ def preflight_teacher(config: KDRecipeConfig) -> None:
         teacher = load_section_skeleton(config.teacher_model, "teacher_model")
     key = "teacher_distributed" if config.teacher_layout is config.teacher_distributed else "distributed"
     _check_role(config, Role(key, config.teacher_layout, "teacher_model", teacher, config.teacher_model))
-
-
-def check_served_teacher(config: KDRecipeConfig, tokenizer, *, student_rows: int) -> dict:
-    """The health report of the teacher at `teacher_model.url`: it answers, speaks this protocol, is the teacher
-    `teacher_model`'s other keys describe, if given (`teacher_cache.teacher_identity`), and reads token ids as
-    `tokenizer` (the student's, or with `kd.cross_tokenizer` the teacher's as the config names it) writes them.
-    A completions server (`teacher_model.api: completions`) is only asked whether it answers: its vocabulary is
-    taken to be the student's (`student_rows`)."""
-    url = config.teacher_model.url
-    if config.teacher_model.api == "completions":  # reachable; its vocabulary is taken to be the student's
-        served_teacher.health(url, path=completions_teacher.MODELS_PATH)
-        return {"vocab_rows": student_rows, "hidden_size": None}
-    report = served_teacher.health(url)
-    if report.get("protocol") != served_protocol.PROTOCOL_VERSION:
-        raise ConfigError(f"teacher_model.url: the server at {url} speaks protocol {report.get('protocol')!r}, this "
-                          f"meshkd {served_protocol.PROTOCOL_VERSION}: run the same meshkd release on both")
-    section = config.teacher_model
-    if section.path is not None or section.random_init is not None:  # the teacher the config describes
-        mine = teacher_cache.teacher_identity(config)
-        differ = [key for key in mine if mine[key] != report.get("teacher", {}).get(key)]
-        if differ:
-            raise ConfigError(f"teacher_model: the teacher served at {url} is not the one this config describes "
-                              f"({differ[0]}: served {report.get('teacher', {}).get(differ[0])!r}, here "
-                              f"{mine[differ[0]]!r}); leave teacher_model's other keys out to take it as it is")
-    if report.get("vocabulary") != served_protocol.vocabulary_fingerprint(tokenizer):
-        label = "teacher_model.tokenizer" if config.kd.cross_tokenizer is not None else "model.tokenizer"
-        raise ConfigError(f"teacher_model.url: the teacher at {url} has another vocabulary than {label} (their "
-                          "token -> id mappings differ): it reads the token ids that tokenizer writes")
-    return report
 
 
 @dataclass
@@ -309,16 +249,15 @@ def _check_role(config: KDRecipeConfig, role: Role) -> None:
         )
 
 
-def _check_student_against_teacher(config: KDRecipeConfig, student: torch.nn.Module,
-                                   teacher: torch.nn.Module | None, vocab_size: int, *,
-                                   served_layers: int | None = None) -> None:
-    """The hidden-state pairs against both models' layers (a served teacher's as its server reports them), and a
-    TP student's vocabulary against the common one."""
+def _check_student_against_teacher(config: KDRecipeConfig, student: torch.nn.Module, teacher_layers: int | None,
+                                   vocab_size: int) -> None:
+    """The hidden-state pairs against both models' layers (the teacher's as its source knows them, e.g. as its
+    server reports them), and a TP student's vocabulary against the common one."""
     if config.kd.hidden_states is not None:
         try:
             check_pairs(pairs_of(config.kd.hidden_states, config.model.keep_layers),
                         student_layers=student.config.num_hidden_layers,
-                        teacher_layers=teacher.config.num_hidden_layers if teacher is not None else served_layers)
+                        teacher_layers=teacher_layers)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     tp_size = config.distributed.tp_size

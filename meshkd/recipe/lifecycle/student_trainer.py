@@ -44,7 +44,7 @@ from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.student.step_data import StepData, run_datasets
 from meshkd.recipe.student.student_model import export_student, lay_out_student, load_student, student_hidden_states
 from meshkd.recipe.student.train_step import TrainStep, build_optimizer
-from meshkd.recipe.teacher.teacher_sources import teacher_source
+from meshkd.recipe.teacher.sources import SourceContext
 from meshkd.recipe.teacher.teacher_worker import load_teacher, teacher_vocabulary_map
 
 
@@ -74,17 +74,13 @@ class StudentTrainer:
         """This rank's models and data (and the teachers on the student's ranks); `checked`: each teacher's
         preflight, by name."""
         config = self.config
-        self.views = config.teacher_views()
-        # Teachers read from a cache: the cache's manifest, checked against the run.
-        self._manifests = {name: check.cache_manifest for name, check in checked.items()
-                           if check.cache_manifest is not None}
-        self._served = {name: check.served for name, check in checked.items() if check.served is not None}
+        self.views, self._checked = config.teacher_views(), checked
         checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         self._teacher_width = checked.teacher_width
         self._model, self._checkpoint = load_student(config, self.setup)
         self._teachers = {name: load_teacher(view) for name, view in self.views.items()
-                          if not self.setups.separate(name) and name not in self._manifests | self._served}
+                          if self._checked[name].source.loads_here}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
             config, checked, losses=("projection", "gold") if self._teachers else ("gold",))
@@ -95,10 +91,8 @@ class StudentTrainer:
         configure_packing(self._model)
 
     def vocab_rows(self) -> dict[str, int]:
-        """Output-embedding rows of the models held here (the student, teachers on its ranks), by name."""
-        rows = {name: model.get_output_embeddings().weight.shape[0] for name, (model, _) in self._teachers.items()}
-        rows.update({name: manifest["teacher_vocab_rows"] for name, manifest in self._manifests.items()})
-        rows.update({name: report["vocab_rows"] for name, report in self._served.items()})
+        """Output-embedding rows of the student and of each teacher (as its preflight found them), by name."""
+        rows = {name: check.teacher_vocab_rows for name, check in self._checked.items()}
         return {"student": self._model.get_output_embeddings().weight.shape[0], **rows}
 
     def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
@@ -106,10 +100,10 @@ class StudentTrainer:
         `bridges`: to each teacher on ranks of its own, by name."""
         self.vocab_size, self.bridges = vocab_size, bridges
         datasets = {"train": self.train_set, "validation": self.val_set}
-        self.teacher_sources = {  # meshkd.recipe.teacher.teacher_sources
-            name: teacher_source(view, manifest=self._manifests.get(name), bridge=bridges.get(name),
-                                 loaded=self._teachers.pop(name, None), setup=self.setup, device=self.device,
-                                 datasets=datasets, vocab_size=vocab_size, vocabulary_map=self._vocabulary_map)
+        self.teacher_sources = {  # meshkd.recipe.teacher.sources, by each teacher's kind
+            name: self._checked[name].source.make(view, self._checked[name].teacher, SourceContext(
+                self.setup, self.device, datasets, vocab_size, self._vocabulary_map, bridge=bridges.get(name),
+                loaded=self._teachers.pop(name, None)))
             for name, view in self.views.items()}
         # One teacher is the list of one: its own source; several are asked as one.
         self.teacher = TeacherEnsemble.of(
@@ -160,9 +154,8 @@ class StudentTrainer:
                               group=self.student_group, device=self.device,
                               byte_lengths=byte_lengths, teacher_byte_lengths=teacher_byte_lengths,
                               vocab_size=self.vocab_size, teacher_role=TeacherSetups.role(name),
-                              # a teacher read from its cache (a CachedTeacher) answers in what the cache holds
-                              validation_answer=teacher.answer_mode("validation") if name in self._manifests
-                              else None, fused_head=fused_head)
+                              validation_answer=self._checked[name].source.validation_answer(teacher),
+                              fused_head=fused_head)
 
         self.evaluation = TeachersEvaluation.of(
             {name: evaluation(name, source) for name, source in self.teacher_sources.items()},

@@ -195,7 +195,7 @@ def refused(config: dict) -> str:
 
 def test_a_copy_of_the_cache_fits_its_run(one_rank, tmp_path):
     checked = preflight(config_from_dict(copied(one_rank, tmp_path)))
-    assert checked.cache_manifest is not None and checked.teacher_vocab_rows == 262
+    assert checked.source.name == "cache" and checked.teacher_vocab_rows == 262
 
 
 @pytest.mark.parametrize("change, field", [
@@ -220,7 +220,7 @@ def test_a_cache_written_for_another_run_is_refused_naming_the_field(one_rank, t
 def test_a_teacher_left_out_of_the_config_is_the_caches(one_rank, tmp_path):
     config = copied(one_rank, tmp_path)
     config["teacher_model"] = {}
-    assert preflight(config_from_dict(config)).cache_manifest is not None
+    assert preflight(config_from_dict(config)).teacher.report is not None
 
 
 def test_other_data_is_refused_naming_the_file(one_rank, tmp_path):
@@ -270,7 +270,7 @@ def cached_teacher(config: dict) -> tuple[CachedTeacher, object]:
     checked = preflight(recipe)
     train, val = data.build_run_datasets(checked.tokenizer, recipe.dataset, sequence_length=32)
     datasets = {"train": train, "validation": val}
-    teacher = CachedTeacher(recipe.kd.teacher_cache, checked.cache_manifest, datasets,
+    teacher = CachedTeacher(recipe.kd.teacher_cache, checked.teacher.report, datasets,
                             asked=rows_asked(recipe, datasets, dp_size=1), device=torch.device("cpu"))
     return teacher, train
 
@@ -373,7 +373,7 @@ def test_a_killed_writer_continues_from_its_complete_shards(tmp_path):
     manifest = json.loads((cache / MANIFEST).read_text())
     assert len(manifest["shards"]) == sum(len(split["rows"]) for split in manifest["splits"].values())
     train = copy.deepcopy(config)
-    assert preflight(config_from_dict(train)).cache_manifest["shards"] == manifest["shards"]
+    assert preflight(config_from_dict(train)).teacher.report["shards"] == manifest["shards"]
 
 
 def test_cache_teacher_without_a_cache_directory_is_one_line(tmp_path):

@@ -1,0 +1,145 @@
+"""What a teacher source is, and the registry of its kinds by name.
+
+A teacher source is where one teacher's answers come from while the student trains (a
+`meshkd.core.teacher_protocol.TeacherSource`). Each kind is one `SourceKind` subclass in a module of this package,
+registered once under its name (`@register`); the kind a teacher's (one-teacher) config describes is the one
+whose `describes` says so, and exactly one does (`kind_of`). Everything that varies with the kind asks it:
+
+    describes(view, writing_cache)   whether the teacher's config describes this kind
+    own_ranks                        the teacher runs on ranks of its own (a bridge to them)
+    loads_here                       the teacher's weights load on the student's ranks
+    check(view, tokenizer, ...)      preflight: what the teacher is (`TeacherCheck`), refusing what does not fit
+    make(view, check, context)       the `TeacherSource` the student asks
+    validation_answer(source)        the answer it gives held-out rows, when not what the run asks
+
+Adding a kind is one module here (imported by `meshkd/recipe/teacher/sources/__init__.py`) and its test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from meshkd.core.cross_tokenizer_loss import VocabularyMap
+from meshkd.core.teacher_protocol import TeacherSource
+from meshkd.core.topology import DistributedSetup
+from meshkd.recipe.common.faults import about
+from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
+from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.teacher.teacher_cache import cache_teacher_tokenizer
+
+
+@dataclass
+class TeacherCheck:
+    """What preflight learnt of a teacher without its weights."""
+
+    tokenizer: Any  # the tokenizer whose ids the teacher reads (the student's, unless kd.cross_tokenizer)
+    vocab_rows: int  # its output layer's rows
+    hidden_size: int | None = None  # its width, where known (kd.hidden_states)
+    num_layers: int | None = None  # its decoder layers, where known (kd.hidden_states' pairs)
+    skeleton: torch.nn.Module | None = None  # the teacher on the meta device, checked against its layout
+    report: dict | None = None  # what the source reported: a cache's manifest, a server's health
+
+
+@dataclass
+class SourceContext:
+    """What a student rank holds when it makes its teachers' sources."""
+
+    setup: DistributedSetup
+    device: torch.device
+    datasets: dict  # {"train", "validation"}: the run's rows
+    vocab_size: int
+    vocabulary_map: VocabularyMap | None
+    bridge: Any = None  # to the teacher's own ranks (`own_ranks` kinds)
+    loaded: tuple | None = None  # (model, checkpoint) as `load_teacher` loaded it here (`loads_here` kinds)
+
+
+class SourceKind:
+    """One kind of teacher source. Subclasses set `name` and implement `describes`, `check` and `make`."""
+
+    name: ClassVar[str]
+    own_ranks: ClassVar[bool] = False
+    """Whether the teacher runs on ranks of its own, joined to the student's by a bridge."""
+    loads_here: ClassVar[bool] = False
+    """Whether the teacher's weights load on the student's ranks."""
+
+    def describes(self, view: KDRecipeConfig, *, writing_cache: bool) -> bool:
+        """Whether the teacher's one-teacher config `view` describes this kind (`writing_cache`: for
+        `meshkd cache-teacher`, which writes the cache `kd.teacher_cache` names)."""
+        raise NotImplementedError
+
+    def check(self, view: KDRecipeConfig, tokenizer: Any, *, student_rows: int) -> TeacherCheck:
+        """Preflight: the teacher as far as it can be known without its weights; ConfigError naming the key."""
+        raise NotImplementedError
+
+    def make(self, view: KDRecipeConfig, check: TeacherCheck, context: SourceContext) -> TeacherSource:
+        """The source the student asks for this teacher's answers."""
+        raise NotImplementedError
+
+    def validation_answer(self, source: TeacherSource) -> str | None:
+        """The answer it gives held-out rows when that is fixed by the source, not asked (None: as asked)."""
+        return None
+
+
+KINDS: dict[str, SourceKind] = {}
+"""Every registered kind, by name (filled as `meshkd.recipe.teacher.sources` imports its modules)."""
+
+
+def register(cls: type[SourceKind]) -> type[SourceKind]:
+    """Class decorator: registers one instance of `cls` under `cls.name`."""
+    if cls.name in KINDS:
+        raise ValueError(f"teacher source {cls.name!r} is registered twice")
+    KINDS[cls.name] = cls()
+    return cls
+
+
+def kind_of(view: KDRecipeConfig, *, writing_cache: bool = False) -> SourceKind:
+    """The kind of source the teacher's one-teacher config describes; ValueError when none or several do."""
+    kinds = [kind for kind in KINDS.values() if kind.describes(view, writing_cache=writing_cache)]
+    if len(kinds) != 1:
+        raise ValueError(f"the teacher's config describes {len(kinds)} kinds of teacher source "
+                         f"({', '.join(kind.name for kind in kinds) or 'none'}) of {', '.join(KINDS)}: exactly one "
+                         f"must")
+    return kinds[0]
+
+
+def asks_http(view: KDRecipeConfig, api: str, writing_cache: bool) -> bool:
+    """Whether the teacher is asked over HTTP(S) at `teacher_model.url`, by the protocol `api`, for its answers."""
+    url, section = view.teacher_model.url, view.teacher_model
+    return (isinstance(url, str) and url.startswith(("http://", "https://")) and section.api == api
+            and not reads_cache(view, writing_cache))
+
+
+def reads_cache(view: KDRecipeConfig, writing_cache: bool) -> bool:
+    """Whether the teacher's answers are read from `kd.teacher_cache` (which then stands for the teacher)."""
+    return view.kd.teacher_cache is not None and not writing_cache
+
+
+def answer_tokenizer(view: KDRecipeConfig, tokenizer: Any) -> Any:
+    """The tokenizer whose ids a teacher that is not loaded here reads: the student's `tokenizer`, or with
+    `kd.cross_tokenizer` the teacher's (`cross_teacher_tokenizer`)."""
+    return cross_teacher_tokenizer(view) if view.kd.cross_tokenizer is not None else tokenizer
+
+
+def cross_teacher_tokenizer(view: KDRecipeConfig) -> Any:
+    """The teacher's tokenizer of a `kd.cross_tokenizer` run: `teacher_model`'s, or, training from a cache
+    with no teacher named, the one the cache holds (`teacher_cache.cache_teacher_tokenizer`)."""
+    section = view.teacher_model
+    with about("teacher_model.tokenizer"):
+        names_tokenizer = section.tokenizer is not None or section.path is not None or section.gguf_file is not None
+        if view.kd.teacher_cache is not None and not names_tokenizer:
+            return cache_teacher_tokenizer(view)
+        return load_section_tokenizer(section)
+
+
+def model_check(view: KDRecipeConfig) -> TeacherCheck:
+    """A teacher whose model runs in this job: its tokenizer and skeleton, as `teacher_model` describes them."""
+    with about("teacher_model.tokenizer"):
+        tokenizer = load_section_tokenizer(view.teacher_model)
+    with about("teacher_model"):
+        skeleton = load_section_skeleton(view.teacher_model, "teacher_model")
+    text = skeleton.config.get_text_config()
+    return TeacherCheck(tokenizer, vocab_rows=skeleton.get_output_embeddings().weight.shape[0],
+                        hidden_size=text.hidden_size, num_layers=skeleton.config.num_hidden_layers, skeleton=skeleton)

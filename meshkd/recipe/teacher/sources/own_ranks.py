@@ -1,0 +1,23 @@
+"""`own_ranks`: the teacher on ranks of its own in this job (`separate_meshes: true`), its answers sent over the
+bridge (`meshkd.core.teacher_protocol.TeacherClient`; the teacher's ranks run
+`meshkd.recipe.teacher.teacher_worker.TeacherWorker`)."""
+
+from __future__ import annotations
+
+from meshkd.core.teacher_protocol import TeacherClient
+from meshkd.recipe.teacher.sources.base import SourceKind, model_check, reads_cache, register
+
+
+@register
+class OwnRanks(SourceKind):
+    name = "own_ranks"
+    own_ranks = True
+
+    def describes(self, view, *, writing_cache):
+        return view.separate_meshes and view.teacher_model.url is None and not reads_cache(view, writing_cache)
+
+    def check(self, view, tokenizer, *, student_rows):
+        return model_check(view)
+
+    def make(self, view, check, context):
+        return TeacherClient(context.bridge)
