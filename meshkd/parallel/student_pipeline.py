@@ -238,6 +238,15 @@ class StudentPipeline:
 
         self._runners: dict[tuple, _Runner] = {}
         self._loss_fn: LossFn | None = None
+        self.loss_in_head = False
+        """Whether the last stage's output layer hands training's loss in place of the logits (the fused output
+        layer, `meshkd.recipe.student.fused_head`): broadcast to the logits' shape with stride 0, which the
+        training schedule's metadata then says. Set before the first step."""
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """This rank's stage's causal LM (the layers of other stages are pass-throughs)."""
+        return self.stage_model.stage.model
 
     # -- training --------------------------------------------------------------------------------------
 
@@ -395,6 +404,9 @@ class StudentPipeline:
         hidden = meta(rows, length, self.hidden_size)
         inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
         outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if self.is_last else hidden
+        if self.is_last and train and self.loss_in_head:  # the loss at every entry: one stored value
+            outputs = torch.empty_strided(outputs.shape, (0, 0, 0), dtype=self.logits_dtype, device="meta",
+                                          requires_grad=True)
         if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)
             statistics = meta(2, self.router_loss.num_experts + 1, dtype=torch.float32)
             inputs = (inputs,) if self.is_first else (inputs, statistics)

@@ -3,12 +3,19 @@
 Design. The model's own forward runs; for one micro-batch its output layer's forward is swapped (`computing`):
 it receives the last hidden states, computes the micro-batch's objective from them and its weight chunk by
 chunk (`kd.chunk_size` tokens, 1024 when unset), and returns, in place of the logits, that loss broadcast to
-the logits' shape (a stride-0 view: nothing of [tokens, vocab] is allocated). The model hands it back as its
+the logits' shape (stride 0: nothing of [tokens, vocab] is allocated). The model hands it back as its
 `.logits`; the step backpropagates from one of its entries, through the model's outputs, so FSDP2's and DDP's
 backward hooks run as for whole logits. The CE and KD values are kept for the step's metrics.
 
-It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: a student that is not
-pipelined (any dp, tp or cp: under tp the head is vocab-parallel, each rank computes its vocabulary slice of a
+A pipelined student's last stage swaps its output layer for a whole step (`computing_each`): the schedule runs
+the stage's forwards in micro-batch order whatever it interleaves, so the k-th forward computes micro-batch k's
+objective, and the schedule's loss (which gets the micro-batch's index) reads it back (`loss_of(logits, k)`).
+The training schedule's metadata says the stage's output has stride 0 (`StudentPipeline.loss_in_head`), and the
+loss travels in the stage's logits dtype, its exact float32 value kept for the backward's scale and the metrics.
+Held-out evaluations of a pipelined student compute whole logits.
+
+It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: any student (dp, tp,
+cp, pp's last stage: under tp the head is vocab-parallel, each rank computes its vocabulary slice of a
 chunk's logits and the losses' vocab-parallel paths combine them), and a model that does not transform its logits
 after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does
 anyway is stopped at its first step, naming the key); and per micro-batch to one teacher's distribution
@@ -42,24 +49,34 @@ class FusedHead:
     """The output layer of a laid-out student, swapped for one micro-batch at a time (see the module docstring)."""
 
     def __init__(self, head: torch.nn.Module, *, kd, vocab_size: int, model_name: str = "the student",
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, logits_dtype: torch.dtype = torch.float32) -> None:
         self.head, self.kd, self.vocab_size, self.model_name = head, kd, vocab_size, model_name
-        self.compute_dtype = compute_dtype
-        self.values: dict[str, torch.Tensor] = {}
-        self._returned: torch.Tensor | None = None
+        self.compute_dtype, self.logits_dtype = compute_dtype, logits_dtype
+        self.values: list[dict[str, torch.Tensor]] = []
+        """Per micro-batch of the last `computing_each` (of `computing`: one), its CE and KD values and figures."""
+        self._returned: list[tuple[int, torch.Tensor]] = []  # per micro-batch: the returned storage, the exact loss
 
     @classmethod
     def of(cls, model: torch.nn.Module, config, setup, pipeline, vocab_size: int) -> FusedHead | None:
-        """The fused head of a laid-out student (its pipeline, or None) where it applies, else None."""
-        causal_lm = getattr(model, "module", model)  # under DDP, the wrapped model
+        """The fused head of a laid-out student (its pipeline, or None) where it applies, else None. A pipeline's
+        stages before the last have no output layer, so none; its last stage's training schedule is then told
+        that the stage hands the loss (`StudentPipeline.loss_in_head`)."""
+        # Under DDP, the wrapped model; pipelined, this stage's.
+        causal_lm = pipeline.causal_lm if pipeline is not None else getattr(model, "module", model)
         head = causal_lm.get_output_embeddings() if hasattr(causal_lm, "get_output_embeddings") else None
         transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
                          for where in (causal_lm.config, causal_lm))
-        if (not config.kd.fused_output_loss or pipeline is not None or transforms
-                or not isinstance(head, torch.nn.Linear)):
+        # A cross-tokenizer teacher's group answers (uld, gold) are not read chunk by chunk: in a pipeline the
+        # stage's output kind is fixed for the run, so none there.
+        grouped = config.kd.cross_tokenizer is not None and config.kd.cross_tokenizer.loss != "projection"
+        if (not config.kd.fused_output_loss or transforms or not isinstance(head, torch.nn.Linear)
+                or (pipeline is not None and grouped)):
             return None
+        if pipeline is not None:
+            pipeline.loss_in_head = True
         return cls(head, kd=config.kd, vocab_size=vocab_size, model_name=type(causal_lm).__name__,
-                   compute_dtype=resolve_dtype(config.model.dtype))
+                   compute_dtype=resolve_dtype(config.model.dtype),
+                   logits_dtype=pipeline.logits_dtype if pipeline is not None else torch.float32)
 
     def applies(self, answer: TeacherAnswer | None) -> bool:
         """Whether the loss against `answer` can be computed by chunks of positions (`chunk_kd_loss`)."""
@@ -69,12 +86,41 @@ class FusedHead:
     def computing(self, micro_batch: dict, answer: TeacherAnswer | None, context: LossContext, *,
                   norm: torch.Tensor) -> Iterator[None]:
         """Within it, the model's forward returns the micro-batch's objective as its logits (see the module
-        docstring); `values` then holds its CE and KD values and the answer's figures (`chunk_kd_loss`)."""
-        kd, labels = self.kd, micro_batch["labels"]
-        flat_labels = labels.reshape(-1)
-        sums = {"ce_loss": torch.zeros(()), "kd_loss": torch.zeros(())}
-        if answer is not None and kd.kd_ratio > 0:
-            answer.check_indices(context, self.vocab_size)
+        docstring); `values[0]` then holds its CE and KD values and the answer's figures (`chunk_kd_loss`)."""
+        with self.computing_each([micro_batch], [answer], context, norm=norm):
+            yield
+
+    @contextlib.contextmanager
+    def computing_each(self, micro_batches: list[dict], answers: list[TeacherAnswer | None], context: LossContext,
+                       *, norm: torch.Tensor) -> Iterator[None]:
+        """`computing` of several micro-batches: within it, the output layer's k-th forward computes micro-batch
+        k's objective (a pipelined step's forwards on the last stage, in order); `values[k]` holds its figures."""
+        kd = self.kd
+        self.values, self._returned = [], []
+        for answer in answers:
+            if answer is not None and kd.kd_ratio > 0:
+                answer.check_indices(context, self.vocab_size)
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            index = len(self.values)
+            if index == len(micro_batches):
+                raise RuntimeError(f"the output layer ran more forwards than the {index} micro-batches it was given")
+            sums = {"ce_loss": torch.zeros(()), "kd_loss": torch.zeros(())}
+            self.values.append(sums)
+            loss = self._fused(hidden, self._objective(micro_batches[index], answers[index], context, norm, sums))
+            logits = self._as_logits(loss, hidden)
+            local = logits.to_local() if isinstance(logits, DTensor) else logits
+            self._returned.append((local.data_ptr(), loss.detach()))
+            return logits
+
+        with self._swapped(forward):
+            yield
+
+    def _objective(self, micro_batch: dict, answer: TeacherAnswer | None, context: LossContext,
+                   norm: torch.Tensor, sums: dict[str, torch.Tensor]) -> Callable[[torch.Tensor, slice], torch.Tensor]:
+        """The objective of a chunk of the micro-batch's positions (`fused_output_loss`'s), adding its CE and KD
+        values and the answer's figures to `sums`."""
+        kd, flat_labels = self.kd, micro_batch["labels"].reshape(-1)
 
         def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
             ce = kd_term = None
@@ -88,15 +134,7 @@ class FusedHead:
                 for key, value in {"kd_loss": kd_term, **figures}.items():
                     sums[key] = sums[key].to(value.device) + value.detach() if key in sums else value.detach()
             return kd_objective(ce, kd_term, kd.kd_ratio)
-
-        def forward(hidden: torch.Tensor) -> torch.Tensor:
-            loss = self._fused(hidden, objective)
-            self._returned = self._as_logits(loss, hidden)
-            return self._returned
-
-        with self._swapped(forward):
-            yield
-        self.values = sums
+        return objective
 
     @contextlib.contextmanager
     def evaluating(self, on_chunk: Callable[[torch.Tensor, slice], None]) -> Iterator[None]:
@@ -119,7 +157,7 @@ class FusedHead:
     def _as_logits(self, loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """`loss` as the logits' shape with stride 0 (`_Broadcast`); for a vocab-parallel head a DTensor sharded on
         the vocabulary as its logits are (each rank's share holding its own copy of the loss)."""
-        weight, lead = self.head.weight, tuple(hidden.shape[:-1])
+        weight, lead, loss = self.head.weight, tuple(hidden.shape[:-1]), loss.to(self.logits_dtype)
         if not isinstance(weight, DTensor):
             return _Broadcast.apply(loss, (*lead, self.head.out_features))
         local = _Broadcast.apply(loss, (*lead, weight.to_local().shape[0]))
@@ -141,17 +179,21 @@ class FusedHead:
             else:
                 self.head.forward = previous
 
-    def loss_of(self, logits: torch.Tensor) -> torch.Tensor:
-        """The objective `computing` returned as the model's logits, as a differentiable scalar.
+    def loss_of(self, logits: torch.Tensor, index: int = 0) -> torch.Tensor:
+        """The objective of micro-batch `index` that `computing_each` returned as the model's logits, as a
+        differentiable float32 scalar of its exact value (the logits may hold it in a lower precision).
 
         Raises:
             ConfigError: the model changed what its output layer returned (a transform `of` does not know)."""
-        if logits is not self._returned:
+        local = logits.to_local() if isinstance(logits, DTensor) else logits  # this rank's copy
+        storage, exact = self._returned[index]
+        if local.data_ptr() != storage or any(local.stride()):
             from meshkd.recipe.settings.config import ConfigError
 
             raise ConfigError(f"kd.fused_output_loss: {self.model_name} changes its logits after its output layer, "
                               "which the fused loss cannot follow; set kd.fused_output_loss: false")
-        return _LossOf.apply(logits.to_local() if isinstance(logits, DTensor) else logits)  # this rank's copy
+        loss = _LossOf.apply(local).float()
+        return loss + (exact.float() - loss).detach()
 
 
 class _Broadcast(torch.autograd.Function):

@@ -260,29 +260,35 @@ class TrainStep:
         every stage gets their values from it, so all log, clip and checkpoint alike."""
         micro_batches, answers = zip(*pairs)
         by_index: dict[int, dict] = {}
+        # Only the last stage has a fused head (`FusedHead.of`); the kind of its answers is the run's.
+        fused = self.fused_head is not None
 
         def loss_fn(index: int, logits: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
-            loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], answers[index], norm, router)
+            loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], answers[index], norm, router,
+                                                          fused=fused, index=index)
             return loss
 
-        self.pipeline.step(list(micro_batches), loss_fn)
+        with (self.fused_head.computing_each(list(micro_batches), list(answers), self.answer_context, norm=norm)
+              if fused else contextlib.nullcontext()):
+            self.pipeline.step(list(micro_batches), loss_fn)
         return broadcast_loss_metrics_from_last_stage(
             [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
 
     def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
                          norm: float | torch.Tensor, router: torch.Tensor | None = None,
-                         hidden: list[torch.Tensor] | None = None,
-                         fused: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         hidden: list[torch.Tensor] | None = None, fused: bool = False,
+                         index: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
         `norm`: the step's global number of valid tokens, at least 1 (a 0-dim tensor in the step). `router`: an
         MoE student's load-balancing loss of this micro-batch (under cp this rank's share); the objective adds
         `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank. `hidden`: the
         student's outputs of `kd.hidden_states`' paired layers; the objective adds `weight` times their term
-        (`hidden_state_loss`). `fused`: the logits are the objective the fused head computed (`FusedHead`)."""
+        (`hidden_state_loss`). `fused`: the logits are the objective the fused head computed (`FusedHead`), of the
+        `index`-th micro-batch it was given."""
         if fused:
-            loss = self.fused_head.loss_of(logits)
-            values = {key: value.to(logits.device) for key, value in self.fused_head.values.items()}
+            loss = self.fused_head.loss_of(logits, index)
+            values = {key: value.to(logits.device) for key, value in self.fused_head.values[index].items()}
         else:
             loss, values = self._objective(logits, micro_batch, answer, norm)
         if hidden is not None:

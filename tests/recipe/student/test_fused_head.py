@@ -1,8 +1,8 @@
 """`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
 loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
-dp 2 student under FSDP2, a cp 2 and a tp 2 student, CE alone, a bfloat16 (mixed-precision) student and two teachers
-combined by sum, mixture or route (with each teacher's figures); where it does not apply, the step computes whole
-logits."""
+dp 2 student under FSDP2, a cp 2, a tp 2 and a pp 2 student (tied too), CE alone, a bfloat16 (mixed-precision)
+student and two teachers combined by sum, mixture or route (with each teacher's figures); where it does not apply,
+the step computes whole logits."""
 
 from __future__ import annotations
 
@@ -82,8 +82,11 @@ def one_rank(tmp_path_factory) -> dict:
         results.check(name)
     cp2 = runs_of(tmp_path_factory.mktemp("fused_cp2"), 2, {"dp_size": 1, "cp_size": 2})
     tp2 = runs_of(tmp_path_factory.mktemp("fused_tp2"), 2, {"dp_size": 1, "tp_size": 2})
-    chosen = {f"{layout}_{name}": runs[name] for layout, runs in (("dp2", dp2), ("cp2", cp2), ("tp2", tp2))
-              for name in ("topk_fused", "topk_whole")}
+    pp2 = runs_of(tmp_path_factory.mktemp("fused_pp2"), 2, {"dp_size": 1, "pp_size": 2})
+    chosen = {f"{layout}_{name}_{kind}": runs[f"{name}_{kind}"]
+              for layout, runs, names in (("dp2", dp2, ("topk",)), ("cp2", cp2, ("topk",)), ("tp2", tp2, ("topk",)),
+                                          ("pp2", pp2, ("topk", "tied"))) for name in names
+              for kind in ("fused", "whole")}
     results = run_world(2, [_named(TrainRun(config), name) for name, config in chosen.items()],
                         timeout_s=60, deadline_s=400)
     for name in chosen:
@@ -96,13 +99,12 @@ def _named(check, name: str):
     return check
 
 
-LAYOUTS = ("dp2", "cp2", "tp2")
+LAYOUTS = ("dp2_topk", "cp2_topk", "tp2_topk", "pp2_topk", "pp2_tied")
 
 
 @pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, *LAYOUTS])
 def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case):
-    prefix, name = (f"{case}_", "topk") if case in LAYOUTS else ("", case)
-    fused, whole = (train_records(one_rank[f"{prefix}{name}_{kind}"]) for kind in ("fused", "whole"))
+    fused, whole = (train_records(one_rank[f"{case}_{kind}"]) for kind in ("fused", "whole"))
     assert [(r["kind"], r["step"]) for r in fused] == [(r["kind"], r["step"]) for r in whole]
     assert [sorted(r) for r in fused] == [sorted(r) for r in whole]
     if case == "bfloat16":
@@ -125,8 +127,9 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
 
 
 def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
-    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype); a pipelined
-    student, a model that soft-caps its logits, or `kd.fused_output_loss: false` do not. Within `computing`
+    """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype), and a pipeline's last
+    stage (whose training schedule it tells); a stage before the last, a model that soft-caps its logits, or
+    `kd.fused_output_loss: false` do not. Within `computing`
     the model's logits are the loss at every entry (stride 0) and so is their gradient: no [tokens, vocab] tensor
     exists in forward or backward."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
@@ -143,7 +146,11 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     model = tiny_llama_model(vocab=262)
     assert FusedHead.of(model, config, plain, None, 262) is not None
     head = FusedHead.of(model, ce_only, plain, None, 262)
-    assert FusedHead.of(model, config, plain, object(), 262) is None  # a pipelined student
+    last = SimpleNamespace(causal_lm=model, logits_dtype=torch.bfloat16, loss_in_head=False)
+    assert FusedHead.of(None, config, plain, last, 262).logits_dtype == torch.bfloat16 and last.loss_in_head
+    first = SimpleNamespace(causal_lm=SimpleNamespace(config=model.config, get_output_embeddings=torch.nn.Identity),
+                            logits_dtype=torch.float32, loss_in_head=False)
+    assert FusedHead.of(None, config, plain, first, 262) is None and not first.loss_in_head
     bfloat16 = base_config_for_check(tmp_path)
     bfloat16["model"]["dtype"] = "bfloat16"
     assert FusedHead.of(model, config_from_dict(bfloat16), plain, None, 262).compute_dtype == torch.bfloat16
@@ -166,7 +173,7 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     logits.register_hook(lambda grad: strides.append(grad.stride()))
     head.loss_of(logits).backward()
     assert strides == [(0, 0, 0)]
-    assert model.lm_head.weight.grad is not None and float(head.values["ce_loss"]) > 0
+    assert model.lm_head.weight.grad is not None and float(head.values[0]["ce_loss"]) > 0
     assert "forward" not in vars(model.lm_head)  # the head's own forward is back
     chunks = []  # an evaluation's forward: each chunk's logits handed on, none made whole
     with torch.no_grad(), head.evaluating(lambda logits, tokens: chunks.append((tuple(logits.shape), tokens))):
