@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -297,7 +298,14 @@ def store_root(dataset) -> Path:
     system's temporary directory, said in a warning (a second run there reuses it while it lasts)."""
     if dataset.token_store is not None:
         return Path(expand_path(dataset.token_store))
-    root = cache_root() / "token-stores"
+    root = _writable_or_fallback(cache_root() / "token-stores")
+    root.mkdir(parents=True, exist_ok=True)  # again: it may have been removed since
+    return root
+
+
+@functools.cache
+def _writable_or_fallback(root: Path) -> Path:
+    """`root` if this process can write there, else the fallback (`store_root`), found once a process."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=root).close()

@@ -42,6 +42,7 @@ import torch
 from meshkd.core.combinations import combination_named
 from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
 from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
+from meshkd.core.encodings.full import FullLogits
 from meshkd.core.fused_output import chunk_answer
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
@@ -358,18 +359,22 @@ class Distribution(TeacherAnswer):
             logits = members[name].wire["logits"].float()
             norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
             terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
-        return Distribution({"mode": "full",
+        return Distribution({"mode": FullLogits.name,
                              "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)})
 
     @staticmethod
     def merged(members: dict[str, Distribution], rows: dict[str, torch.Tensor]) -> Distribution:
         """One answer for the whole micro-batch from each teacher's answer for its rows (`rows`: name -> bool
-        [rows]). The teachers answer in one encoding (full_bf16 next to full is taken as float32).
+        [rows]). The teachers answer in one encoding (whole distributions of any precision are taken as float32,
+        `full`).
 
         Raises:
             ValueError: the teachers answered in different encodings, or one not the rows routed to it.
         """
-        modes = {member.wire["mode"].replace("full_bf16", "full") for member in members.values()}
+        def merged_mode(mode: str) -> str:
+            return FullLogits.name if encoding_named(mode).whole_distribution else mode
+
+        modes = {merged_mode(member.wire["mode"]) for member in members.values()}
         if len(modes) > 1:
             raise ValueError(f"routed teachers answered in different encodings {sorted(modes)}: give them one "
                              "logits_transport")
@@ -388,7 +393,7 @@ class Distribution(TeacherAnswer):
             merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
             for name, member in members.items():
                 merged[key][rows[name]] = member.wire[key].to(dtype)
-        merged["mode"] = "full" if first["mode"] == "full_bf16" else first["mode"]
+        merged["mode"] = merged_mode(first["mode"])
         return Distribution(merged)
 
 
