@@ -1,10 +1,11 @@
 """The transport bench's `modes` section: what each logits transport mode costs in bytes and in KD error.
 
 On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library source, for two students
-(the demo's 8 of 30 layers, and a near one of 26), each mode's wire bytes per token and the relative error
-of its KD loss, of d loss / d logits and of the output-head weight gradient, against full float32; for the
-compact top-k answers (`kd.topk_encoding: compact`) also the decoded answer's KL to the exact top-k answer
-(nats a token, mean and largest). See `meshkd.bench.transport` for the whole bench.
+(the demo's 8 of 30 layers, and a near one of 26), each registered answer encoding's (`meshkd.core.encodings`;
+those holding indices at each top-k size of the settings) wire bytes per token and the relative error of its KD
+loss, of d loss / d logits and of the output-head weight gradient, against full float32; for an encoding that
+travels packed (compact top-k answers, `kd.topk_encoding: compact`) also the decoded answer's KL to the answer it
+packs (nats a token, mean and largest). See `meshkd.bench.transport` for the whole bench.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 la
 
 def measure(settings: dict) -> dict:
     """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
-    from meshkd.core.encodings.compact import pack_topk, unpack_topk
+    from meshkd.core.encodings import ENCODINGS
     from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes, kd_loss_encoded
     from meshkd.recipe.modeling import models
 
@@ -51,9 +52,9 @@ def measure(settings: dict) -> dict:
     teacher = models.load_causal_lm(**source)
     students = {name: prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
     samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
-    variants = [("full", None, 0), ("full_bf16", None, 0)]
-    variants += [("topk", k, 0) for k in settings["topk"]] + [("topk", k, m) for k, m in settings["topk_sampled"]]
-    variants += [("compact", 64, 0), ("compact", 64, 32)]
+    sizes = [(k, 0) for k in settings["topk"]] + list(settings["topk_sampled"])
+    variants = [(name, k, m) for name, encoding in ENCODINGS.items()
+                for k, m in (sizes if encoding.has_indices else [(None, 0)])]
     per_sample: dict[tuple, list[dict]] = {}
     for sample, ids in enumerate(samples):
         inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -68,16 +69,13 @@ def measure(settings: dict) -> dict:
             for temperature in (1.0, 2.0):
                 results = {}
                 for mode, k, m in variants:
-                    encoded = encode_teacher_logits(teacher_logits, "topk" if mode == "compact" else mode, k=k,
-                                                    temperature=temperature, tail_samples=m, seed=sample)
-                    decode_kl = None
-                    if mode == "compact":  # what travels is the packed form; the loss reads its decoding
-                        packed = pack_topk(encoded, vocab)
-                        decoded = unpack_topk(packed)
-                        decode_kl = (encoded["log_probs"].exp() * (encoded["log_probs"] - decoded["log_probs"])).sum(-1)
-                        encoded, wire = decoded, packed
-                    else:
-                        wire = encoded
+                    wire = encode_teacher_logits(teacher_logits, mode, k=k, temperature=temperature, tail_samples=m,
+                                                 seed=sample)
+                    encoded, decode_kl = ENCODINGS[mode].decode(wire), None
+                    if encoded is not wire:  # what travels is packed; the loss reads its decoding
+                        exact = encode_teacher_logits(teacher_logits, encoded["mode"], k=k, temperature=temperature,
+                                                      tail_samples=m, seed=sample)
+                        decode_kl = (exact["log_probs"].exp() * (exact["log_probs"] - encoded["log_probs"])).sum(-1)
                     s = student_logits.clone().requires_grad_()
                     loss = kd_loss_encoded(s, encoded, labels, temperature=temperature, chunk_size=256)
                     loss.backward()
@@ -87,8 +85,7 @@ def measure(settings: dict) -> dict:
                     results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(wire), decode_kl)
                 reference, reference_grad, reference_head, _, _ = results[("full", None, 0)]
                 for (mode, k, m), (value, grad, head_grad, nbytes, decode_kl) in results.items():
-                    name = mode if k is None else f"topk k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")
-                    name += ", compact" if mode == "compact" else ""
+                    name = mode if k is None else f"{mode} k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")
                     kl = {} if decode_kl is None else {"decode_kl_mean": float(decode_kl.mean()),
                                                        "decode_kl_max": float(decode_kl.max())}
                     per_sample.setdefault((student_name, name, temperature), []).append({**kl,
