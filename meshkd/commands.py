@@ -120,8 +120,8 @@ def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | N
         return launcher.run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
     from meshkd.recipe.lifecycle.preflight import preflight
 
-    preflight(config, writing_cache=True)
-    world_size = _teacher_world_size(config, nproc, asks_server=config.teacher_model.url is not None)
+    checked = preflight(config, writing_cache=True)
+    world_size = _teacher_world_size(config, nproc, asks_server=checked.source.outside_job)
     extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
     extra += ["--teacher", teacher] if teacher is not None else []
     return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])

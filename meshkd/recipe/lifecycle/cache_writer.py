@@ -42,7 +42,7 @@ from meshkd.recipe.modeling import models
 from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
-from meshkd.recipe.teacher.sources import SourceContext
+from meshkd.recipe.teacher.sources import SourceContext, kind_of
 from meshkd.recipe.teacher.teacher_answers import Distribution
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 
@@ -224,7 +224,7 @@ class CacheWriter:
     def _forward(self, setup, checked, vocab_size: int, *, encodes: bool):
         """request -> answer: the teacher laid out on this world, or a served one asked (`teacher_model.url`)."""
         config, kind = self.config, checked.source
-        if not (kind.own_ranks or kind.loads_here):  # a teacher outside this job: its source is asked
+        if kind.outside_job:  # its source is asked
             source = kind.make(config, checked.teacher, SourceContext(setup, self.device, {}, vocab_size, None))
             return lambda request: source.request(request.batch, request.logits_transport)
         model, checkpoint = load_teacher(config)
@@ -297,9 +297,9 @@ class CacheWriter:
 
 
 def writer_layout(config: KDRecipeConfig) -> DistributedConfig:
-    """The layout of `meshkd cache-teacher`'s world: the teacher's, or for a served teacher (`teacher_model.url`)
-    data-parallel writers that ask it (1 unless `--nproc` says more)."""
-    if config.teacher_model.url is not None:
+    """The layout of `meshkd cache-teacher`'s world: the teacher's, or for a teacher outside the job (a served one,
+    `teacher_model.url`) data-parallel writers that ask it (1 unless `--nproc` says more)."""
+    if kind_of(config, writing_cache=True).outside_job:
         return DistributedConfig(dp_size=None)
     return config.teacher_layout
 

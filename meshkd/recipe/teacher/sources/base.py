@@ -65,6 +65,11 @@ class SourceKind:
     loads_here: ClassVar[bool] = False
     """Whether the teacher's weights load on the student's ranks."""
 
+    @property
+    def outside_job(self) -> bool:
+        """Whether the teacher runs nowhere in this job (its answers are read or asked for)."""
+        return not (self.own_ranks or self.loads_here)
+
     def describes(self, view: KDRecipeConfig, *, writing_cache: bool) -> bool:
         """Whether the teacher's one-teacher config `view` describes this kind (`writing_cache`: for
         `meshkd cache-teacher`, which writes the cache `kd.teacher_cache` names)."""
