@@ -366,12 +366,13 @@ def check_teachers(config: KDRecipeConfig) -> None:
     kd = config.kd
     try:
         combination = combination_named(kd.combine)
-        if combination.routes_rows != (config.dataset.teacher_key is not None):
-            raise ValueError(f"kd.combine {kd.combine} " + (
-                "sends each row to the teacher its documents name: it needs dataset.teacher_key (the JSONL field "
-                "with the name)" if combination.routes_rows else "does not route rows: dataset.teacher_key needs "
-                "a kd.combine that does (" + ", ".join(name for name, other in COMBINATIONS.items()
-                                                       if other.routes_rows) + ")"))
+        if combination.routes_rows and config.dataset.teacher_key is None:
+            raise ValueError(f"kd.combine {kd.combine} sends each row to the teacher its documents name: it needs "
+                             "dataset.teacher_key (the JSONL field with the name)")
+        if not combination.routes_rows and config.dataset.teacher_key is not None:
+            routing = ", ".join(name for name, other in COMBINATIONS.items() if other.routes_rows)
+            raise ValueError(f"dataset.teacher_key routes rows to their teachers: it needs a kd.combine that does "
+                             f"({routing}), not {kd.combine}")
         combination.check(config)
     except ValueError as error:
         raise ConfigError(str(error)) from None

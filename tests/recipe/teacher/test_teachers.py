@@ -277,8 +277,8 @@ CASES = {
                         "kd.combine must be one of mixture, route, sum, got 'max'"),
     "routing without the field": (lambda c: c["kd"].update(combine="route"), "it needs dataset.teacher_key"),
     "the field without routing": (lambda c: c["dataset"].update(teacher_key="teacher"),
-                                  "kd.combine sum does not route rows: dataset.teacher_key needs a kd.combine that "
-                                  "does (route)"),
+                                  "dataset.teacher_key routes rows to their teachers: it needs a kd.combine that "
+                                  "does (route), not sum"),
     "weights of routed teachers": (lambda c: (c["kd"].update(combine="route"),
                                               c["dataset"].update(teacher_key="teacher")),
                                    "teachers.code.weight: with kd.combine route"),
