@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from meshkd.core.registry import Registry
+
 Divergence = Callable[..., Tensor]
 """`divergence(answer, rows=None) -> Tensor`: the student's divergence to `answer` (of the rows `rows` only)."""
 
@@ -49,23 +51,12 @@ class Combination:
         raise NotImplementedError
 
 
-COMBINATIONS: dict[str, Combination] = {}
+COMBINATIONS: Registry[Combination] = Registry("combination", "kd.combine must be one of {known}, got {name}")
 """Every registered combination, by name (filled as `meshkd.core.combinations` imports its modules)."""
-
-
-def register(cls: type[Combination]) -> type[Combination]:
-    """Class decorator: registers one instance of `cls` under `cls.name`."""
-    if cls.name in COMBINATIONS:
-        raise ValueError(f"combination {cls.name!r} is registered twice")
-    COMBINATIONS[cls.name] = cls()
-    return cls
-
-
-def combination_named(name: Any) -> Combination:
-    """The registered combination `name`; ValueError naming `kd.combine` and the known ones."""
-    if name not in COMBINATIONS:
-        raise ValueError(f"kd.combine must be one of {', '.join(COMBINATIONS)}, got {name!r}")
-    return COMBINATIONS[name]
+register = COMBINATIONS.register
+"""Class decorator: registers one instance of the class under its `name`."""
+combination_named = COMBINATIONS.named
+"""The registered combination `name`; ValueError naming `kd.combine` and the known ones."""
 
 
 def answer_type(members: Mapping[str, Any]) -> type:

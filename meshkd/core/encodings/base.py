@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from meshkd.core.registry import Registry
+
 
 class AnswerEncoding:
     """One way a teacher's answer travels. Subclasses set the class attributes and implement `encode`,
@@ -83,23 +85,13 @@ class AnswerEncoding:
         raise NotImplementedError
 
 
-ENCODINGS: dict[str, AnswerEncoding] = {}
+ENCODINGS: Registry[AnswerEncoding] = Registry("answer encoding", "encoded teacher logits need a mode of {known}, "
+                                                                    "got {name}")
 """Every registered encoding, by name (filled as `meshkd.core.encodings` imports its modules)."""
-
-
-def register(cls: type[AnswerEncoding]) -> type[AnswerEncoding]:
-    """Class decorator: registers one instance of `cls` under `cls.name`."""
-    if cls.name in ENCODINGS:
-        raise ValueError(f"answer encoding {cls.name!r} is registered twice")
-    ENCODINGS[cls.name] = cls()
-    return cls
-
-
-def encoding_named(name: Any) -> AnswerEncoding:
-    """The registered encoding of answers of mode `name`; ValueError naming the known ones."""
-    if name not in ENCODINGS:
-        raise ValueError(f"encoded teacher logits need a mode in {tuple(ENCODINGS)}, got {name!r}")
-    return ENCODINGS[name]
+register = ENCODINGS.register
+"""Class decorator: registers one instance of the class under its `name`."""
+encoding_named = ENCODINGS.named
+"""The registered encoding of answers of mode `name`; ValueError naming the known ones."""
 
 
 def choices(key: str, *, whole_distribution: bool | None = None) -> tuple[str, ...]:

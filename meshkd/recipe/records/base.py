@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from meshkd.core.registry import Registry
+
 if TYPE_CHECKING:
     from meshkd.recipe.records.document import Document
 
@@ -49,20 +51,9 @@ class RowFormat:
         raise NotImplementedError
 
 
-FORMATS: dict[str, RowFormat] = {}
+FORMATS: Registry[RowFormat] = Registry("row format", "dataset.records must be one of {known}, got {name}")
 """Every registered row format, by name (filled as `meshkd.recipe.records` imports its modules)."""
-
-
-def register(cls: type[RowFormat]) -> type[RowFormat]:
-    """Class decorator: registers one instance of `cls` under `cls.name`."""
-    if cls.name in FORMATS:
-        raise ValueError(f"row format {cls.name!r} is registered twice")
-    FORMATS[cls.name] = cls()
-    return cls
-
-
-def format_named(name: Any) -> RowFormat:
-    """The registered row format `name`; ValueError naming `dataset.records` and the known ones."""
-    if name not in FORMATS:
-        raise ValueError(f"dataset.records must be one of {', '.join(FORMATS)}, got {name!r}")
-    return FORMATS[name]
+register = FORMATS.register
+"""Class decorator: registers one instance of the class under its `name`."""
+format_named = FORMATS.named
+"""The registered row format `name`; ValueError naming `dataset.records` and the known ones."""

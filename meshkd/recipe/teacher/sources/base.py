@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
+from meshkd.core.registry import Registry
 from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
 from meshkd.recipe.common.faults import about
@@ -88,16 +89,10 @@ class SourceKind:
         return None
 
 
-KINDS: dict[str, SourceKind] = {}
+KINDS: Registry[SourceKind] = Registry("teacher source", "no teacher source is named {name}: {known} are")
 """Every registered kind, by name (filled as `meshkd.recipe.teacher.sources` imports its modules)."""
-
-
-def register(cls: type[SourceKind]) -> type[SourceKind]:
-    """Class decorator: registers one instance of `cls` under `cls.name`."""
-    if cls.name in KINDS:
-        raise ValueError(f"teacher source {cls.name!r} is registered twice")
-    KINDS[cls.name] = cls()
-    return cls
+register = KINDS.register
+"""Class decorator: registers one instance of the class under its `name`."""
 
 
 def kind_of(view: KDRecipeConfig, *, writing_cache: bool = False) -> SourceKind:
