@@ -120,7 +120,7 @@ class KDRecipe:
         student_rows, *teacher_rows = sizes.tolist()
         vocab_size = student_rows
         for name, teacher in zip(teachers, teacher_rows):
-            label = "teacher_model" if name == "teacher" else f"teachers.{name}.model"
+            label = "teacher_model" if self.config.teachers is None else f"teachers.{name}.model"
             with about(f"model.tokenizer / {label}.tokenizer"):
                 vocab_size = min(vocab_size, models.common_vocab_size(
                     checked[name].tokenizer, checked[name].teacher_tokenizer, student_vocab_size=student_rows,
