@@ -11,6 +11,7 @@ subclass in a module of this package, registered once under the name its answers
     loss(student_logits, answer, labels, ...)   the KD loss kernel it needs
     nbytes_per_token(vocab, ...)   its size, for the bench and the cache's size estimate
     settings_keys                  the `kd` keys its answers depend on (recorded in the teacher cache's key)
+    layout                         the version of a packed layout (recorded there too)
     selected_by                    the `kd` keys' values that choose it (the config checks read the choices)
 
 Adding an encoding is one module here (imported by `meshkd/core/encodings/__init__.py`) and its test.
@@ -41,6 +42,9 @@ class AnswerEncoding:
     mixture of teachers."""
     has_indices: ClassVar[bool] = False
     """Whether its answers hold vocabulary indices whose values `index_errors` checks."""
+    layout: ClassVar[str | None] = None
+    """The version of a packed layout, recorded in the teacher cache's key where set: a cache written in another
+    layout is then refused as another run's, not misread."""
 
     def encode(self, logits: Tensor, *, k: int | None, temperature: float, tail_samples: int, seed: int,
                chunk_size: int) -> dict[str, Any]:

@@ -212,8 +212,10 @@ class Distribution(TeacherAnswer):
     def settings(kd: KDConfig) -> dict:
         """The keys besides the logits that the encoding `kd` chooses depends on (`AnswerEncoding.settings_keys`,
         what a teacher cache records): for top-k its size, tail samples, temperature and, when compact, its
-        encoding; none for full logits (the loss applies T)."""
-        return {f"kd.{key}": getattr(kd, key) for key in selected_encoding(kd).settings_keys}
+        encoding and its layout; none for full logits (the loss applies T)."""
+        encoding = selected_encoding(kd)
+        layout = {} if encoding.layout is None else {f"{encoding.name} layout": encoding.layout}
+        return {**{f"kd.{key}": getattr(kd, key) for key in encoding.settings_keys}, **layout}
 
     @staticmethod
     def nbytes_per_token(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:

@@ -6,17 +6,22 @@ import math
 import pytest
 import torch
 
-from meshkd.core.encodings.compact import COMPACT, nbytes_per_token, pack_topk, unpack_topk
+from meshkd.core.encodings import encoding_named
+from meshkd.core.encodings.compact import COMPACT, elias_fano_bits, nbytes_per_token, pack_topk, unpack_topk
 from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, kd_loss_encoded
 
 BOUND = (1 / 32) ** 2 / 2  # the module docstring's second-order bound, nats a token
 
 
 def test_bytes_a_token():
-    assert nbytes_per_token(64, 32, 49152) == 264  # 96 indices of 16 bits, 64 value bytes, two float32
-    assert nbytes_per_token(64, 32, 151936) == 288  # 18-bit indices
-    assert nbytes_per_token(64, 0, 49152) == 196  # no tail samples: no mean of theirs
-    assert nbytes_per_token(8, 4, 262) == 30  # 12 x 9 bits = 14 bytes, 8 value bytes, 8
+    # Sorted indices in Elias-Fano form: l low bits each, then a bitmap of n ones and a zero per high part.
+    assert elias_fano_bits(64, 49152) == (9, 64 * 9 + 64 + 96)
+    assert elias_fano_bits(32, 49152) == (10, 32 * 10 + 32 + 48)
+    assert nbytes_per_token(64, 32, 49152) == 215  # (736 + 400 + 6) bits, 64 value bytes, two float32
+    assert nbytes_per_token(64, 32, 151936) == 235
+    assert nbytes_per_token(64, 0, 49152) == 161  # no tail samples: no mean of theirs
+    assert nbytes_per_token(8, 4, 262) == 28
+    assert nbytes_per_token(64, 32, 49152) * 5 > 772  # a fifth is below what 96 indices carry (module docstring)
 
 
 @pytest.mark.parametrize("vocab, k, m, temperature", [(49152, 64, 32, 1.0), (151936, 64, 32, 2.0), (262, 8, 4, 0.5),
@@ -31,8 +36,16 @@ def test_indices_and_tail_mass_decode_exactly_and_the_values_within_the_bound(vo
     decoded = unpack_topk(compact)
     assert check_encoded_logits(decoded, (2, 40, vocab)) == "topk"
     assert set(decoded) == set(exact) and decoded["temperature"] == temperature
-    for key in ("indices", "tail_log_prob", *(("tail_indices",) if m else ())):
+    for key in ("tail_log_prob", *(("tail_indices",) if m else ())):
         assert torch.equal(decoded[key], exact[key]), key
+    # The top indices as a set, each with its own value, in decreasing order, the top-1 in its place.
+    assert torch.equal(decoded["indices"].sort(-1).values, exact["indices"].sort(-1).values)
+    assert torch.equal(decoded["indices"][..., 0], exact["indices"][..., 0])
+    assert (decoded["log_probs"][..., 1:] <= decoded["log_probs"][..., :-1]).all()
+    exact_value = torch.full(logits.shape, math.nan).scatter(-1, exact["indices"].long(), exact["log_probs"])
+    own = exact_value.gather(-1, decoded["indices"].long())
+    kept = own > -15  # above the quantizer's floor (e^-15.97)
+    assert (own - decoded["log_probs"])[kept].abs().max() <= 1 / 16
     # A proper distribution with the exact tail mass, its KL to the exact answer within the bound.
     mass = decoded["log_probs"].exp().sum(-1) + decoded["tail_log_prob"].exp()
     assert torch.allclose(mass, torch.ones_like(mass), atol=1e-5)
@@ -65,17 +78,25 @@ def test_the_loss_on_the_decoded_answer_is_close_to_the_exact_ones():
 def test_a_malformed_compact_answer_is_refused_naming_what_does_not_fit():
     exact = encode_teacher_logits(torch.randn(1, 4, 262), "topk", k=8, tail_samples=4)
     compact = pack_topk(exact, 262)
-    with pytest.raises(ValueError, match=r"packs 30 bytes a token \(uint8 \[\.\.\., 30\]\), got torch.uint8 "
-                                         r"\(1, 4, 29\)"):
-        unpack_topk({**compact, "packed": compact["packed"][..., :29]})
+    with pytest.raises(ValueError, match=r"packs 28 bytes a token \(uint8 \[\.\.\., 28\]\), got torch.uint8 "
+                                         r"\(1, 4, 27\)"):
+        unpack_topk({**compact, "packed": compact["packed"][..., :27]})
     with pytest.raises(ValueError, match=r"needs integers k >= 1, tail_samples >= 0 and vocab >= k"):
         unpack_topk({**compact, "vocab": 4})
     with pytest.raises(ValueError, match=r"got torch.int32"):
         unpack_topk({**compact, "packed": compact["packed"].int()})
-    # Index bits beyond the vocabulary decode to indices the loss's check refuses.
-    bad = compact["packed"].clone()
-    bad[..., 0] = 255
-    bad[..., 1] |= 1  # the first index: 511 >= 262
-    with pytest.raises(ValueError, match=r"indices must be distinct per token and lie in \[0, 262\)"):
-        check_encoded_logits(unpack_topk({**compact, "packed": bad}), (1, 4, 262))
+    # A damaged index bitmap (a one more or less: bit 50 lies in the top indices' bitmap, after 8 x 4 low bits),
+    # or every index bit set: the index check refuses the answer.
+    encoding = encoding_named(COMPACT)
+    assert elias_fano_bits(8, 262) == (4, 57) and not encoding.index_errors(compact, 262)
+    index_bytes = math.ceil((57 + elias_fano_bits(4, 262)[1] + 3) / 8)
+    for damage in ("flip", "fill"):
+        bad = compact["packed"].clone()
+        if damage == "flip":
+            bad[0, 0, 50 // 8] ^= 1 << 50 % 8
+        else:
+            bad[0, 0, :index_bytes] = 255
+        assert encoding.index_errors({**compact, "packed": bad}, 262), damage
+    with pytest.raises(ValueError, match=r"indices must be distinct per token and lie in \[0, 262\).*bitmaps hold"):
+        encoding.check({**compact, "packed": bad}, (1, 4, 262), check_indices=True)
     assert math.isfinite(unpack_topk(compact)["log_probs"].sum().item())

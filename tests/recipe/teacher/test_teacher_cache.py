@@ -158,12 +158,12 @@ def test_the_cache_holds_the_rows_the_run_asks_about(one_rank):
 
 
 def test_compact_answers_take_under_a_third_of_the_bytes_and_train_near_the_exact_curve(one_rank):
-    """`kd.topk_encoding: compact` (12 indices of 9 bits, 12 value bytes and log P_rest: 30 bytes a position at
+    """`kd.topk_encoding: compact` (8 + 4 indices in 12 bytes, 8 value bytes and two float32: 28 bytes a position at
     V = 262, against 100) writes a cache under a third the size, and its run stays within the documented
     tolerance of the exact answers' run: every loss and held-out loss within 2e-4 nats a token."""
     sizes = {mode: json.loads(Path(one_rank[f"cached_{mode}"]["kd"]["teacher_cache"], MANIFEST).read_text())[
         "summary"]["train_bytes_per_position"] for mode in ("topk", "compact")}
-    assert 30 <= sizes["compact"] < 40 and sizes["compact"] < sizes["topk"] / 3
+    assert 28 <= sizes["compact"] < 38 and sizes["compact"] < sizes["topk"] / 3
     exact, compact = train_records(one_rank["live_topk"]), train_records(one_rank["live_compact"])
     assert [(r["kind"], r["step"]) for r in compact] == [(r["kind"], r["step"]) for r in exact]
     differences = {}
@@ -215,6 +215,17 @@ def test_a_cache_written_for_another_run_is_refused_naming_the_field(one_rank, t
     change(config)
     message = refused(config)
     assert message.startswith(f"kd.teacher_cache: {tmp_path / 'cache'} does not fit this run: {field}:"), message
+
+
+def test_a_compact_cache_of_another_layout_is_refused_naming_it(one_rank, tmp_path):
+    """Packed answers of another layout would be misread: the key records the compact encoding's layout."""
+    config = copy.deepcopy(one_rank["cached_compact"])
+    shutil.copytree(config["kd"]["teacher_cache"], tmp_path / "cache")
+    config["kd"]["teacher_cache"] = str(tmp_path / "cache")
+    manifest = json.loads((tmp_path / "cache" / MANIFEST).read_text())
+    manifest["key"]["topk_compact layout"] = "ceil(log2 V)-bit indices"
+    (tmp_path / "cache" / MANIFEST).write_text(json.dumps(manifest))
+    assert "does not fit this run: topk_compact layout:" in refused(config)
 
 
 def test_a_teacher_left_out_of_the_config_is_the_caches(one_rank, tmp_path):
