@@ -13,10 +13,11 @@ For each size:
   nothing written), each in a fresh process timed after the tokenizer loads, both on all cores; the figure is
   the ratio of their throughputs (target >= 0.8);
 - a rank's start: a fresh process opens the prepared store as a training rank does and draws step 0's batch;
-  its peak resident memory (VmHWM) and the seconds from opening to the batch (after imports and the tokenizer);
-  at the smallest size beside it the in-memory packing's peak and, with no data key set (the store in
-  $MESHKD_CACHE), the first run's (which writes the store) and the second's. Targets: peak within 10% from the
-  smallest to the largest size; at most 5 s to the first batch at the largest.
+  its peak resident memory (VmHWM) and the seconds from opening to the batch (after imports and the tokenizer).
+  Targets: peak within 10% from the smallest to the largest size; at most 5 s to the first batch at the largest.
+
+Then a run that sets no data key (the store in a fresh $MESHKD_CACHE), at 8 and 64 MB of text: the same
+figures of its first run, which writes the store, and of its second, which reads it back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 import yaml
 
 _FILE_BYTES = 64 << 20
+NO_KEY_TEXT_BYTES = (8_000_000, 64_000_000)
+"""Text of the corpora of the runs that set no data key."""
 
 
 def make_corpus(directory: Path, target_bytes: int) -> int:
@@ -59,9 +62,12 @@ def make_corpus(directory: Path, target_bytes: int) -> int:
     return written
 
 
-def _config(corpus: Path, store: Path, tokenizer: dict) -> dict:
-    return {"model": tokenizer, "teacher_model": tokenizer,
-            "dataset": {"paths": [str(corpus / "*.jsonl")], "val_fraction": 0.001, "token_store": str(store)},
+def _config(corpus: Path, tokenizer: dict, store: Path | None = None) -> dict:
+    """A run's config on `corpus`, its token store under `store`; None sets no data key (the cache directory's)."""
+    dataset = {"paths": [str(corpus / "*.jsonl")], "val_fraction": 0.001}
+    if store is not None:
+        dataset["token_store"] = str(store)
+    return {"model": tokenizer, "teacher_model": tokenizer, "dataset": dataset,
             "step_scheduler": {"global_batch_size": 8, "local_batch_size": 1, "sequence_length": 1024}}
 
 
@@ -80,9 +86,8 @@ for chunk in _chunks(documents.corpus_documents(**arguments, encoding_errors="re
 print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 """
 
-# "prepare": what `meshkd prepare-data` does (the store and its packing plan written); "store": a rank starting
-# from the prepared store; "default": a run that sets no data key (its store in $MESHKD_CACHE); "memory": the
-# in-memory packing the store is tested against (`data.in_memory_datasets`, the default before the store was).
+# A rank opening its rows and drawing step 0's batch; run where there is no store yet, it first does what
+# `meshkd prepare-data` does (the store and its packing plan written).
 _RANK = """
 import sys, time, json
 from meshkd.recipe.settings.config_loading import load_config
@@ -90,12 +95,9 @@ from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import iterate_batches
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 config = load_config(sys.argv[1])
-if sys.argv[2] in ("default", "memory"):
-    config.dataset.token_store = None
-build = data.in_memory_datasets if sys.argv[2] == "memory" else data.build_run_datasets
 tokenizer = load_section_tokenizer(config.model)
 started = time.perf_counter()
-train, _ = build(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
+train, _ = data.build_run_datasets(tokenizer, config.dataset, sequence_length=config.step_scheduler.sequence_length)
 batch = next(iterate_batches(train, global_batch_size=8, dp_rank=0, dp_size=1, seed=0))
 seconds = time.perf_counter() - started
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
@@ -126,43 +128,59 @@ def run_section(quick: bool) -> dict:
             corpus, store = root / f"corpus{size}", root / f"store{size}"
             text_bytes = make_corpus(corpus, int(size * 1e9))
             config = root / f"config{size}.yaml"
-            config.write_text(yaml.safe_dump(_config(corpus, store, tokenizer)))
-            prepare = _python(_RANK, str(config), "prepare")
+            config.write_text(yaml.safe_dump(_config(corpus, tokenizer, store)))
+            prepare = _python(_RANK, str(config))
             prepare_s = prepare["seconds"]
             baseline = _python(_BASELINE, str(config))
             manifest = json.loads(next(store.glob("*/manifest.json")).read_text())
-            rank = _python(_RANK, str(config), "store")
+            rank = _python(_RANK, str(config))
             row = {"text_gb": text_bytes / 1e9, "tokens": manifest["tokens"],
                    "store_mib": sum(f["bytes"] for f in manifest["files"].values()) / 2**20,
                    "prepare_s": prepare_s, "prepare_peak_mib": prepare["peak_mib"], "baseline_s": baseline["seconds"],
                    "throughput_ratio": baseline["seconds"] / prepare_s,
                    "rank_peak_mib": rank["peak_mib"], "first_batch_s": rank["seconds"], "rows": rank["rows"]}
-            if size == sizes[0]:
-                row["in_memory_peak_mib"] = _python(_RANK, str(config), "memory")["peak_mib"]
-                # No data key set: the store in $MESHKD_CACHE, written by the first run, read by the second.
-                env = {**os.environ, "MESHKD_CACHE": str(root / "cache")}
-                row["no_key_first_peak_mib"], row["no_key_second_peak_mib"] = (
-                    _python(_RANK, str(config), "default", env=env)["peak_mib"] for _ in range(2))
             rows.append(row)
             print(f"meshkd bench data: {json.dumps(row)}", flush=True)
             for path in corpus.iterdir():
                 path.unlink()
-    result = {"tokenizer": name, "rows": rows,
+        no_key = no_key_runs(root, tokenizer)
+    result = {"tokenizer": name, "rows": rows, "no_key": no_key,
               "peak_growth": rows[-1]["rank_peak_mib"] / rows[0]["rank_peak_mib"]}
     print(report(result))
     return {"data": result}
 
 
+def no_key_runs(root: Path, tokenizer: dict) -> list[dict]:
+    """Per `NO_KEY_TEXT_BYTES`, two runs that set no data key, so their store is kept in $MESHKD_CACHE (a fresh
+    one): the first writes it, the second reads it back; each one's peak and seconds to its first batch."""
+    rows = []
+    for target in NO_KEY_TEXT_BYTES:
+        corpus = root / f"no-key{target}"
+        text_bytes = make_corpus(corpus, target)
+        config = root / f"no-key{target}.yaml"
+        config.write_text(yaml.safe_dump(_config(corpus, tokenizer)))
+        env = {**os.environ, "MESHKD_CACHE": str(root / f"cache{target}")}
+        first, second = (_python(_RANK, str(config), env=env) for _ in range(2))
+        row = {"text_mb": text_bytes / 1e6, "first_peak_mib": first["peak_mib"], "first_s": first["seconds"],
+               "second_peak_mib": second["peak_mib"], "second_s": second["seconds"]}
+        rows.append(row)
+        print(f"meshkd bench data (no data key): {json.dumps(row)}", flush=True)
+    return rows
+
+
 def report(result: dict) -> str:
     from meshkd.bench.transport import _table
 
+    no_key = _table(
+        "(data) no data key set (the store in $MESHKD_CACHE): a run's peak and seconds to its first batch, the "
+        "first run writing the store, the second reading it",
+        ["text MB", "1st run peak MiB", "1st run s", "2nd run peak MiB", "2nd run s"],
+        [[r["text_mb"], r["first_peak_mib"], r["first_s"], r["second_peak_mib"], r["second_s"]]
+         for r in result["no_key"]])
     return _table(
         f"(data) token store, tokenizer {result['tokenizer']}, sequence 1024; throughput ratio = baseline time / "
         f"prepare time (the packing plan included); a rank's peak and time to its first batch from the prepared "
         f"store",
-        ["text GB", "tokens", "store MiB", "prepare s", "baseline s", "ratio", "rank peak MiB", "first batch s",
-         "in-memory peak MiB", "no key: 1st / 2nd run MiB"],
+        ["text GB", "tokens", "store MiB", "prepare s", "baseline s", "ratio", "rank peak MiB", "first batch s"],
         [[r["text_gb"], r["tokens"], r["store_mib"], r["prepare_s"], r["baseline_s"], r["throughput_ratio"],
-          r["rank_peak_mib"], r["first_batch_s"], r.get("in_memory_peak_mib", ""),
-          f"{r['no_key_first_peak_mib']:.0f} / {r['no_key_second_peak_mib']:.0f}" if "no_key_first_peak_mib" in r
-          else ""] for r in result["rows"]])
+          r["rank_peak_mib"], r["first_batch_s"]] for r in result["rows"]]) + "\n" + no_key

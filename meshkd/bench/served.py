@@ -192,19 +192,31 @@ class _Busy:
         return busy_end - busy_start, up_end - up_start
 
 
+def first_rows(tokenizer_dir: str, sequence: int) -> dict:
+    """The first `ROWS` rows of `sequence` tokens the recipe makes of the bench's text (the runs' documents, all
+    of them: no validation share), its token store in a directory of its own."""
+    from meshkd.recipe.corpus.data import build_run_datasets
+    from meshkd.recipe.modeling.models import load_tokenizer
+    from meshkd.recipe.settings.config import DatasetConfig
+
+    with tempfile.TemporaryDirectory(prefix="meshkd-bench-served-rows-") as store:
+        dataset = DatasetConfig(paths=TEXT_PATTERNS, val_fraction=0.0, max_document_chars=MAX_CHARS,
+                                token_store=store)
+        train, _ = build_run_datasets(load_tokenizer(path=tokenizer_dir), dataset, sequence_length=sequence)
+        return train[0:ROWS]
+
+
 def wire_bytes(server: _Server, tokenizer_dir: str, sizes: dict) -> dict:
     """Bytes a token of one request of a micro-batch's shape and of the server's top-k and full answers to it."""
     import torch
 
     from meshkd.core import wire
     from meshkd.core.logits_codec import encoded_nbytes
-    from meshkd.recipe.corpus.data import packer
     from meshkd.recipe.corpus.rows import BATCH_KEYS
-    from meshkd.recipe.modeling.models import load_tokenizer
     from meshkd.recipe.settings.config import KDConfig
     from meshkd.recipe.teacher.served_protocol import AnswerRequest, answer_settings
 
-    rows = packer(load_tokenizer(path=tokenizer_dir), sizes["sequence"])(bench_texts())[0:ROWS]
+    rows = first_rows(tokenizer_dir, sizes["sequence"])
     settings = answer_settings(KDConfig(**TOPK), seed=0, vocab_size=sizes["vocab"])
     result: dict = {"rows": ROWS, "sequence": sizes["sequence"]}
     for transport in ("topk", "full"):

@@ -75,15 +75,16 @@ def run_packing(config, student_tokenizer, teacher_tokenizer) -> Callable[[list[
 
 def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: int, teacher_sequence_length: int,
                     pack: bool) -> AlignedPacking:
-    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run (`AlignedPacking`)."""
+    """The packing of a cross-tokenizer run's rows (`AlignedPacking`)."""
     return AlignedPacking(student_tokenizer, teacher_tokenizer, sequence_length, teacher_sequence_length, pack)
 
 
 @dataclass(frozen=True)
 class AlignedPacking:
-    """`data.build_datasets`' `pack_texts` of a cross-tokenizer run: texts -> aligned rows of both sides (no
-    special tokens, each side's EOS appended, as `meshkd.recipe.corpus.data` tokenizes). Its settings tell a token
-    store (`meshkd.recipe.corpus.token_store`) how to keep and pack the same rows."""
+    """The packing of a cross-tokenizer run: texts -> aligned rows of both sides (no special tokens, each side's
+    EOS appended, as `meshkd.recipe.corpus.data` tokenizes). A run passes it to `data.build_run_datasets`, whose
+    token store (`meshkd.recipe.corpus.token_store`) keeps both sides and packs the same rows from its settings;
+    called on texts, it packs them in memory (a sample's row fill at preflight, `check_row_lengths`)."""
 
     student_tokenizer: Any
     teacher_tokenizer: Any

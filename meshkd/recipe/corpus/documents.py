@@ -15,7 +15,7 @@ teachers' `kd.combine: route`, each also names its teacher).
 
 A recipe's `dataset` section reads as `reading_arguments` says; `corpus_documents` is its documents in corpus
 order, and `validation_documents` the seeded share of them held out (before any packing, so no document
-gives tokens to both splits: the same rule for the rows packed in memory and from the token store).
+gives tokens to both splits).
 """
 
 from __future__ import annotations
@@ -232,7 +232,8 @@ def check_arguments(
     max_document_chars: int | None,
     encoding_errors: str,
 ) -> None:
-    """ValueError naming the first invalid reading or packing argument of `meshkd.recipe.corpus.data.build_datasets`."""
+    """ValueError naming the first invalid reading or packing argument of a run's rows
+    (`meshkd.recipe.corpus.data.build_run_datasets`)."""
     if not isinstance(sequence_length, int) or sequence_length < 2:
         # One token has no next-token target, so a row needs two to train on anything.
         raise ValueError(f"sequence_length must be an integer >= 2, got {sequence_length!r}")
@@ -252,9 +253,9 @@ def check_arguments(
 
 def reading_arguments(dataset, tokenizer: PreTrainedTokenizerBase | None = None,
                       teachers: list[str] | None = None, teacher_tokenizer=None) -> dict:
-    """The `dataset` section as `split_texts`' arguments (what `build_datasets` reads and splits); `tokenizer`
-    renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names routed
-    rows may give (`meshkd.recipe.records.record_reader`)."""
+    """The `dataset` section as `meshkd.recipe.corpus.data.split_texts`' arguments (what a run reads and splits);
+    `tokenizer` renders chat rows (`teacher_tokenizer` too, with `kd.cross_tokenizer`), `teachers` are the names
+    routed rows may give (`meshkd.recipe.records.record_reader`)."""
     return {"paths": [expand_path(p) for p in dataset.paths], "val_fraction": dataset.val_fraction,
             "seed": dataset.seed, "format": dataset.format, "max_documents": dataset.max_documents,
             "max_document_chars": dataset.max_document_chars, "on_bad_file": dataset.on_bad_file,

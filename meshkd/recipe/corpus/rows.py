@@ -1,9 +1,9 @@
 """The batch schema: the keys of a batch of packed rows, a split's rows (`PackedDataset`), padding rows, and the
-first-fit placement both packing paths share (`meshkd.recipe.corpus.data` in memory, `stored_rows` from the
-token store). The layout of each tensor is `meshkd.recipe.corpus.data`'s module docstring's. A cross-tokenizer
-row (`meshkd.recipe.corpus.aligned_data`) carries its teacher side beside it under `teacher_` names
-(`teacher_side`) and its groups' columns (`TEACHER_POSITIONS`, `GROUP_ENDS`, `TEACHER_GROUP_ENDS`); KD counts
-its aligned positions only (`kd_labels`, `group_positions`).
+first-fit placement of the token store's packing plans (`meshkd.recipe.corpus.stored_rows`). The layout of each
+tensor is `meshkd.recipe.corpus.data`'s module docstring's. A cross-tokenizer row
+(`meshkd.recipe.corpus.aligned_data`) carries its teacher side beside it under `teacher_` names (`teacher_side`)
+and its groups' columns (`TEACHER_POSITIONS`, `GROUP_ENDS`, `TEACHER_GROUP_ENDS`); KD counts its aligned
+positions only (`kd_labels`, `group_positions`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """A token store's rows: packing plans made from its document index, and a split's rows read from its memory maps.
 
-`plan_split` / `plan_routed` / `plan_aligned` make a split's packing plan from the document offsets alone, as
-`meshkd.recipe.corpus.data`, `meshkd.recipe.corpus.routing` and the aligned packing make the in-memory rows, so the rows
-are the same token for token. `StoredRows` (and `StoredAlignedRows`, both sides of a cross-tokenizer corpus) build a
-batch on demand from the memory-mapped tokens (`meshkd.recipe.corpus.token_store.TokenStore`): a rank's resident
-memory does not grow with the corpus.
+`plan_split` / `plan_routed` / `plan_aligned` make a split's packing plan from the document offsets alone: the
+first-fit NEAT packing of `meshkd.recipe.corpus.data`'s module docstring, teacher by teacher for routed rows
+(`meshkd.recipe.corpus.routing`), pieces of whole groups on both sides for a cross-tokenizer corpus (as
+`meshkd.recipe.corpus.aligned_data.AlignedPacking` packs texts). `StoredRows` (and `StoredAlignedRows`, both sides of
+a cross-tokenizer corpus) build a batch on demand from the memory-mapped tokens
+(`meshkd.recipe.corpus.token_store.TokenStore`): a rank's resident memory does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class StoredRows:
     A plan lists the split's pieces by row: `starts` (in the store's tokens), `lengths` and `offsets` (in the
     row), and `row_starts` [rows + 1] (the row's first piece); the k-th piece of a row is its document k + 1.
     `documents` [1] counts the split's documents that have a token; routed rows' plans also hold `routes`
-    [rows], each row's teacher index, returned under `ROUTE` as `meshkd.recipe.corpus.routing` returns it.
+    [rows], each row's teacher index, returned under `ROUTE` ([rows, 1]; -1 in padding rows).
     """
 
     def __init__(self, store: TokenStore, plan: dict[str, np.ndarray], *, sequence_length: int,
@@ -65,11 +66,10 @@ class StoredRows:
         return batch | {key: tensor[rows] for key, (tensor, _) in self.extra.items()}
 
     def _rows(self, index: int | slice | torch.Tensor) -> list[int]:
-        if isinstance(index, int):
-            return [index]
+        """The selected rows, a negative index counting from the end (as a tensor's rows do)."""
         if isinstance(index, slice):
             return list(range(*index.indices(len(self))))
-        return torch.as_tensor(index).reshape(-1).tolist()
+        return torch.arange(len(self))[torch.as_tensor(index, dtype=torch.int64).reshape(-1)].tolist()
 
     def padding(self, num_rows: int) -> dict[str, torch.Tensor]:
         return padding_rows(num_rows, self.sequence_length, self.pad_token_id) | {
@@ -186,7 +186,8 @@ def plan_aligned(store: TokenStore, documents: np.ndarray, aligned) -> dict[str,
 
 
 def plan_split(lengths: np.ndarray, starts: np.ndarray, sequence_length: int, *, pack: bool) -> dict[str, np.ndarray]:
-    """The packing plan of documents (token `lengths`, `starts` in the store), in order, as `data._pack` packs."""
+    """The packing plan of documents (token `lengths`, `starts` in the store), in order: each cut into row-sized
+    pieces, placed first-fit (one a row unless `pack`)."""
     full, rest = np.divmod(lengths, sequence_length)
     pieces_per_document = full + (rest > 0)
     piece_lengths = np.full(int(pieces_per_document.sum()), sequence_length, dtype=np.int64)

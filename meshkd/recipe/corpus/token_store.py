@@ -14,19 +14,20 @@ Design:
   ever read; the first process of a host to take the store's file lock writes it, the others wait for the
   lock under `setup_timeout_s`. With `dataset.tokenize_workers` > 1 it reads the rows and hands them in chunks
   to worker processes that render and tokenize them, in order.
-- A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the same
-  split and first-fit packing as `meshkd.recipe.corpus.data`, so rows equal the in-memory ones token for token; routed
-  rows packed teacher by teacher as `meshkd.recipe.corpus.routing` packs them, each row's teacher in the plan) and
-  kept beside the tokens in `plan-<digest>/`, written the same way, with the sha256 of each of its arrays
-  (`sha256.json`), checked when a run opens the plan.
+- A packing plan per (sequence length, packing, split) is computed from the document offsets alone (the
+  split and first-fit packing of `meshkd.recipe.corpus.data`'s module docstring; routed rows packed teacher by
+  teacher, `meshkd.recipe.corpus.routing`, each row's teacher in the plan) and kept beside the tokens in
+  `plan-<digest>/`, written the same way, with the sha256 of each of its arrays (`sha256.json`), checked when a
+  run opens the plan.
 - A cross-tokenizer corpus (`kd.cross_tokenizer`) keeps the teacher's tokens beside the student's and each
-  document's groups (`meshkd.core.token_alignment.Alignment` bounds); its plan is the in-memory aligned packing's
-  (`plan_aligned`: pieces of whole groups, first fit on both sides), its rows `StoredAlignedRows`.
+  document's groups (`meshkd.core.token_alignment.Alignment` bounds); its plan packs as
+  `meshkd.recipe.corpus.aligned_data.AlignedPacking` packs texts (`plan_aligned`: pieces of whole groups, first fit
+  on both sides), its rows `StoredAlignedRows`.
 - Whole on-policy prompts are a corpus of their own, stored and planned the same way (one per row, unpacked):
   those of chat / prompt_completion rows (each row's text before its last answer, read by
   `meshkd.recipe.records.prompt_reader`) under the key of the rows plus `prompts`, those of text rows under
-  `dataset.prompt_key` as the corpus of that column. Tokenized as the in-memory path tokenizes them, not cut
-  from the rows' tokens: a prompt's tokens need not be a prefix of its row's (BPE merges across the boundary).
+  `dataset.prompt_key` as the corpus of that column. Each prompt is tokenized from its own text, not cut from
+  the rows' tokens: a prompt's tokens need not be a prefix of its row's (BPE merges across the boundary).
 - `StoredRows` is a split's rows (`meshkd.recipe.corpus.stored_rows`, with the plans): a batch is built on demand from
   the memory-mapped tokens, so a rank's resident memory does not grow with the corpus. Each MiB block is
   checked against its CRC-32 the first time this process reads it: damaged bytes are refused naming the file,
@@ -413,7 +414,7 @@ def _tokenized(tokenizer, dataset, arguments: dict, routes: list[str] | None, al
 def _tokenize_chunk(tokenizer, chunk: list, routes: list[str] | None, aligned=None) -> list[tuple]:
     """(ids, trains, route index) of each document of `chunk` (see `_tokenized`); with `aligned`, also the
     teacher's ids and trains and the groups' bounds (int64 [groups + 1, 3]), as
-    `meshkd.recipe.corpus.aligned_data.encode_aligned` gives them to the in-memory packing."""
+    `meshkd.recipe.corpus.aligned_data.encode_aligned` gives them."""
     indices = [None if routes is None else routes.index(document.route) for document in chunk]
     if aligned is None:
         return [(ids, trains, index) for (ids, trains), index

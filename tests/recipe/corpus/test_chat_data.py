@@ -19,7 +19,6 @@ from meshkd.bench.corpora import stdlib_chat_rows
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.rows import BATCH_KEYS, PackedDataset
 from meshkd.recipe.modeling.models import byte_tokenizer
-from meshkd.recipe.records import record_reader
 from meshkd.recipe.settings.config import DatasetConfig, HFDatasetConfig
 from tests.core.tokenizers_on_the_fly import smollm2_tokenizer
 from tests.trees import packed
@@ -163,16 +162,17 @@ def test_on_policy_prompts_are_the_rows_before_their_last_answer(tmp_path):
         build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=8)
 
 
-def test_answer_only_kd_equals_a_hand_computation_on_two_rows():
+def test_answer_only_kd_equals_a_hand_computation_on_two_rows(tmp_path):
     """The recipe's objective on two chat rows: CE and KD averaged over the answer tokens only."""
     from meshkd.core.loss import kd_loss
 
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "Say a"}, {"role": "assistant", "content": "aaa"}]},
             {"messages": [{"role": "user", "content": "Name b?"}, {"role": "assistant", "content": "bb"}]}]
-    read = record_reader(DatasetConfig(records="chat"), TOKENIZER)
-    documents = [read(row, f"row {i}") for i, row in enumerate(rows)]
-    batch = data.packer(TOKENIZER, 128, pack=False)(documents)[0:2]
+    dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", rows)], val_fraction=0.0, records="chat",
+                            token_store=str(tmp_path / "store"))
+    train, _ = data.build_run_datasets(TOKENIZER, dataset, sequence_length=128, pack=False)
+    batch = train[0:2]
     labels = batch["labels"]
     student, teacher = torch.randn(2, 128, 258), torch.randn(2, 128, 258)
     by_hand = []

@@ -1,12 +1,14 @@
 """Tests for meshkd.recipe.corpus.data: reading, splitting, NEAT packing, data-parallel batching, resume and evaluation.
 
-Pure tier: real files under tmp_path and a small character-level fast tokenizer built offline, so a token
-id maps back to exactly one character and packed rows can be read back as text.
+Pure tier: real files under tmp_path read as a run reads them (`build_run_datasets`, every build with a token store
+of its own), and a small character-level fast tokenizer built offline, so a token id maps back to exactly one
+character and packed rows can be read back as text.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import string
@@ -23,8 +25,10 @@ from meshkd.recipe.corpus.batches import (
     steps_per_epoch,
     training_rows,
 )
-from meshkd.recipe.corpus.data import build_datasets
+from meshkd.recipe.corpus.data import build_run_datasets, split_texts
+from meshkd.recipe.corpus.documents import check_arguments
 from meshkd.recipe.corpus.rows import BATCH_KEYS, IGNORE_INDEX, PackedDataset
+from meshkd.recipe.settings.config import DatasetConfig
 
 ALPHABET = string.ascii_letters + string.digits + ' .,:;!?-_(){}"\n'
 
@@ -64,13 +68,13 @@ def write_corpus(root, texts: list[str]) -> str:
     return str(root / "*.txt")
 
 
-def pieces(dataset: PackedDataset) -> list[tuple[int, int, list[int]]]:
+def pieces(rows: PackedDataset) -> list[tuple[int, int, list[int]]]:
     """(row, index in row, token ids) of every packed piece, read back from the mask."""
-    found = []
-    for row in range(len(dataset)):
-        mask = dataset.attention_mask[row]
+    batch, found = as_batch(rows), []
+    for row in range(len(rows)):
+        mask = batch["attention_mask"][row]
         for index in range(1, int(mask.max()) + 1):
-            found.append((row, index, dataset.input_ids[row][mask == index].tolist()))
+            found.append((row, index, batch["input_ids"][row][mask == index].tolist()))
     return found
 
 
@@ -104,12 +108,6 @@ def reference_pack(documents: list[list[int]], sequence_length: int, pad: int) -
     return out
 
 
-def build(paths, **kwargs) -> tuple[PackedDataset, PackedDataset]:
-    kwargs.setdefault("sequence_length", 16)
-    kwargs.setdefault("val_fraction", 0.0)
-    return build_datasets(kwargs.pop("tokenizer", TOKENIZER), paths=paths, **kwargs)
-
-
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert set(a) == set(b) == set(BATCH_KEYS)
     for key in BATCH_KEYS:
@@ -118,6 +116,18 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def as_batch(dataset: PackedDataset) -> dict[str, torch.Tensor]:
     return dataset[0 : len(dataset)]
+
+
+@pytest.fixture
+def build(tmp_path_factory):
+    """A run's (train, validation) rows of `paths` (a pattern or a list) with these `dataset` settings (no
+    validation share unless given), tokenized into a token store of its own each time."""
+    def build(paths, *, tokenizer=TOKENIZER, sequence_length: int = 16, **settings) -> tuple:
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+        dataset = DatasetConfig(paths=[str(path) for path in paths], **{"val_fraction": 0.0, **settings},
+                                token_store=str(tmp_path_factory.mktemp("store")))
+        return build_run_datasets(tokenizer, dataset, sequence_length=sequence_length)
+    return build
 
 
 @pytest.fixture
@@ -132,7 +142,7 @@ def corpus(tmp_path):
 # Reading
 
 
-def test_text_jsonl_and_recursive_glob(tmp_path):
+def test_text_jsonl_and_recursive_glob(build, tmp_path):
     (tmp_path / "a" / "deep" / "er").mkdir(parents=True)
     (tmp_path / "a" / "one.txt").write_text("first file")
     (tmp_path / "a" / "deep" / "er" / "two.txt").write_text("second file")
@@ -160,7 +170,7 @@ def test_text_jsonl_and_recursive_glob(tmp_path):
     assert [decode(ids) for _, _, ids in pieces(train)] == [json.dumps({"body": "other key"}) + "\n"]
 
 
-def test_deterministic_and_independent_of_pattern_order(corpus, tmp_path):
+def test_deterministic_and_independent_of_pattern_order(build, corpus, tmp_path):
     _, pattern = corpus
     (tmp_path / "extra.jsonl").write_text(json.dumps({"text": "extra document"}) + "\n")
     first = build([pattern, str(tmp_path / "extra.jsonl")], val_fraction=0.2, seed=3)
@@ -169,7 +179,7 @@ def test_deterministic_and_independent_of_pattern_order(corpus, tmp_path):
         assert_same(as_batch(a), as_batch(b))
 
 
-def test_max_document_chars_and_max_documents(tmp_path):
+def test_max_document_chars_and_max_documents(build, tmp_path):
     texts = [f"document number {i:02d} " + "z" * i for i in range(40)]
     pattern = write_corpus(tmp_path, texts)
     train, _ = build(pattern, max_document_chars=5, sequence_length=64)
@@ -189,7 +199,7 @@ def test_max_document_chars_and_max_documents(tmp_path):
 # Packing
 
 
-def test_packing_matches_reference_first_fit(corpus):
+def test_packing_matches_reference_first_fit(build, corpus):
     texts, pattern = corpus
     train, _ = build(pattern)
     documents = [TOKENIZER(t, add_special_tokens=False)["input_ids"] + [EOS] for t in texts]
@@ -199,7 +209,7 @@ def test_packing_matches_reference_first_fit(corpus):
     assert train.sequence_length == 16
 
 
-def test_packing_invariants(corpus):
+def test_packing_invariants(build, corpus):
     texts, pattern = corpus
     train, _ = build(pattern)
     ids, labels, positions, mask = (as_batch(train)[key] for key in BATCH_KEYS)
@@ -230,17 +240,17 @@ def test_packing_invariants(corpus):
     assert_same(train[-1], {key: value[-1:] for key, value in as_batch(train).items()})
 
 
-def test_unpacked_rows_hold_one_document_each(corpus):
+def test_unpacked_rows_hold_one_document_each(build, corpus):
     texts, pattern = corpus
     packed, _ = build(pattern)
-    unpacked, _ = build(pattern, pack=False)
+    unpacked, _ = build(pattern, packing=False)
     mask = as_batch(unpacked)["attention_mask"]
     assert set(mask.unique().tolist()) <= {0, 1}  # an ordinary 0/1 padding mask
     assert len(unpacked) > len(packed) and unpacked.num_tokens == packed.num_tokens
     assert sorted(decode(p) for _, _, p in pieces(unpacked)) == sorted(decode(p) for _, _, p in pieces(packed))
 
 
-def test_long_document_is_split_into_row_sized_pieces(tmp_path):
+def test_long_document_is_split_into_row_sized_pieces(build, tmp_path):
     text = "".join(ALPHABET[i % 26] for i in range(37))  # 37 chars + EOS = 38 tokens = 16 + 16 + 6
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "short.txt").write_text("abc")
@@ -249,27 +259,30 @@ def test_long_document_is_split_into_row_sized_pieces(tmp_path):
     found = pieces(train)
     assert [(row, index, len(p)) for row, index, p in found] == [(0, 1, 16), (1, 1, 16), (2, 1, 6), (2, 2, 4)]
     assert decode(found[0][2] + found[1][2] + found[2][2]) == text
+    batch = as_batch(train)
     for row, length in ((0, 16), (1, 16), (2, 6)):
-        assert train.position_ids[row, :length].tolist() == list(range(length))
-        assert train.labels[row, length - 1] == IGNORE_INDEX
-        assert train.labels[row, : length - 1].tolist() == train.input_ids[row, 1:length].tolist()
-    assert train.position_ids[2, 6:10].tolist() == [0, 1, 2, 3]
+        assert batch["position_ids"][row, :length].tolist() == list(range(length))
+        assert batch["labels"][row, length - 1] == IGNORE_INDEX
+        assert batch["labels"][row, : length - 1].tolist() == batch["input_ids"][row, 1:length].tolist()
+    assert batch["position_ids"][2, 6:10].tolist() == [0, 1, 2, 3]
 
 
-def test_eos_and_pad_fallbacks(tmp_path):
+def test_eos_and_pad_fallbacks(build, tmp_path):
     (tmp_path / "a.txt").write_text("abcd")
     no_pad, _ = build(str(tmp_path / "a.txt"), tokenizer=char_tokenizer(pad=False))
-    assert no_pad.input_ids[0, :5].tolist()[-1] == EOS and (no_pad.input_ids[0, 5:] == EOS).all()
+    ids = no_pad[0]["input_ids"][0]
+    assert ids[:5].tolist()[-1] == EOS and (ids[5:] == EOS).all()
     bare, _ = build(str(tmp_path / "a.txt"), tokenizer=char_tokenizer(eos=False, pad=False))
-    assert bare.num_tokens == 4 and (bare.input_ids[0, 4:] == 0).all()
-    assert bare.labels[0, :4].tolist() == bare.input_ids[0, 1:4].tolist() + [IGNORE_INDEX]
+    ids, labels = (bare[0][key][0] for key in ("input_ids", "labels"))
+    assert bare.num_tokens == 4 and (ids[4:] == 0).all()
+    assert labels[:4].tolist() == ids[1:4].tolist() + [IGNORE_INDEX]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Validation split
 
 
-def test_val_split_is_disjoint_by_document_and_seeded(tmp_path):
+def test_val_split_is_disjoint_by_document_and_seeded(build, tmp_path):
     texts = [f"document {i:03d} " + "q" * (i % 23) for i in range(50)]  # distinct, each fits in a row
     pattern = write_corpus(tmp_path, texts)
 
@@ -286,13 +299,13 @@ def test_val_split_is_disjoint_by_document_and_seeded(tmp_path):
     assert split(6)[3] != val_docs
 
 
-def test_val_split_sizes(tmp_path):
+def test_val_split_sizes(build, tmp_path):
     pattern = write_corpus(tmp_path, ["aa", "bb", "cc"])
     train, val = build(pattern, val_fraction=0.01)
     assert (train.num_documents, val.num_documents) == (2, 1)  # a positive fraction holds out at least one
     train, val = build(pattern, val_fraction=0.0)
     assert (train.num_documents, val.num_documents, len(val)) == (3, 0, 0)
-    assert val.input_ids.shape == (0, 16)
+    assert as_batch(val)["input_ids"].shape == (0, 16)
     assert list(eval_batches(val, batch_size=2, dp_rank=0, dp_size=2)) == []
 
 
@@ -301,7 +314,7 @@ def test_val_split_sizes(tmp_path):
 
 
 @pytest.fixture
-def rows(tmp_path) -> PackedDataset:
+def rows(build, tmp_path) -> PackedDataset:
     """A dataset of 23 rows whose first token tells them apart (row r starts with character r)."""
     texts = [ALPHABET[r] * 7 for r in range(23)]
     train, _ = build(write_corpus(tmp_path, texts), sequence_length=8)
@@ -401,10 +414,10 @@ def test_eval_batches_cover_once_and_pad_equally(rows):
                 assert (padding["labels"] == IGNORE_INDEX).all() and (padding["attention_mask"] == 0).all()
                 assert (padding["input_ids"] == PAD).all() and (padding["position_ids"] == 0).all()
         assert order == list(range(23))  # in order, nothing dropped, nothing twice
-        assert label_tokens == int((rows.labels != IGNORE_INDEX).sum())
-    labels = rows.labels.clone()
+        assert label_tokens == int((as_batch(rows)["labels"] != IGNORE_INDEX).sum())
+    labels = as_batch(rows)["labels"]
     next(eval_batches(rows, batch_size=2, dp_rank=0, dp_size=1))["labels"].fill_(0)  # a copy, not a view
-    assert torch.equal(rows.labels, labels)
+    assert torch.equal(as_batch(rows)["labels"], labels)
 
 
 def test_batching_errors(rows):
@@ -423,7 +436,7 @@ def test_batching_errors(rows):
         eval_batches(rows, batch_size=0, dp_rank=0, dp_size=1)
 
 
-def test_determinism_end_to_end(corpus):
+def test_determinism_end_to_end(build, corpus):
     _, pattern = corpus
 
     def run():
@@ -439,7 +452,7 @@ def test_determinism_end_to_end(corpus):
 # Errors that name their cause
 
 
-def test_reading_errors_name_the_pattern_file_line_and_key(tmp_path):
+def test_reading_errors_name_the_pattern_file_line_and_key(build, tmp_path):
     (tmp_path / "ok.txt").write_text("fine")
     missing = str(tmp_path / "nothing" / "*.txt")
     with pytest.raises(FileNotFoundError, match="no file matches the data path " + re.escape(repr(missing))):
@@ -472,24 +485,39 @@ def test_reading_errors_name_the_pattern_file_line_and_key(tmp_path):
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:1: 'text' holds a int, not a string"):
         build(str(bad))
     bad.write_bytes(json.dumps({"text": "one"}).encode() + b"\n\xff\xfe\n")
-    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:2: line is not valid UTF-8"):
-        build(str(bad), encoding_errors="strict")
+    not_text = r"is not valid UTF-8 \(byte 0x[0-9a-f]{2} at offset \d+\): not a text file \(on_bad_file 'skip'"
+    with pytest.raises(ValueError, match=rf"data file '{re.escape(str(bad))}' {not_text}"):
+        build(str(bad))  # a run refuses a file that is not text, naming it
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:2: invalid JSON"):
-        build(str(bad))
+        build(str(bad), on_bad_file="read")  # read anyway: what does not decode is replaced
 
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"caf\xe9 au lait")
-    message = rf"data file '{re.escape(str(latin))}' is not valid UTF-8.*encoding_errors='replace'"
-    with pytest.raises(ValueError, match=message):
-        build(str(latin), encoding_errors="strict")
-    train, _ = build(str(latin), encoding_errors="ignore")
-    assert decode(pieces(train)[0][2]) == "caf au lait"
-    train, _ = build(str(latin))  # the default replaces what does not decode: U+FFFD is <unk> here
+    with pytest.raises(ValueError, match=rf"data file '{re.escape(str(latin))}' {not_text}"):
+        build(str(latin))
+    train, _ = build(str(latin), on_bad_file="read")  # U+FFFD is <unk> here
     expected = TOKENIZER("caf", add_special_tokens=False)["input_ids"] + [TOKENIZER.unk_token_id]
     assert pieces(train)[0][2][:4] == expected
 
 
-def test_argument_errors(tmp_path):
+def test_split_texts_decodes_as_encoding_errors_says_naming_the_file_and_line(tmp_path):
+    """`split_texts` (a corpus's documents as texts) decodes by any `bytes.decode` handler: 'strict' names the file
+    (and line) it cannot decode."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(json.dumps({"text": "one"}).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:2: line is not valid UTF-8"):
+        split_texts(paths=[str(bad)], val_fraction=0.0, seed=0, encoding_errors="strict")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9 au lait")
+    message = rf"data file '{re.escape(str(latin))}' is not valid UTF-8.*encoding_errors='replace'"
+    with pytest.raises(ValueError, match=message):
+        split_texts(paths=[str(latin)], val_fraction=0.0, seed=0, encoding_errors="strict")
+    assert split_texts(paths=[str(latin)], val_fraction=0.0, seed=0, encoding_errors="ignore") == (
+        ["caf au lait"], [])
+    assert split_texts(paths=[str(latin)], val_fraction=0.0, seed=0) == (["caf\ufffd au lait"], [])
+
+
+def test_argument_errors(build, tmp_path):
     pattern = write_corpus(tmp_path, ["aa", "bb"])
     with pytest.raises(ValueError, match="sequence_length must be an integer >= 2, got 1"):
         build(pattern, sequence_length=1)
@@ -503,6 +531,6 @@ def test_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="max_document_chars must be >= 1"):
         build(pattern, max_document_chars=0)
     with pytest.raises(ValueError, match="unknown encoding_errors handler 'loose'"):
-        build(pattern, encoding_errors="loose")
+        check_arguments(16, 0.0, None, None, None, "loose")
     with pytest.raises(ValueError, match=r"val_fraction=0.8 of 2 document\(s\) leaves no document"):
         build(pattern, val_fraction=0.8)

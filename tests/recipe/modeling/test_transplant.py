@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from meshkd.recipe.corpus.data import split_texts
+from meshkd.recipe.corpus.data import build_run_datasets, split_texts
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.modeling.transplant import train_byte_level_bpe, transplant_embeddings
+from meshkd.recipe.settings.config import DatasetConfig
 from tests.tiny import tiny_llama_model
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "the cat and the hat sat on the mat\n",
@@ -47,9 +48,20 @@ def test_each_new_row_is_the_mean_of_the_old_rows_of_its_bytes(tie):
     assert model.config.eos_token_id == target.eos_token_id
 
 
-def test_split_texts_returns_the_training_and_validation_documents_of_build_datasets(tmp_path):
+def test_split_texts_returns_the_training_and_validation_documents_of_a_run(tmp_path):
+    """What a tokenizer trained on the training split reads: the documents of a run's training rows, none of its
+    validation rows'."""
     for i in range(10):
         (tmp_path / f"{i}.txt").write_text(f"document {i}\n")
-    train, val = split_texts(paths=[str(tmp_path / "*.txt")], val_fraction=0.2, seed=3)
+    pattern = str(tmp_path / "*.txt")
+    train, val = split_texts(paths=[pattern], val_fraction=0.2, seed=3)
     assert len(train) == 8 and len(val) == 2 and sorted(train + val) == sorted(f"document {i}\n" for i in range(10))
-    assert split_texts(paths=[str(tmp_path / "*.txt")], val_fraction=0.2, seed=3) == (train, val)
+    assert split_texts(paths=[pattern], val_fraction=0.2, seed=3) == (train, val)
+    tokenizer = byte_tokenizer()
+    dataset = DatasetConfig(paths=[pattern], val_fraction=0.2, seed=3, packing=False,  # a document a row
+                            token_store=str(tmp_path / "store"))
+    for texts, rows in zip((train, val), build_run_datasets(tokenizer, dataset, sequence_length=64), strict=True):
+        batch = rows[:]
+        read = [tokenizer.decode(ids[mask > 0], skip_special_tokens=True)
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        assert sorted(read) == sorted(texts)
