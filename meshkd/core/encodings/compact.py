@@ -27,7 +27,7 @@ that the bridge, the cache and a served teacher carry, slice and concatenate as 
 
 k = 64 with 32 tail samples takes 215 bytes a token at V = 49,152 (142 of them indices), 27.8% of the exact
 encoding's 772; 235 at V = 151,936. A fifth (155) is out of reach while each token sends 96 indices: a set of
-64 of 49,152 holds log2 C(49152, 64) = 706 bits of information and 32 sorted samples about 380 more, 136 bytes
+64 of 49,152 holds log2 C(49152, 64) = 701 bits of information and 32 sorted samples about 380 more, 135 bytes
 before any value. A damaged index bitmap (not n ones) is found by the index check (`index_errors`).
 """
 
