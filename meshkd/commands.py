@@ -89,54 +89,55 @@ def train_command(config_path: str, overrides: list[str], nproc: int | None, res
     return launcher.launch(world_size, ["train", config_path, *_set_args(overrides), *resuming])
 
 
-def cached_teacher(config, teacher: str | None):
-    """The one-teacher config whose cache `meshkd cache-teacher` writes: the only teacher's, or with several
-    teachers (`teachers`) the view of the one named by `--teacher` (its `cache`, its `distributed` layout)."""
-    views = config.teacher_views()
-    if teacher is not None and config.teachers is None:
+def cached_teacher(config, name: str | None):
+    """The teacher whose cache `meshkd cache-teacher` writes (of `config.teacher_list()`): the only one, or with
+    several teachers (`teachers`) the one named by `--teacher` (its `cache`, its `distributed` layout)."""
+    names = [teacher.name for teacher in config.teacher_list()]
+    if name is not None and config.teachers is None:
         raise ConfigError("--teacher names one of several teachers (teachers); this config has one teacher")
-    if teacher is None and len(views) > 1:
+    if name is None and len(names) > 1:
         raise ConfigError(f"this config has several teachers: name the one whose cache to write with --teacher NAME "
-                          f"(one of {list(views)})")
-    teacher = teacher or next(iter(views))
-    if teacher not in views:
-        raise ConfigError(f"--teacher {teacher!r} is none of the teachers {list(views)}")
-    if views[teacher].kd.teacher_cache is None:
+                          f"(one of {names})")
+    if name is not None and name not in names:
+        raise ConfigError(f"--teacher {name!r} is none of the teachers {names}")
+    teacher = config.teacher_named(name)
+    if teacher.cache is None:
         if config.teachers is not None:
-            raise ConfigError(f"teachers.{teacher}.cache: set it to the directory to write the cache to")
+            raise ConfigError(f"teachers.{teacher.name}.cache: set it to the directory to write the cache to")
         raise ConfigError("kd.teacher_cache: set it to the directory to write the cache to "
                           "(e.g. --set kd.teacher_cache=runs/teacher_cache)")
-    return views[teacher]
+    return teacher
 
 
 def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None,
                           teacher: str | None = None) -> int:
     """`meshkd cache-teacher`: as `train_command`, with the teacher's ranks only."""
     overrides = _resolved(config_path, overrides)
-    config = cached_teacher(load_config(config_path, overrides), teacher)
+    config = load_config(config_path, overrides)
+    cached = cached_teacher(config, teacher)
     if launcher.inside_torchrun():
         from meshkd.recipe.lifecycle.cache_writer import cache_teacher
 
-        return launcher.run_here(lambda: cache_teacher(config, shard_rows=shard_rows))
+        return launcher.run_here(lambda: cache_teacher(config, cached, shard_rows=shard_rows))
     from meshkd.recipe.lifecycle.preflight import preflight
 
-    checked = preflight(config, writing_cache=True)
-    world_size = _teacher_world_size(config, nproc, asks_server=checked.source.outside_job)
+    checked = preflight(config, cached, writing_cache=True)
+    world_size = _teacher_world_size(config, cached, nproc, asks_server=checked.source.outside_job)
     extra = ["--shard-rows", str(shard_rows)] if shard_rows is not None else []
     extra += ["--teacher", teacher] if teacher is not None else []
     return launcher.launch(world_size, ["cache-teacher", config_path, *_set_args(overrides), *extra])
 
 
-def _teacher_world_size(config, nproc: int | None, *, asks_server: bool = False) -> int:
-    """The processes a world of the teacher's ranks alone needs (cache-teacher, serve-teacher), checked against
+def _teacher_world_size(config, teacher, nproc: int | None, *, asks_server: bool = False) -> int:
+    """The processes a world of `teacher`'s ranks alone needs (cache-teacher, serve-teacher), checked against
     `nproc` and the GPUs this node sees; `asks_server`: cache-teacher's writers asking a served teacher instead
     (1, or `nproc`)."""
     from meshkd.recipe.lifecycle.world import check_gpu_count
 
-    layout = config.teacher_layout
+    layout = config.layout_of(teacher)
     sizes = (layout.dp_size, layout.tp_size, layout.cp_size, layout.pp_size)
     needed = None if layout.dp_size is None else math.prod(sizes)
-    dp_key = "teacher_distributed.dp_size" if layout is config.teacher_distributed else "distributed.dp_size"
+    dp_key = "teacher_distributed.dp_size" if teacher.distributed is not None else "distributed.dp_size"
     if asks_server:
         needed = nproc or 1
     world_size = _world_size(needed, nproc, dp_key)
@@ -158,11 +159,11 @@ def serve_teacher_command(config_path: str, overrides: list[str], nproc: int | N
     if launcher.inside_torchrun():
         from meshkd.recipe.lifecycle.teacher_service import serve_teacher
 
-        return launcher.run_here(lambda: serve_teacher(config, options))
+        return launcher.run_here(lambda: serve_teacher(config, config.teacher_named(), options))
     from meshkd.recipe.lifecycle.preflight import preflight_teacher
 
-    preflight_teacher(config)
-    world_size = _teacher_world_size(config, nproc)
+    preflight_teacher(config, config.teacher_named())
+    world_size = _teacher_world_size(config, config.teacher_named(), nproc)
     flags = {"--host": options.host, "--port": options.port, "--max-batch-tokens": options.max_batch_tokens,
              "--max-request-tokens": options.max_request_tokens, "--tls-cert": options.tls_cert,
              "--tls-key": options.tls_key, "--address-file": options.address_file}
@@ -196,7 +197,8 @@ def prepare_data_command(config_path: str, overrides: list[str]) -> int:
 
     tokenizer = load_section_tokenizer(config.model)
     # With kd.cross_tokenizer the store holds the teacher's tokens too (a cache's teacher tokenizer if it names none).
-    teacher_tokenizer = cross_teacher_tokenizer(config) if config.kd.cross_tokenizer is not None else None
+    teacher_tokenizer = (cross_teacher_tokenizer(config.teacher_list()[0]) if config.kd.cross_tokenizer is not None
+                         else None)
     train, val, train_prompts, val_prompts = run_datasets(config, tokenizer, teacher_tokenizer)
     manifest = train.store.manifest
     teacher = (f", the teacher's {manifest['teacher_tokens']} ({manifest['teacher_token_dtype']}) in "

@@ -93,10 +93,9 @@ class TeacherSetups:
         return KDDistributedSetups(student=self.student, teacher=teacher, student_ranks=self.student.ranks,
                                    teacher_ranks=teacher.ranks, separate=self.separate(name))
 
-    @staticmethod
-    def role(name: str) -> str:
-        """How messages name teacher `name`: "teacher" for the one-teacher form's, else "teacher 'NAME'"."""
-        return "teacher" if name == "teacher" else f"teacher '{name}'"
+    def role(self, name: str) -> str:
+        """How messages name teacher `name`: "teacher" when it is the only one, else "teacher 'NAME'"."""
+        return "teacher" if len(self.teachers) == 1 else f"teacher '{name}'"
 
     @property
     def roles(self) -> dict[str, tuple[int, ...]]:

@@ -39,7 +39,7 @@ from meshkd.recipe.corpus.aligned_data import run_packing
 from meshkd.recipe.lifecycle.preflight import preflight
 from meshkd.recipe.lifecycle.world import run_role
 from meshkd.recipe.modeling import models
-from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig
+from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.sources import SourceContext, kind_of
@@ -64,12 +64,12 @@ class Shard:
         return cache.shard_name(self.split, self.index)
 
 
-def answer_nbytes(config: KDRecipeConfig, split: str, vocab_size: int) -> int:
-    """Bytes of one cached row: the encoding training asks for, or each label's log-probability."""
-    kd, sequence = config.kd, config.step_scheduler.sequence_length
+def answer_nbytes(config: KDRecipeConfig, teacher: TeacherConfig, split: str, vocab_size: int) -> int:
+    """Bytes of one cached row of `teacher`'s: the encoding training asks for, or each label's log-probability."""
+    kd, sequence = config.kd_of(teacher), config.step_scheduler.sequence_length
     if split == "validation":  # of the teacher's own tokens
         return 4 * config.teacher_sequence_length
-    logits_bytes = 4 if config.teacher_model.dtype == "float32" else 2
+    logits_bytes = 4 if teacher.model.dtype == "float32" else 2
     return Distribution.nbytes_per_token(kd, vocab_size, logits_bytes=logits_bytes) * sequence
 
 
@@ -108,22 +108,25 @@ def _complete(directory: Path, shard: Shard, expected: dict) -> dict | None:
 class CacheWriter:
     """One rank of `meshkd cache-teacher`: `run()` plans, computes this replica's shards, completes the cache."""
 
-    def __init__(self, config: KDRecipeConfig, device: torch.device, *, shard_rows: int | None = None) -> None:
-        if config.kd.teacher_cache is None:
+    def __init__(self, config: KDRecipeConfig, teacher: TeacherConfig, device: torch.device, *,
+                 shard_rows: int | None = None) -> None:
+        if teacher.cache is None:
             raise ValueError("kd.teacher_cache: set it to the directory the teacher cache is written to")
         if shard_rows is not None and shard_rows < 1:
             raise ValueError(f"--shard-rows must be >= 1, got {shard_rows}")
-        self.config = config
+        self.config, self.teacher = config, teacher  # the run's settings, the teacher whose answers are cached
+        self.kd = config.kd_of(teacher)
         self.device = device
-        self.directory = Path(config.kd.teacher_cache)
+        self.directory = Path(teacher.cache)
         self.shard_rows = shard_rows
         self.stop = StopRequest()
 
     def run(self) -> dict:
         """Write the cache (every rank of the world calls); returns its summary on every rank."""
         config = self.config
-        checked = preflight(config, writing_cache=True)
-        setups = create_kd_distributed_setups({"separate_meshes": False, "distributed": writer_layout(config)},
+        checked = preflight(config, self.teacher, writing_cache=True)
+        setups = create_kd_distributed_setups({"separate_meshes": False,
+                                               "distributed": writer_layout(config, self.teacher)},
                                               dist.get_world_size(),
                                               timeout=datetime.timedelta(seconds=config.collective_timeout_s))
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
@@ -136,7 +139,7 @@ class CacheWriter:
                 pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer))))
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
-            row_bytes = {split: answer_nbytes(config, split, vocab_size) for split in cache.SPLITS}
+            row_bytes = {split: answer_nbytes(config, self.teacher, split, vocab_size) for split in cache.SPLITS}
             plan = plan_shards(rows, {split: self.shard_rows or default_shard_rows(
                 len(rows[split]), row_bytes[split], setups.student.dp_size) for split in cache.SPLITS})
             state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
@@ -162,9 +165,9 @@ class CacheWriter:
     def _resume(self, plan: list[Shard], hashes: dict, row_bytes: dict, checked, vocab_size: int) -> dict:
         """On rank 0: keep the shards a killed run completed for this plan, remove other files, check the space."""
         directory = self.directory
-        key = cache.cache_key(self.config, checked.tokenizer, vocab_size=vocab_size,
+        key = cache.cache_key(self.config, self.teacher, checked.tokenizer, vocab_size=vocab_size,
                               teacher_tokenizer=checked.teacher_tokenizer)
-        identity = (checked.teacher.report or {}).get("teacher") or cache.teacher_identity(self.config)
+        identity = (checked.teacher.report or {}).get("teacher") or cache.teacher_identity(self.teacher)
         plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
         (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
         done, keep = [], set()
@@ -181,7 +184,7 @@ class CacheWriter:
         per_position = row_bytes["train"] // self.config.step_scheduler.sequence_length
         print0(f"meshkd cache-teacher: {sum(len(shard.rows) for shard in plan)} rows in {len(plan)} shards "
                f"({len(done)} kept from an earlier run), {needed / MIB:.1f} MiB to write ({per_position} bytes per "
-               f"training position, {self.config.kd.logits_transport}), {free / MIB:.0f} MiB free under {directory}")
+               f"training position, {self.kd.logits_transport}), {free / MIB:.0f} MiB free under {directory}")
         if needed > free:
             raise OSError(f"kd.teacher_cache: {directory} needs {needed / MIB:.1f} MiB more, its filesystem has "
                           f"{free / MIB:.1f} MiB free")
@@ -225,22 +228,23 @@ class CacheWriter:
         """request -> answer: the teacher laid out on this world, or a served one asked (`teacher_model.url`)."""
         config, kind = self.config, checked.source
         if kind.outside_job:  # its source is asked
-            source = kind.make(config, checked.teacher, SourceContext(setup, self.device, {}, vocab_size, None))
+            context = SourceContext(setup, self.device, {}, vocab_size, None)
+            source = kind.make(config, self.teacher, checked.teacher, context)
             return lambda request: source.request(request.batch, request.logits_transport)
-        model, checkpoint = load_teacher(config)
+        model, checkpoint = load_teacher(self.teacher)
         rows = model.get_output_embeddings().weight.shape[0]
         if rows != checked.teacher_vocab_rows:
             raise ValueError(f"teacher_model: its output embedding has {rows} rows, its config "
                              f"{checked.teacher_vocab_rows}")
         runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
-        return TeacherForward(runner, vocab_size=vocab_size, kd=config.kd, seed=config.seed, encodes=encodes,
+        return TeacherForward(runner, vocab_size=vocab_size, kd=self.kd, seed=config.seed, encodes=encodes,
                               vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
                               hidden_layers=paired_layers(config, "teacher"))
 
     def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
                hashes: dict) -> None:
         """Compute one shard on this replica, micro-batch by micro-batch; its output rank writes it."""
-        mode = self.config.kd.logits_transport if shard.split == "train" else LABEL_LOG_PROBS
+        mode = self.kd.logits_transport if shard.split == "train" else LABEL_LOG_PROBS
         size = self.config.step_scheduler.local_batch_size
         answers = []
         for start in range(0, len(shard.rows), size):
@@ -266,7 +270,7 @@ class CacheWriter:
                               "it was written (is the directory one shared by every rank?)")
             records.append(record)
         steps = self.config.step_scheduler
-        splits = {split: {"answer": self.config.kd.logits_transport if split == "train" else LABEL_LOG_PROBS,
+        splits = {split: {"answer": self.kd.logits_transport if split == "train" else LABEL_LOG_PROBS,
                           "num_rows": len(hashes[split]), "rows_digest": cache.rows_digest(hashes[split]),
                           "rows": rows[split]} for split in cache.SPLITS}
         splits["train"].update(max_steps=steps.max_steps, global_batch_size=steps.global_batch_size)
@@ -296,14 +300,14 @@ class CacheWriter:
         return summary
 
 
-def writer_layout(config: KDRecipeConfig) -> DistributedConfig:
+def writer_layout(config: KDRecipeConfig, teacher: TeacherConfig) -> DistributedConfig:
     """The layout of `meshkd cache-teacher`'s world: the teacher's, or for a teacher outside the job (a served one,
     `teacher_model.url`) data-parallel writers that ask it (1 unless `--nproc` says more)."""
-    if kind_of(config, writing_cache=True).outside_job:
+    if kind_of(config, teacher, writing_cache=True).outside_job:
         return DistributedConfig(dp_size=None)
-    return config.teacher_layout
+    return config.layout_of(teacher)
 
 
-def cache_teacher(config: KDRecipeConfig, *, shard_rows: int | None = None) -> dict:
-    """`meshkd cache-teacher` on this rank: in the current world, or a new one from the environment."""
-    return run_role(config, lambda device: CacheWriter(config, device, shard_rows=shard_rows))
+def cache_teacher(config: KDRecipeConfig, teacher: TeacherConfig, *, shard_rows: int | None = None) -> dict:
+    """`meshkd cache-teacher` of `teacher` on this rank: in the current world, or a new one from the environment."""
+    return run_role(config, lambda device: CacheWriter(config, teacher, device, shard_rows=shard_rows))

@@ -27,7 +27,7 @@ from meshkd.recipe.lifecycle.world import uses_cuda
 from meshkd.recipe.modeling import models
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.records import format_named
-from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher.hidden_states import check_pairs
@@ -42,22 +42,36 @@ class Preflight:
     """What `preflight` loaded that setup reuses."""
 
     tokenizer: object
-    teacher_tokenizer: object  # the student's own when the teacher's answers come from a cache
     student_vocab_rows: int
-    teacher_vocab_rows: int  # the skeleton's, the cache's teacher's, the server's
     source: SourceKind  # where the teacher's answers come from (`meshkd.recipe.teacher.sources`)
     teacher: TeacherCheck  # what its preflight learnt of the teacher (a cache's manifest, a server's health)
-    teacher_width: int | None = None  # the teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)
+
+    @property
+    def teacher_tokenizer(self):
+        """The tokenizer whose ids the teacher reads: the student's unless `kd.cross_tokenizer` (the student's
+        too when the teacher's answers come from a cache)."""
+        return self.teacher.tokenizer
+
+    @property
+    def teacher_vocab_rows(self) -> int:
+        """The teacher's output rows: the skeleton's, the cache's teacher's, the server's."""
+        return self.teacher.vocab_rows
+
+    @property
+    def teacher_width(self) -> int | None:
+        """The teacher's hidden size (the skeleton's, or the cache's with kd.hidden_states)."""
+        return self.teacher.hidden_size
 
 
 def preflight_teachers(config: KDRecipeConfig) -> dict[str, Preflight]:
-    """Teacher name -> `preflight` of its one-teacher config (`KDRecipeConfig.teacher_views`); errors about one
+    """Teacher name -> `preflight` of the run with that teacher (`KDRecipeConfig.teacher_list`); errors about one
     of several teachers name it (teachers.NAME)."""
-    views, checked = config.teacher_views(), {}
-    for index, (name, view) in enumerate(views.items()):
-        named = about(f"teachers.{name}") if config.teachers is not None else contextlib.nullcontext()
+    teachers, checked = config.teacher_list(), {}
+    names = [teacher.name for teacher in teachers]
+    for index, teacher in enumerate(teachers):
+        named = about(f"teachers.{teacher.name}") if config.teachers is not None else contextlib.nullcontext()
         with named:  # the data are the same for every teacher: read once
-            checked[name] = preflight(view, check_data=index == 0, teachers=list(views))
+            checked[teacher.name] = preflight(config, teacher, check_data=index == 0, teachers=names)
     return checked
 
 
@@ -65,9 +79,10 @@ def _embedding_rows(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data: bool = True,
-              teachers: list[str] | None = None) -> Preflight:
-    """Check everything that needs no process group; raises before any process or collective is involved.
+def preflight(config: KDRecipeConfig, teacher: TeacherConfig | None = None, *, writing_cache: bool = False,
+              check_data: bool = True, teachers: list[str] | None = None) -> Preflight:
+    """Check everything a run of `config` with `teacher` (of `config.teacher_list()`; None: its only one) needs
+    that needs no process group; raises before any process or collective is involved.
 
     Reads the same files on every rank and nothing rank-dependent, so every rank raises the same error
     without talking to the others. Loads no weights (models are built on the meta device) and reads the
@@ -93,11 +108,12 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         FileNotFoundError: naming the missing file or path.
     """
     check_versions()
-    kind = kind_of(config, writing_cache=writing_cache)
+    teacher = teacher or config.teacher_named()
+    kind = kind_of(config, teacher, writing_cache=writing_cache)
     separate = kind.own_ranks
-    _check_sizes_given(config, separate)
+    _check_sizes_given(config, teacher, separate)
     outputs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
-    for key, path in outputs + ([("kd.teacher_cache", config.kd.teacher_cache)] if writing_cache else []):
+    for key, path in outputs + ([("kd.teacher_cache", teacher.cache)] if writing_cache else []):
         _check_writable_directory(key, path)
     dataset = config.dataset
     with about("dataset"):
@@ -112,34 +128,34 @@ def preflight(config: KDRecipeConfig, *, writing_cache: bool = False, check_data
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
     # The teacher, as its source knows it: a skeleton, a cache's manifest, a server's health.
-    teacher = kind.check(config, tokenizer, student_rows=_embedding_rows(student))
-    teacher_tokenizer = teacher.tokenizer
-    vocab_size = _common_vocabulary(config, tokenizer, teacher_tokenizer, _embedding_rows(student), teacher.vocab_rows)
+    found_teacher = kind.check(config, teacher, tokenizer, student_rows=_embedding_rows(student))
+    teacher_tokenizer = found_teacher.tokenizer
+    vocab_size = _common_vocabulary(config, tokenizer, teacher_tokenizer, _embedding_rows(student),
+                                    found_teacher.vocab_rows)
     roles = [Role("distributed", config.distributed, "model", student, config.model)]
-    if teacher.skeleton is not None:
-        roles.append(Role("teacher_distributed" if separate else "distributed", config.teacher_layout,
-                          "teacher_model", teacher.skeleton, config.teacher_model))
+    if found_teacher.skeleton is not None:
+        roles.append(Role("teacher_distributed" if separate else "distributed", config.layout_of(teacher),
+                          "teacher_model", found_teacher.skeleton, teacher.model))
     for role in roles:
         _check_role(config, role)
-    _check_student_against_teacher(config, student, teacher.num_layers, vocab_size)
+    _check_student_against_teacher(config, student, found_teacher.num_layers, vocab_size)
     if config.kd.cross_tokenizer is not None and found:  # the rows' lengths against the corpus's first documents
         if format_named(config.dataset.records).rendered:  # rows read again, rendered for both sides
             found = _read_data(config, tokenizer, files, teachers, teacher_tokenizer=teacher_tokenizer)
         check_row_lengths(config, found, tokenizer, teacher_tokenizer)
-    return Preflight(tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
-                     student_vocab_rows=_embedding_rows(student), teacher_vocab_rows=teacher.vocab_rows, source=kind,
-                     teacher=teacher, teacher_width=teacher.hidden_size)
+    return Preflight(tokenizer=tokenizer, student_vocab_rows=_embedding_rows(student), source=kind,
+                     teacher=found_teacher)
 
 
-def preflight_teacher(config: KDRecipeConfig) -> None:
+def preflight_teacher(config: KDRecipeConfig, teacher: TeacherConfig) -> None:
     """`meshkd serve-teacher`'s checks: the teacher's tokenizer and skeleton, against its layout (`_check_role`)."""
     check_versions()
     with about("teacher_model.tokenizer"):
-        load_section_tokenizer(config.teacher_model)
+        load_section_tokenizer(teacher.model)
     with about("teacher_model"):
-        teacher = load_section_skeleton(config.teacher_model, "teacher_model")
-    key = "teacher_distributed" if config.teacher_layout is config.teacher_distributed else "distributed"
-    _check_role(config, Role(key, config.teacher_layout, "teacher_model", teacher, config.teacher_model))
+        skeleton = load_section_skeleton(teacher.model, "teacher_model")
+    key = "teacher_distributed" if teacher.distributed is not None else "distributed"
+    _check_role(config, Role(key, config.layout_of(teacher), "teacher_model", skeleton, teacher.model))
 
 
 @dataclass
@@ -153,10 +169,10 @@ class Role:
     section: object
 
 
-def _check_sizes_given(config: KDRecipeConfig, separate: bool) -> None:
+def _check_sizes_given(config: KDRecipeConfig, teacher: TeacherConfig, separate: bool) -> None:
     """On separate meshes each role's dp_size (a run from a teacher cache, or writing one, has one role)."""
     if separate:
-        for key, layout in (("distributed", config.distributed), ("teacher_distributed", config.teacher_distributed)):
+        for key, layout in (("distributed", config.distributed), ("teacher_distributed", teacher.distributed)):
             if layout is not None and layout.dp_size is None:
                 raise ConfigError(
                     f"{key}.dp_size is required with separate_meshes: true (each role's size is explicit)"

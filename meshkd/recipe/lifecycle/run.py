@@ -4,8 +4,8 @@ Student ranks run a `StudentTrainer` (on shared meshes it also holds the teacher
 teacher-only ranks (separate meshes) run a `TeacherWorker`, which serves the student's requests through
 `meshkd.core.teacher_protocol` until STOP_TEACHER. With several teachers (`teachers`) each is either on the
 student's ranks or on ranks of its own, with a bridge of its own to the student (`meshkd.core.teacher_ensemble`
-asks them all at once); a teacher's worker runs the one-teacher config of that teacher
-(`KDRecipeConfig.teacher_views`). Setup is the same sequence of phases on every rank,
+asks them all at once); a teacher's worker runs that teacher (of `KDRecipeConfig.teacher_list`) with the
+run's shared settings. Setup is the same sequence of phases on every rank,
 so that the collectives between them line up across roles:
 
 1. load (rank-local: this role's model, data), agreed over the world (phases 1, 3 and 4 read files: the
@@ -84,7 +84,7 @@ class KDRecipe:
         if is_student:
             self.role = StudentTrainer(config, setups, faults, self.device, self._stop)
         else:
-            self.role = TeacherWorker(config.teacher_views()[name], local, faults, self.device, name=name)
+            self.role = TeacherWorker(config, config.teacher_named(name), local, faults, self.device)
         role = self.role
         with faults.watch("setup", "teacher" if is_student else "student"):
             with faults.on_every_rank("while loading models and data", patient=True):
@@ -112,7 +112,7 @@ class KDRecipe:
     def _common_vocab_size(self, checked: dict[str, Preflight], rows: dict[str, int]) -> int:
         """The vocabulary the student and every teacher share; every rank learns every embedding size (`rows`:
         model -> rows, of the models this rank holds), so checks raise everywhere."""
-        teachers = list(self.config.teacher_views())
+        teachers = [teacher.name for teacher in self.config.teacher_list()]
         names = ["student", *teachers]
         # On the role's device: a group made by init_process_group("nccl") takes CUDA tensors only.
         sizes = torch.tensor([rows.get(name, -1) for name in names], dtype=torch.int64, device=self.device)

@@ -74,12 +74,12 @@ class StudentTrainer:
         """This rank's models and data (and the teachers on the student's ranks); `checked`: each teacher's
         preflight, by name."""
         config = self.config
-        self.views, self._checked = config.teacher_views(), checked
-        checked = checked[next(iter(self.views))]  # what the teachers share: the student's tokenizer
+        self.teachers, self._checked = {teacher.name: teacher for teacher in config.teacher_list()}, checked
+        checked = checked[next(iter(self.teachers))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         self._teacher_width = checked.teacher_width
         self._model, self._checkpoint = load_student(config, self.setup)
-        self._teachers = {name: load_teacher(view) for name, view in self.views.items()
+        self._teachers = {name: load_teacher(teacher) for name, teacher in self.teachers.items()
                           if self._checked[name].source.loads_here}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
@@ -101,15 +101,15 @@ class StudentTrainer:
         self.vocab_size, self.bridges = vocab_size, bridges
         datasets = {"train": self.train_set, "validation": self.val_set}
         self.teacher_sources = {  # meshkd.recipe.teacher.sources, by each teacher's kind
-            name: self._checked[name].source.make(view, self._checked[name].teacher, SourceContext(
+            name: self._checked[name].source.make(self.config, teacher, self._checked[name].teacher, SourceContext(
                 self.setup, self.device, datasets, vocab_size, self._vocabulary_map, bridge=bridges.get(name),
                 loaded=self._teachers.pop(name, None)))
-            for name, view in self.views.items()}
+            for name, teacher in self.teachers.items()}
         # One teacher is the list of one: its own source; several are asked as one.
         self.teacher = TeacherEnsemble.of(
-            self.teacher_sources, roles={name: TeacherSetups.role(name) for name in self.teacher_sources},
-            watch=self.faults.watch, transports={name: view.kd.logits_transport for name, view in self.views.items()},
-            route=combination_named(self.config.kd.combine).routes_rows)
+            self.teacher_sources, roles={name: self.setups.role(name) for name in self.teacher_sources},
+            watch=self.faults.watch, route=combination_named(self.config.kd.combine).routes_rows,
+            transports={name: self.config.kd_of(teacher).logits_transport for name, teacher in self.teachers.items()})
         self.model, self.pipeline, self.router_loss = lay_out_student(
             self._model, self._checkpoint, self.config, self.setup, device=self.device,
             num_micro_batches=self.num_micro_batches)
@@ -148,12 +148,13 @@ class StudentTrainer:
         teacher_byte_lengths = token_byte_lengths(self.teacher_tokenizer) if config.kd.cross_tokenizer else None
 
         def evaluation(name: str, teacher: TeacherSource) -> Evaluation:
-            return Evaluation(self.views[name], self.setup, model=self.model, pipeline=self.pipeline, teacher=teacher,
+            return Evaluation(config, self.setup, kd=config.kd_of(self.teachers[name]), model=self.model,
+                              pipeline=self.pipeline, teacher=teacher,
                               val_set=self.val_set, val_prompts=self.val_prompts,
                               completions=lambda: self._completions(greedy=True), watch=self.faults.watch,
                               group=self.student_group, device=self.device,
                               byte_lengths=byte_lengths, teacher_byte_lengths=teacher_byte_lengths,
-                              vocab_size=self.vocab_size, teacher_role=TeacherSetups.role(name),
+                              vocab_size=self.vocab_size, teacher_role=self.setups.role(name),
                               validation_answer=self._checked[name].source.validation_answer(teacher),
                               fused_head=fused_head if self.pipeline is None else None)  # whole logits pipelined
 

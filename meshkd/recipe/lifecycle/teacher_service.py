@@ -47,7 +47,7 @@ from meshkd.recipe.common.faults import StopRequest, about
 from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.lifecycle.world import run_role
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
-from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.teacher.completions_teacher import COMPLETIONS_PATH, MODELS_PATH
 from meshkd.recipe.teacher.served_protocol import (
     ANSWER_PATH,
@@ -144,8 +144,9 @@ class Queue:
 class TeacherService:
     """One rank of `meshkd serve-teacher`: `run()` loads and lays out the teacher, then serves until stopped."""
 
-    def __init__(self, config: KDRecipeConfig, options: ServeOptions, device: torch.device) -> None:
-        self.config, self.options, self.device = config, options, device
+    def __init__(self, config: KDRecipeConfig, teacher: TeacherConfig, options: ServeOptions,
+                 device: torch.device) -> None:
+        self.config, self.teacher, self.options, self.device = config, teacher, options, device
         self.stop = StopRequest()
         self.is_server = dist.get_rank() == 0
         self.stats = {"served_requests": 0, "served_tokens": 0, "forwards": 0, "busy_s": 0.0}
@@ -154,10 +155,10 @@ class TeacherService:
 
     def run(self) -> dict:
         config = self.config
-        setup = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.teacher_layout},
+        setup = create_kd_distributed_setups({"separate_meshes": False, "distributed": config.layout_of(self.teacher)},
                                              dist.get_world_size(),
                                              timeout=datetime.timedelta(seconds=config.collective_timeout_s)).student
-        model, checkpoint = load_teacher(config)
+        model, checkpoint = load_teacher(self.teacher)
         self.vocab_rows = model.get_output_embeddings().weight.shape[0]
         self.num_layers = len(decoder_of(model).layers)
         self.runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
@@ -167,9 +168,9 @@ class TeacherService:
         self.queue = Queue(self.options.max_batch_tokens)
         if self.is_server:
             with about("teacher_model.tokenizer"):
-                self.tokenizer = tokenizer = load_section_tokenizer(config.teacher_model)
-            self.model_name = str(config.teacher_model.path or "teacher_model")
-            self.health = Health(teacher=teacher_identity(config), vocabulary=vocabulary_fingerprint(tokenizer),
+                self.tokenizer = tokenizer = load_section_tokenizer(self.teacher.model)
+            self.model_name = str(self.teacher.model.path or "teacher_model")
+            self.health = Health(teacher=teacher_identity(self.teacher), vocabulary=vocabulary_fingerprint(tokenizer),
                                  vocab_rows=self.vocab_rows, num_layers=self.num_layers,
                                  hidden_size=model.config.get_text_config().hidden_size, load={})
             self.http = HttpServer(self)
@@ -498,8 +499,8 @@ def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: i
             "prompt_token_ids": prompt}
 
 
-def serve_teacher(config: KDRecipeConfig, options: ServeOptions) -> dict:
-    """`meshkd serve-teacher` on this rank: in the current world, or a new one from the environment."""
+def serve_teacher(config: KDRecipeConfig, teacher: TeacherConfig, options: ServeOptions) -> dict:
+    """`meshkd serve-teacher` of `teacher` on this rank: in the current world, or a new one from the environment."""
     options.check()
-    return run_role(config, lambda device: TeacherService(config, options, device))
+    return run_role(config, lambda device: TeacherService(config, teacher, options, device))
 

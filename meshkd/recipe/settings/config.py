@@ -256,11 +256,6 @@ class KDRecipeConfig:
     setup_timeout_s: float = 3600.0
 
     @property
-    def teacher_layout(self) -> DistributedConfig:
-        """Derived: the teacher's own layout: `teacher_distributed` on separate meshes, else the student's."""
-        return self.teacher_distributed if self.separate_meshes and self.teacher_distributed else self.distributed
-
-    @property
     def teacher_sequence_length(self) -> int:
         """Derived: teacher tokens per row: `kd.cross_tokenizer.teacher_sequence_length`, else the student's."""
         cross = self.kd.cross_tokenizer
@@ -269,21 +264,36 @@ class KDRecipeConfig:
         return self.step_scheduler.sequence_length
 
     def teacher_list(self) -> list[TeacherConfig]:
-        """Derived: the teachers as one list. The one-teacher keys are the list of one, named `teacher`: ranks of
-        its own (`teacher_distributed`) with `separate_meshes`, its answers from `kd.teacher_cache` if set."""
+        """Derived: the teachers as one list, what every teacher-side part of a run takes with the run's shared
+        settings (`kd_of`, `layout_of`). The one-teacher keys are the list of one, named `teacher`: ranks of its
+        own (`teacher_distributed`) with `separate_meshes`, its answers from `kd.teacher_cache` if set."""
         if self.teachers is not None:
             return self.teachers
         return [TeacherConfig(name="teacher", model=self.teacher_model, cache=self.kd.teacher_cache,
                               distributed=self.teacher_distributed if self.separate_meshes else None)]
 
-    def teacher_views(self) -> dict[str, KDRecipeConfig]:
-        """Derived: teacher name -> its one-teacher config (the one-teacher form's is the config itself)."""
-        if self.teachers is None:
-            return {"teacher": self}
-        return {teacher.name: replace(
-            self, teachers=None, teacher_model=teacher.model, teacher_distributed=teacher.distributed,
-            separate_meshes=teacher.distributed is not None, kd=replace(self.kd, teacher_cache=teacher.cache,
-            logits_transport=teacher.logits_transport or self.kd.logits_transport)) for teacher in self.teachers}
+    def teacher_named(self, name: str | None = None) -> TeacherConfig:
+        """Derived: teacher `name` of `teacher_list`; None: the only one.
+
+        Raises:
+            ConfigError: no teacher of that name, or None with several, naming those there are.
+        """
+        teachers = {teacher.name: teacher for teacher in self.teacher_list()}
+        if name is None and len(teachers) == 1:
+            return next(iter(teachers.values()))
+        if name not in teachers:
+            raise ConfigError(f"teachers: {'give one of' if name is None else f'no teacher named {name!r}; give'} "
+                              f"{', '.join(teachers)}")
+        return teachers[name]
+
+    def kd_of(self, teacher: TeacherConfig) -> KDConfig:
+        """Derived: `kd` as `teacher` answers it: its own logits transport and cache."""
+        return replace(self.kd, teacher_cache=teacher.cache,
+                       logits_transport=teacher.logits_transport or self.kd.logits_transport)
+
+    def layout_of(self, teacher: TeacherConfig) -> DistributedConfig:
+        """Derived: `teacher`'s layout: that of its own ranks, else the student's."""
+        return teacher.distributed or self.distributed
 
     def teacher_layouts(self) -> dict[str, DistributedConfig | None]:
         """Derived: teacher name -> the layout of its own ranks in training; None: the student's, its cache, or a

@@ -4,8 +4,8 @@ process group or model exists. Every check raises `ConfigError` naming the key.
 `validate` reads as the config's sections, in the order it checks them: `peft`; the teachers, as a list
 (`KDRecipeConfig.teacher_list`: the one-teacher keys are a list of one), first the keys that spell it (the
 one-teacher keys together, or `teachers`' names, weights and combining rule), then each teacher's model
-section and `kd` (with its `generation` and `cross_tokenizer`) in its one-teacher view, errors of one of
-several prefixed `teachers.NAME:`; `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
+section and `kd` as it answers it (`KDRecipeConfig.kd_of`: with its `generation` and `cross_tokenizer`), errors of
+one of several prefixed `teachers.NAME:`; `dataset`, `step_scheduler`, `optimizer`, `lr_scheduler`, the run's own
 keys (timeouts, device); the student layouts meshkd does not run; and last the layout of the student and every
 teacher against the world it needs
 (`validate_teacher_layouts`, for one teacher as for several).
@@ -21,7 +21,14 @@ from meshkd.core.loss import check_divergence
 from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.records import format_named
 from meshkd.recipe.records.chat_template import TRAIN_ON
-from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, ModelConfig, OptimizerConfig
+from meshkd.recipe.settings.config import (
+    DistributedConfig,
+    KDConfig,
+    KDRecipeConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TeacherConfig,
+)
 from meshkd.recipe.settings.typed_yaml import ConfigError
 
 LOSSES = ("mse", "cosine")
@@ -34,8 +41,8 @@ def validate(config: KDRecipeConfig) -> None:
     """Cross-field checks that need no process group; raises ConfigError naming the key.
 
     One teacher is the list of one (`KDRecipeConfig.teacher_list`): the keys that spell it are checked, then
-    each teacher's one-teacher view (errors of one of several named `teachers.NAME:`), then the layout of
-    the student and every teacher against the world it needs."""
+    each teacher (errors of one of several named `teachers.NAME:`), then the layout of the student and every
+    teacher against the world it needs."""
     check_dataset(config)  # first: the on-policy checks read the row format
     if config.peft is not None:
         check_peft(config)
@@ -43,14 +50,14 @@ def validate(config: KDRecipeConfig) -> None:
         check_one_teacher(config)
     else:
         check_teachers(config)
-    for name, view in config.teacher_views().items():
+    for teacher in config.teacher_list():
         try:
-            check_models(view)
-            check_kd(view)
-            if view.teacher_model.url is not None:
-                check_served_teacher(view)
+            check_models(config, teacher)
+            check_kd(config, config.kd_of(teacher))
+            if teacher.model.url is not None:
+                check_served_teacher(teacher.model, config.kd_of(teacher))
         except ConfigError as error:
-            raise error if config.teachers is None else ConfigError(f"teachers.{name}: {error}") from None
+            raise error if config.teachers is None else ConfigError(f"teachers.{teacher.name}: {error}") from None
     check_step_scheduler(config)
     check_optimizer(config.optimizer)
     check_lr_scheduler(config)
@@ -76,12 +83,13 @@ def check_one_teacher(config: KDRecipeConfig) -> None:
 
 # ------------------------------------------------------------------------------------------------- model, teacher_model
 
-def check_models(config: KDRecipeConfig) -> None:
-    """Each model section: one source, a known dtype and attention; precision keys for the student alone."""
+def check_models(config: KDRecipeConfig, teacher: TeacherConfig) -> None:
+    """The student's and `teacher`'s model sections: one source, a known dtype and attention; precision keys for
+    the student alone."""
     if config.model.url is not None:
         raise ConfigError("model.url: the student is trained here; only a teacher (teacher_model.url) may be served")
-    for label, model in (("model", config.model), ("teacher_model", config.teacher_model)):
-        if (label == "teacher_model" and (config.kd.teacher_cache is not None or model.url is not None)
+    for label, model in (("model", config.model), ("teacher_model", teacher.model)):
+        if (label == "teacher_model" and (teacher.cache is not None or model.url is not None)
                 and model.path is None and model.random_init is None):
             continue  # no teacher given: the cache's, or the server's, stands
         if (model.path is None) == (model.random_init is None):
@@ -99,7 +107,7 @@ def check_models(config: KDRecipeConfig) -> None:
             raise ConfigError("model.attn_implementation: flex_attention has no backward on the CPU (device: cpu), "
                               "so the student cannot train with it; use sdpa there (flex_attention serves a "
                               "teacher on the CPU)")
-    check_student_precision(config.model, config.teacher_model)
+    check_student_precision(config.model, teacher.model)
 
 
 def check_student_precision(student: ModelConfig, teacher: ModelConfig) -> None:
@@ -160,9 +168,9 @@ def check_peft(config: KDRecipeConfig) -> None:
 
 # ------------------------------------------------------------------------------------------------------------------- kd
 
-def check_kd(config: KDRecipeConfig) -> None:
-    """The loss mix, the transport, the non-finite policy, then on-policy, cross-tokenizer and the router."""
-    kd = config.kd
+def check_kd(config: KDRecipeConfig, kd: KDConfig) -> None:
+    """`kd` as a teacher answers it (`KDRecipeConfig.kd_of`): the loss mix, the transport, the non-finite policy,
+    then on-policy, cross-tokenizer and the router."""
     if not 0.0 <= kd.kd_ratio <= 1.0:
         raise ConfigError(f"kd.kd_ratio must be in [0, 1], got {kd.kd_ratio}")
     if not (kd.temperature > 0 and math.isfinite(kd.temperature)):
@@ -172,15 +180,15 @@ def check_kd(config: KDRecipeConfig) -> None:
             raise ConfigError(f"kd.{key} must be {' or '.join(choices(key))}, got {getattr(kd, key)!r}")
     if kd.topk < 1 or kd.topk_tail_samples < 0:
         raise ConfigError(f"kd.topk must be >= 1 and kd.topk_tail_samples >= 0, got {kd.topk}, {kd.topk_tail_samples}")
-    if kd.topk_encoding == "compact" and config.teachers is None and kd.logits_transport != "topk":
+    if kd.topk_encoding == "compact" and kd.logits_transport != "topk":
         raise ConfigError(f"kd.topk_encoding: compact packs top-k answers; set kd.logits_transport: topk (got "
                           f"{kd.logits_transport!r})")
     if kd.on_nonfinite not in ("stop", "skip_step"):
         raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
     if kd.max_skipped_steps < 0:
         raise ConfigError(f"kd.max_skipped_steps must be >= 0, got {kd.max_skipped_steps}")
-    check_on_policy(config)
-    check_cross_tokenizer(config)
+    check_on_policy(config, kd)
+    check_cross_tokenizer(kd, config.distributed)
     check_hidden_states(config)
     router = kd.router_aux_loss_coef
     if router is not None and not (router >= 0 and math.isfinite(router)):
@@ -189,9 +197,9 @@ def check_kd(config: KDRecipeConfig) -> None:
         raise ConfigError(f"kd.chunk_size must be >= 1, got {kd.chunk_size}")
 
 
-def check_on_policy(config: KDRecipeConfig) -> None:
+def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
     """The divergence, `kd.mode` and `kd.generation`: completions that fit a row, a live teacher to score them."""
-    kd, generation = config.kd, config.kd.generation
+    generation = kd.generation
     try:
         check_divergence(kd.divergence, kd.jsd_beta, skew_alpha=kd.skew_alpha)
         selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding).check_divergence(kd.divergence)
@@ -233,9 +241,9 @@ def check_on_policy(config: KDRecipeConfig) -> None:
                           f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
 
 
-def check_cross_tokenizer(config: KDRecipeConfig) -> None:
+def check_cross_tokenizer(kd: KDConfig, student: DistributedConfig) -> None:
     """`kd.cross_tokenizer`: the loss, what each loss needs of the transport and divergence, the student layout."""
-    cross, kd, student = config.kd.cross_tokenizer, config.kd, config.distributed
+    cross = kd.cross_tokenizer
     if cross is None:
         return
     if cross.loss not in ("projection", "uld", "gold"):
@@ -313,18 +321,17 @@ def check_hidden_states(config: KDRecipeConfig) -> None:
                           "some of the paired layers; use dp, tp or cp for the student")
 
 
-def check_served_teacher(config: KDRecipeConfig) -> None:
-    """A teacher at `teacher_model.url` (one teacher's view): an address, and what a served teacher answers. Its
-    other keys may describe it (their identity is checked against the server's at preflight), its layout keys
-    are the server's (`meshkd serve-teacher` reads them, training does not), and with `kd.teacher_cache` it is
-    what `meshkd cache-teacher` asks, training reading the cache."""
-    url = config.teacher_model.url
+def check_served_teacher(model: ModelConfig, kd: KDConfig) -> None:
+    """A teacher at `model.url` (`teacher_model.url`), `kd` as it answers it: an address, and what a served
+    teacher answers. Its other keys may describe it (their identity is checked against the server's at
+    preflight), its layout keys are the server's (`meshkd serve-teacher` reads them, training does not), and with
+    a cache it is what `meshkd cache-teacher` asks, training reading the cache."""
+    url = model.url
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ConfigError(f"teacher_model.url must be an http:// or https:// address, got {url!r}")
-    kd = config.kd
-    if config.teacher_model.api not in ("meshkd", "completions"):
-        raise ConfigError(f"teacher_model.api must be meshkd or completions, got {config.teacher_model.api!r}")
-    if config.teacher_model.api == "completions":  # top-k log-probabilities at temperature 1, nothing sampled
+    if model.api not in ("meshkd", "completions"):
+        raise ConfigError(f"teacher_model.api must be meshkd or completions, got {model.api!r}")
+    if model.api == "completions":  # top-k log-probabilities at temperature 1, nothing sampled
         needs = {"kd.logits_transport": ("topk", kd.logits_transport),
                  "kd.topk_tail_samples": (0, kd.topk_tail_samples), "kd.temperature": (1.0, kd.temperature),
                  "kd.topk_encoding": ("exact", kd.topk_encoding)}
@@ -509,7 +516,7 @@ def check_world(config: KDRecipeConfig) -> None:
     world_size = required_world_size(config)
     if world_size is None:
         return
-    labels = {"teacher": "teacher_distributed"} if config.teachers is None else {}
+    labels = {config.teacher_named().name: "teacher_distributed"} if config.teachers is None else {}
     if world_size > MAX_WORLD_SIZE:
         raise ConfigError(f"the layout needs {world_size} ranks, more than meshkd lays out ({MAX_WORLD_SIZE}): check "
                           f"the *_size keys of distributed and {labels.get('teacher', 'teachers[i].distributed')}")

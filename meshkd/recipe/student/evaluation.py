@@ -61,7 +61,7 @@ from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import is_logging_rank, read_metrics, warn0
 from meshkd.recipe.corpus.batches import eval_batches, to_device
 from meshkd.recipe.corpus.rows import teacher_side
-from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks
@@ -94,8 +94,10 @@ class Evaluation:
     """A student rank's evaluations (see the module docstring).
 
     Args:
+        config: the run's.
+        kd: `config.kd` as the teacher answers it (`KDRecipeConfig.kd_of`).
         model, pipeline: the laid-out student and its pipeline (or None).
-        teacher: the run's teacher source.
+        teacher: the teacher's source.
         val_set, val_prompts: the held-out rows, and the prompts of sample evaluation (None: `val_set`'s).
         completions: makes the student's greedy `StudentCompletions` with its current weights.
         watch: `FaultWatch.watch`, around each teacher request.
@@ -110,14 +112,15 @@ class Evaluation:
             summed chunk by chunk too (None: from whole logits).
     """
 
-    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, model: torch.nn.Module,
+    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, *, kd: KDConfig, model: torch.nn.Module,
                  pipeline: StudentPipeline | None, teacher: TeacherSource, val_set, val_prompts,
                  completions: Callable[[], StudentCompletions], watch: Callable[[str, str], Any],
                  group: dist.ProcessGroup | None, device: torch.device, byte_lengths: torch.Tensor,
                  vocab_size: int, teacher_byte_lengths: torch.Tensor | None = None,
                  teacher_role: str = "teacher", validation_answer: str | None = None,
                  fused_head: FusedHead | None = None) -> None:
-        self.config, self.setup, self.model, self.pipeline, self.teacher = config, setup, model, pipeline, teacher
+        self.config, self.kd, self.setup, self.model = config, kd, setup, model
+        self.pipeline, self.teacher = pipeline, teacher
         self.val_set, self.val_prompts, self.completions = val_set, val_prompts, completions
         self.watch, self.group, self.device, self.teacher_role = watch, group, device, teacher_role
         self.byte_lengths, self.vocab_size = byte_lengths.to(device), vocab_size
@@ -129,7 +132,7 @@ class Evaluation:
         if validation_answer is not None and not issubclass(answer_class(validation_answer), Distribution):
             self.without_distribution = ("kd.teacher_cache holds only each label's log-probability for validation "
                                          "rows, not the teacher's distribution")
-        if config.kd.cross_tokenizer is not None:
+        if kd.cross_tokenizer is not None:
             self.without_distribution = "with kd.cross_tokenizer the teacher predicts over its own vocabulary"
 
     def _batches(self, rows) -> Any:
@@ -148,7 +151,7 @@ class Evaluation:
     @torch.no_grad()
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
         """The held-out figures of the student, and of the teacher beside it when asked (module docstring)."""
-        kd = self.config.kd
+        kd = self.kd
         with_distribution = with_teacher and self.without_distribution is None
         if with_teacher and self.without_distribution is not None:
             warn0(f"the evaluations report no val_kl or val_top1_agreement: {self.without_distribution}")
@@ -197,14 +200,14 @@ class Evaluation:
 
     def _label_bytes(self, labels: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
         """Each label's UTF-8 bytes by `byte_lengths`, 0 at ignored labels."""
-        valid = labels != self.config.kd.ignore_index
+        valid = labels != self.kd.ignore_index
         return torch.where(valid, byte_lengths[labels.clamp(min=0)], 0)
 
     def _add_logits(self, sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, text_labels: torch.Tensor,
                     answer: TeacherAnswer | None, *, with_distribution: bool, cut: Cut | None = None) -> None:
         """Add the sums the student's logits give: of a micro-batch (this rank's share), or of some of its
         positions (`cut`: `logits` [c, vocab] and the labels [c] of those flattened positions)."""
-        kd, ignore = self.config.kd, self.config.kd.ignore_index
+        kd, ignore = self.kd, self.kd.ignore_index
         sums[_STUDENT_CE] += cross_entropy_loss(logits, labels, ignore_index=ignore, num_valid_tokens=1).double()
         sums[_STUDENT_NLL] += cross_entropy_loss(logits, text_labels, ignore_index=ignore, num_valid_tokens=1).double()
         if answer is None or not with_distribution:
@@ -219,7 +222,7 @@ class Evaluation:
         bytes (`label_bytes`: each label's), and the teacher's figures from `answer` (its labels'
         log-probabilities), or None; `teacher_labels`: those of its tokenization (the student's with one
         tokenizer)."""
-        ignore = self.config.kd.ignore_index
+        ignore = self.kd.ignore_index
         sums[_STUDENT_BYTES] += label_bytes.sum()
         sums[_TOKENS] += (labels != ignore).sum()
         if answer is None:
@@ -261,7 +264,7 @@ class Evaluation:
         for batch in self._batches(self.val_set if self.val_prompts is None else self.val_prompts):
             rows, tokens, completed = completer.rows(batch, [0] * batch["input_ids"].shape[0])
             answer = self._teacher_answer(rows)
-            scored = int((teacher_side(rows)["labels"] != self.config.kd.ignore_index).sum())
+            scored = int((teacher_side(rows)["labels"] != self.kd.ignore_index).sum())
             sums = [sums[0] - float(answer.label_log_probs().sum()), sums[1] + tokens, sums[2] + completed,
                     sums[3] + scored]
         nll, tokens, completions, scored = sum_over_ranks(sums, self.setup, device=self.device)

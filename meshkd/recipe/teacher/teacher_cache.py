@@ -55,7 +55,7 @@ from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.corpus.tokenizing import tokenizer_fingerprint
 from meshkd.recipe.modeling import models
 from meshkd.recipe.records import format_named
-from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.teacher_answers import Distribution
@@ -70,11 +70,11 @@ TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "see
 # ------------------------------------------------------------------------------------------- identity
 
 
-def cache_key(config: KDRecipeConfig, tokenizer, *, vocab_size: int, teacher_tokenizer=None) -> dict[str, Any]:
-    """What the answers depend on, by the config key that sets each (a cache serves a run with the same key).
-
-    `teacher_tokenizer`: the teacher's, with `kd.cross_tokenizer`."""
-    dataset, kd = config.dataset, config.kd
+def cache_key(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer, *, vocab_size: int,
+              teacher_tokenizer=None) -> dict[str, Any]:
+    """What `teacher`'s answers in a run of `config` depend on, by the config key that sets each (a cache serves a
+    run with the same key). `teacher_tokenizer`: the teacher's, with `kd.cross_tokenizer`."""
+    dataset, kd = config.dataset, config.kd_of(teacher)
     row_format = format_named(dataset.records)
     files = documents.match_files([expand_path(pattern) for pattern in dataset.paths])
     key = {
@@ -120,9 +120,10 @@ def model_identity(section, label: str, keys: tuple[str, ...] = TEACHER_KEYS) ->
     return identity
 
 
-def teacher_identity(config: KDRecipeConfig) -> dict[str, Any]:
-    """The teacher section's identity (`model_identity`)."""
-    return model_identity(config.teacher_model, "teacher_model")
+def teacher_identity(teacher: TeacherConfig) -> dict[str, Any]:
+    """The teacher's model section's identity (`model_identity`, under the one-teacher key's name: the same
+    teacher's caches and servers match whichever form names it)."""
+    return model_identity(teacher.model, "teacher_model")
 
 
 def _row_hash(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
@@ -212,17 +213,19 @@ def _differs(field: str, cached: Any, current: Any) -> str:
     return f"{field}: the cache was written with {cached!r}, this run has {current!r}"
 
 
-def cache_teacher_tokenizer(config: KDRecipeConfig):
-    """The teacher's tokenizer a cross-tokenizer cache holds (`TEACHER_TOKENIZER`); ConfigError if it has none."""
-    directory = Path(config.kd.teacher_cache, TEACHER_TOKENIZER)
+def cache_teacher_tokenizer(cache: str | os.PathLike):
+    """The teacher's tokenizer the cross-tokenizer cache `cache` holds (`TEACHER_TOKENIZER`); ConfigError if it
+    has none."""
+    directory = Path(cache, TEACHER_TOKENIZER)
     if not directory.is_dir():
-        raise ConfigError(f"kd.cross_tokenizer: the cache {config.kd.teacher_cache} holds no teacher tokenizer "
+        raise ConfigError(f"kd.cross_tokenizer: the cache {cache} holds no teacher tokenizer "
                           f"({directory}): it was written without kd.cross_tokenizer; rerun `meshkd cache-teacher`")
     return models.load_tokenizer(path=directory)
 
 
-def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int, teacher_tokenizer=None) -> dict:
-    """The preflight of training from `kd.teacher_cache`: the cache is complete and was written for this run.
+def check_cache(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer, *, student_vocab_rows: int,
+                teacher_tokenizer=None) -> dict:
+    """The preflight of training from `teacher`'s cache: the cache is complete and was written for this run.
 
     Compares every key field (data files and their content, data settings, sequence length, tokenizer,
     vocabulary, encoding) and, when the run names a teacher (`teacher_model`), the teacher's identity;
@@ -231,16 +234,16 @@ def check_cache(config: KDRecipeConfig, tokenizer, *, student_vocab_rows: int, t
     Raises:
         ConfigError: naming the field that differs or the file that is missing, and the cache directory.
     """
-    directory = config.kd.teacher_cache
+    directory = teacher.cache
     try:
         manifest = read_manifest(directory)
     except ValueError as error:
         raise ConfigError(f"kd.teacher_cache: {error}") from None
     vocab_size = models.kd_vocab_size(student_vocab_rows, manifest["teacher_vocab_rows"],
                                       cross_tokenizer=config.kd.cross_tokenizer is not None)
-    current = cache_key(config, tokenizer, vocab_size=vocab_size, teacher_tokenizer=teacher_tokenizer)
-    if config.teacher_model.path is not None or config.teacher_model.random_init is not None:
-        current.update(teacher_identity(config))
+    current = cache_key(config, teacher, tokenizer, vocab_size=vocab_size, teacher_tokenizer=teacher_tokenizer)
+    if teacher.model.path is not None or teacher.model.random_init is not None:
+        current.update(teacher_identity(teacher))
     for field, value in current.items():
         cached = manifest["key"].get(field, manifest["teacher"].get(field))
         if json.loads(json.dumps(value)) != cached:  # as JSON holds it: tuples are lists

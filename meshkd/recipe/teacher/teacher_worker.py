@@ -31,7 +31,7 @@ from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.common.faults import FaultWatch, about
 from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.modeling.loaders import load_section_model_for_layout
-from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig
+from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.teacher.hidden_states import LayerTap, paired_layers
 from meshkd.recipe.teacher.teacher_answers import EncodeContext, answer_type, with_hidden_states
 
@@ -117,10 +117,10 @@ def teacher_vocabulary_map(config: KDRecipeConfig, checked, *, losses: tuple[str
         return build_vocabulary_map(checked.tokenizer, checked.teacher_tokenizer)
 
 
-def load_teacher(config: KDRecipeConfig) -> tuple[torch.nn.Module, Checkpoint | None]:
-    """The teacher model, without weights when they can be read in shards once it is laid out."""
+def load_teacher(teacher: TeacherConfig) -> tuple[torch.nn.Module, Checkpoint | None]:
+    """The teacher's model, without weights when they can be read in shards once it is laid out."""
     with about("teacher_model"):
-        return load_section_model_for_layout(config.teacher_model)
+        return load_section_model_for_layout(teacher.model)
 
 
 def lay_out_teacher(model: torch.nn.Module, checkpoint: Checkpoint | None, setup: DistributedSetup, *,
@@ -136,18 +136,19 @@ def lay_out_teacher(model: torch.nn.Module, checkpoint: Checkpoint | None, setup
 class TeacherWorker:
     """A teacher-only rank (separate meshes): the recipe calls load, lay_out, resume, run, close in order."""
 
-    def __init__(self, config: KDRecipeConfig, setup: DistributedSetup, faults: FaultWatch, device: torch.device,
-                 *, name: str = "teacher"):
-        self.config = config  # the one-teacher config of this teacher (`KDRecipeConfig.teacher_views`)
+    def __init__(self, config: KDRecipeConfig, teacher: TeacherConfig, setup: DistributedSetup, faults: FaultWatch,
+                 device: torch.device):
+        self.config = config  # the run's
+        self.teacher = teacher  # the one served here, of `config.teacher_list()`
         self.setup = setup
         self.faults = faults
         self.device = device
-        self.name = name
+        self.name = teacher.name
 
     def load(self, checked: dict) -> None:
         """This rank's share of the teacher (built without weights where it can be); `checked`: each teacher's
         preflight, by name."""
-        self.model, self._checkpoint = load_teacher(self.config)
+        self.model, self._checkpoint = load_teacher(self.teacher)
         self.vocabulary_map = teacher_vocabulary_map(self.config, checked[self.name], losses=("projection",))
 
     def vocab_rows(self) -> dict[str, int]:
@@ -157,8 +158,9 @@ class TeacherWorker:
     def lay_out(self, vocab_size: int, bridges: dict[str, KDMeshBridge]) -> None:
         runner = lay_out_teacher(self.model, self._checkpoint, self.setup, device=self.device)
         self.server = TeacherServer(bridges[self.name])
-        self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd, seed=self.config.seed,
-                                      encodes=self.server.is_output, vocabulary_map=self.vocabulary_map,
+        self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd_of(self.teacher),
+                                      seed=self.config.seed, encodes=self.server.is_output,
+                                      vocabulary_map=self.vocabulary_map,
                                       hidden_layers=paired_layers(self.config, "teacher"))
 
     def resume(self, resume: bool) -> None:

@@ -536,5 +536,6 @@ def test_the_example_serves_its_teacher_on_the_ranks_of_its_layout_and_caches_fr
     from meshkd.recipe.settings.config_loading import load_config
 
     config = load_config(str(Path(__file__).parents[3] / "examples" / "tiny_served.yaml"), [])
-    assert _teacher_world_size(config, None) == 2  # teacher_distributed: tp 2, though the config names its url
-    assert _teacher_world_size(config, None, asks_server=True) == 1
+    teacher = config.teacher_named()
+    assert _teacher_world_size(config, teacher, None) == 2  # teacher_distributed: tp 2, though it names its url
+    assert _teacher_world_size(config, teacher, None, asks_server=True) == 1

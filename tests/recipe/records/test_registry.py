@@ -46,7 +46,8 @@ def test_unknown_formats_are_refused_naming_the_key(tmp_path):
 
 
 def _cache_dataset_keys(config: dict) -> set[str]:
-    key = cache_key(config_from_dict(config), TOKENIZER, vocab_size=len(TOKENIZER))
+    config = config_from_dict(config)
+    key = cache_key(config, config.teacher_named(), TOKENIZER, vocab_size=len(TOKENIZER))
     return {name for name in key if name.startswith(("dataset.", "model.tokenizer."))}
 
 

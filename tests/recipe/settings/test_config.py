@@ -134,7 +134,7 @@ def test_a_run_from_a_teacher_cache_needs_no_teacher_ranks_and_no_teacher():
 
     config = load_config(Path(__file__).parents[3] / "examples" / "tiny_cached.yaml")
     assert required_world_size(config) == 1  # the student only; cache-teacher runs the teacher's layout
-    assert config.teacher_layout.tp_size == 2
+    assert config.layout_of(config.teacher_named()).tp_size == 2
     data = {"model": {"random_init": {"model_type": "llama"}}, "dataset": {"paths": ["x.txt"]},
             "kd": {"teacher_cache": "cache"}}
     assert config_from_dict(data).teacher_model.path is None  # the cache's teacher stands

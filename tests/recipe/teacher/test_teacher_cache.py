@@ -47,7 +47,8 @@ class WriteCache:
     def __call__(self) -> None:
         from meshkd.recipe.lifecycle.cache_writer import cache_teacher
 
-        cache_teacher(config_from_dict(self.config), shard_rows=3)
+        config = config_from_dict(self.config)
+        cache_teacher(config, config.teacher_named(), shard_rows=3)
 
 
 def variant(base: dict, tmp_path: Path, name: str, *, student: dict, teacher: dict | None = None,

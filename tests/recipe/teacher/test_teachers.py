@@ -149,14 +149,16 @@ class WriteTeacherCache:
         self.config, self.name, self.__name__ = config, name, f"write_cache_{name}"
 
     def world_size(self) -> int:
-        layout = config_from_dict(self.config).teacher_views()[self.name].teacher_layout
+        config = config_from_dict(self.config)
+        layout = config.layout_of(config.teacher_named(self.name))
         return layout.dp_size * layout.tp_size * layout.cp_size * layout.pp_size
 
     def __call__(self) -> None:
         from meshkd.commands import cached_teacher
         from meshkd.recipe.lifecycle.cache_writer import cache_teacher
 
-        cache_teacher(cached_teacher(config_from_dict(self.config), self.name), shard_rows=3)
+        config = config_from_dict(self.config)
+        cache_teacher(config, cached_teacher(config, self.name), shard_rows=3)
 
 
 class TeachersRuns(RecipeRuns):
@@ -443,8 +445,9 @@ def test_cache_teacher_names_the_teacher_of_several(tmp_path):
         cached_teacher(config, "code")
     with pytest.raises(ConfigError, match=r"--teacher 'poems' is none of the teachers"):
         cached_teacher(config, "poems")
-    view = cached_teacher(config, "prose")
-    assert view.kd.teacher_cache == str(tmp_path / "prose_cache") and view.teacher_layout.tp_size == 2
+    prose = cached_teacher(config, "prose")
+    assert prose.name == "prose" and config.kd_of(prose).teacher_cache == str(tmp_path / "prose_cache")
+    assert config.layout_of(prose).tp_size == 2
     # Training runs no ranks for a cached teacher: the student's and "code"'s only.
     assert required_world_size(config) == 2
 

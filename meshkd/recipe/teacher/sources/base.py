@@ -2,15 +2,17 @@
 
 A teacher source is where one teacher's answers come from while the student trains (a
 `meshkd.core.teacher_protocol.TeacherSource`). Each kind is one `SourceKind` subclass in a module of this package,
-registered once under its name (`@register`); the kind a teacher's (one-teacher) config describes is the one
-whose `describes` says so, and exactly one does (`kind_of`). Everything that varies with the kind asks it:
+registered once under its name (`@register`); the kind a teacher (a `TeacherConfig` of the run's
+`teacher_list`) describes is the one whose `describes` says so, and exactly one does (`kind_of`). Each method
+takes the run's config and the teacher. Everything that varies with the kind asks it:
 
-    describes(view, writing_cache)   whether the teacher's config describes this kind
-    own_ranks                        the teacher runs on ranks of its own (a bridge to them)
-    loads_here                       the teacher's weights load on the student's ranks
-    check(view, tokenizer, ...)      preflight: what the teacher is (`TeacherCheck`), refusing what does not fit
-    make(view, check, context)       the `TeacherSource` the student asks
-    validation_answer(source)        the answer it gives held-out rows, when not what the run asks
+    describes(config, teacher, writing_cache)   whether the teacher describes this kind
+    own_ranks                                   the teacher runs on ranks of its own (a bridge to them)
+    loads_here                                  the teacher's weights load on the student's ranks
+    check(config, teacher, tokenizer, ...)      preflight: what the teacher is (`TeacherCheck`), refusing what
+                                                does not fit
+    make(config, teacher, check, context)       the `TeacherSource` the student asks
+    validation_answer(source)                   the answer it gives held-out rows, when not what the run asks
 
 Adding a kind is one module here (imported by `meshkd/recipe/teacher/sources/__init__.py`) and its test.
 """
@@ -28,7 +30,7 @@ from meshkd.core.teacher_protocol import TeacherSource
 from meshkd.core.topology import DistributedSetup
 from meshkd.recipe.common.faults import about
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
-from meshkd.recipe.settings.config import KDRecipeConfig
+from meshkd.recipe.settings.config import KDRecipeConfig, TeacherConfig
 from meshkd.recipe.teacher.teacher_cache import cache_teacher_tokenizer
 
 
@@ -71,16 +73,18 @@ class SourceKind:
         """Whether the teacher runs nowhere in this job (its answers are read or asked for)."""
         return not (self.own_ranks or self.loads_here)
 
-    def describes(self, view: KDRecipeConfig, *, writing_cache: bool) -> bool:
-        """Whether the teacher's one-teacher config `view` describes this kind (`writing_cache`: for
-        `meshkd cache-teacher`, which writes the cache `kd.teacher_cache` names)."""
+    def describes(self, config: KDRecipeConfig, teacher: TeacherConfig, *, writing_cache: bool) -> bool:
+        """Whether `teacher` of a run of `config` is of this kind (`writing_cache`: for `meshkd cache-teacher`,
+        which writes the teacher's cache)."""
         raise NotImplementedError
 
-    def check(self, view: KDRecipeConfig, tokenizer: Any, *, student_rows: int) -> TeacherCheck:
+    def check(self, config: KDRecipeConfig, teacher: TeacherConfig, tokenizer: Any, *,
+              student_rows: int) -> TeacherCheck:
         """Preflight: the teacher as far as it can be known without its weights; ConfigError naming the key."""
         raise NotImplementedError
 
-    def make(self, view: KDRecipeConfig, check: TeacherCheck, context: SourceContext) -> TeacherSource:
+    def make(self, config: KDRecipeConfig, teacher: TeacherConfig, check: TeacherCheck,
+             context: SourceContext) -> TeacherSource:
         """The source the student asks for this teacher's answers."""
         raise NotImplementedError
 
@@ -95,9 +99,9 @@ register = KINDS.register
 """Class decorator: registers one instance of the class under its `name`."""
 
 
-def kind_of(view: KDRecipeConfig, *, writing_cache: bool = False) -> SourceKind:
-    """The kind of source the teacher's one-teacher config describes; ValueError when none or several do."""
-    kinds = [kind for kind in KINDS.values() if kind.describes(view, writing_cache=writing_cache)]
+def kind_of(config: KDRecipeConfig, teacher: TeacherConfig, *, writing_cache: bool = False) -> SourceKind:
+    """The kind of source `teacher` of a run of `config` is; ValueError when none or several kinds say so."""
+    kinds = [kind for kind in KINDS.values() if kind.describes(config, teacher, writing_cache=writing_cache)]
     if len(kinds) != 1:
         raise ValueError(f"the teacher's config describes {len(kinds)} kinds of teacher source "
                          f"({', '.join(kind.name for kind in kinds) or 'none'}) of {', '.join(KINDS)}: exactly one "
@@ -105,41 +109,41 @@ def kind_of(view: KDRecipeConfig, *, writing_cache: bool = False) -> SourceKind:
     return kinds[0]
 
 
-def asks_http(view: KDRecipeConfig, api: str, writing_cache: bool) -> bool:
-    """Whether the teacher is asked over HTTP(S) at `teacher_model.url`, by the protocol `api`, for its answers."""
-    url, section = view.teacher_model.url, view.teacher_model
-    return (isinstance(url, str) and url.startswith(("http://", "https://")) and section.api == api
-            and not reads_cache(view, writing_cache))
+def asks_http(teacher: TeacherConfig, api: str, writing_cache: bool) -> bool:
+    """Whether `teacher` is asked over HTTP(S) at its model's url, by the protocol `api`, for its answers."""
+    url = teacher.model.url
+    return (isinstance(url, str) and url.startswith(("http://", "https://")) and teacher.model.api == api
+            and not reads_cache(teacher, writing_cache))
 
 
-def reads_cache(view: KDRecipeConfig, writing_cache: bool) -> bool:
-    """Whether the teacher's answers are read from `kd.teacher_cache` (which then stands for the teacher)."""
-    return view.kd.teacher_cache is not None and not writing_cache
+def reads_cache(teacher: TeacherConfig, writing_cache: bool) -> bool:
+    """Whether `teacher`'s answers are read from its cache (which then stands for the teacher)."""
+    return teacher.cache is not None and not writing_cache
 
 
-def answer_tokenizer(view: KDRecipeConfig, tokenizer: Any) -> Any:
+def answer_tokenizer(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer: Any) -> Any:
     """The tokenizer whose ids a teacher that is not loaded here reads: the student's `tokenizer`, or with
     `kd.cross_tokenizer` the teacher's (`cross_teacher_tokenizer`)."""
-    return cross_teacher_tokenizer(view) if view.kd.cross_tokenizer is not None else tokenizer
+    return cross_teacher_tokenizer(teacher) if config.kd.cross_tokenizer is not None else tokenizer
 
 
-def cross_teacher_tokenizer(view: KDRecipeConfig) -> Any:
-    """The teacher's tokenizer of a `kd.cross_tokenizer` run: `teacher_model`'s, or, training from a cache
+def cross_teacher_tokenizer(teacher: TeacherConfig) -> Any:
+    """The teacher's tokenizer of a `kd.cross_tokenizer` run: its model section's, or, training from a cache
     with no teacher named, the one the cache holds (`teacher_cache.cache_teacher_tokenizer`)."""
-    section = view.teacher_model
+    section = teacher.model
     with about("teacher_model.tokenizer"):
         names_tokenizer = section.tokenizer is not None or section.path is not None or section.gguf_file is not None
-        if view.kd.teacher_cache is not None and not names_tokenizer:
-            return cache_teacher_tokenizer(view)
+        if teacher.cache is not None and not names_tokenizer:
+            return cache_teacher_tokenizer(teacher.cache)
         return load_section_tokenizer(section)
 
 
-def model_check(view: KDRecipeConfig) -> TeacherCheck:
-    """A teacher whose model runs in this job: its tokenizer and skeleton, as `teacher_model` describes them."""
+def model_check(teacher: TeacherConfig) -> TeacherCheck:
+    """A teacher whose model runs in this job: its tokenizer and skeleton, as its model section describes them."""
     with about("teacher_model.tokenizer"):
-        tokenizer = load_section_tokenizer(view.teacher_model)
+        tokenizer = load_section_tokenizer(teacher.model)
     with about("teacher_model"):
-        skeleton = load_section_skeleton(view.teacher_model, "teacher_model")
+        skeleton = load_section_skeleton(teacher.model, "teacher_model")
     text = skeleton.config.get_text_config()
     return TeacherCheck(tokenizer, vocab_rows=skeleton.get_output_embeddings().weight.shape[0],
                         hidden_size=text.hidden_size, num_layers=skeleton.config.num_hidden_layers, skeleton=skeleton)

@@ -17,19 +17,20 @@ from meshkd.recipe.teacher.teacher_cache import CachedTeacher, check_cache, rows
 class Cache(SourceKind):
     name = "cache"
 
-    def describes(self, view, *, writing_cache):
-        return reads_cache(view, writing_cache)
+    def describes(self, config, teacher, *, writing_cache):
+        return reads_cache(teacher, writing_cache)
 
-    def check(self, view, tokenizer, *, student_rows):
+    def check(self, config, teacher, tokenizer, *, student_rows):
         # The student's tokenizer, or with kd.cross_tokenizer the teacher's (the config's, or the one saved in it).
-        teacher_tokenizer = answer_tokenizer(view, tokenizer)
-        manifest = check_cache(view, tokenizer, student_vocab_rows=student_rows, teacher_tokenizer=teacher_tokenizer)
+        teacher_tokenizer = answer_tokenizer(config, teacher, tokenizer)
+        manifest = check_cache(config, teacher, tokenizer, student_vocab_rows=student_rows,
+                               teacher_tokenizer=teacher_tokenizer)
         return TeacherCheck(teacher_tokenizer, vocab_rows=manifest["teacher_vocab_rows"],
                             hidden_size=manifest.get("teacher_hidden_size"), report=manifest)
 
-    def make(self, view, check, context):
-        return CachedTeacher(view.kd.teacher_cache, check.report, context.datasets, device=context.device,
-                             asked=rows_asked(view, context.datasets, dp_size=context.setup.dp_size))
+    def make(self, config, teacher, check, context):
+        return CachedTeacher(teacher.cache, check.report, context.datasets, device=context.device,
+                             asked=rows_asked(config, context.datasets, dp_size=context.setup.dp_size))
 
     def validation_answer(self, source):
         return source.answer_mode("validation")  # what the cache holds

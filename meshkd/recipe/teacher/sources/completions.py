@@ -15,13 +15,13 @@ from meshkd.recipe.teacher.sources.served import asking
 class Completions(SourceKind):
     name = "completions"
 
-    def describes(self, view, *, writing_cache):
-        return asks_http(view, "completions", writing_cache)
+    def describes(self, config, teacher, *, writing_cache):
+        return asks_http(teacher, "completions", writing_cache)
 
-    def check(self, view, tokenizer, *, student_rows):
-        health(view.teacher_model.url, path=MODELS_PATH)
-        return TeacherCheck(answer_tokenizer(view, tokenizer), vocab_rows=student_rows)
+    def check(self, config, teacher, tokenizer, *, student_rows):
+        health(teacher.model.url, path=MODELS_PATH)
+        return TeacherCheck(answer_tokenizer(config, teacher, tokenizer), vocab_rows=student_rows)
 
-    def make(self, view, check, context):
-        return CompletionsTeacher(view.teacher_model.url, model=view.teacher_model.served_model,
-                                  **asking(view, context))
+    def make(self, config, teacher, check, context):
+        return CompletionsTeacher(teacher.model.url, model=teacher.model.served_model,
+                                  **asking(config, teacher, context))

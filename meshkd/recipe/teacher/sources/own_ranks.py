@@ -13,11 +13,12 @@ class OwnRanks(SourceKind):
     name = "own_ranks"
     own_ranks = True
 
-    def describes(self, view, *, writing_cache):
-        return view.separate_meshes and view.teacher_model.url is None and not reads_cache(view, writing_cache)
+    def describes(self, config, teacher, *, writing_cache):
+        return (teacher.distributed is not None and teacher.model.url is None
+                and not reads_cache(teacher, writing_cache))
 
-    def check(self, view, tokenizer, *, student_rows):
-        return model_check(view)
+    def check(self, config, teacher, tokenizer, *, student_rows):
+        return model_check(teacher)
 
-    def make(self, view, check, context):
+    def make(self, config, teacher, check, context):
         return TeacherClient(context.bridge)

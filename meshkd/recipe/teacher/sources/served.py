@@ -19,38 +19,39 @@ from meshkd.recipe.teacher.teacher_cache import teacher_identity
 class Served(SourceKind):
     name = "served"
 
-    def describes(self, view, *, writing_cache):
-        return asks_http(view, "meshkd", writing_cache)
+    def describes(self, config, teacher, *, writing_cache):
+        return asks_http(teacher, "meshkd", writing_cache)
 
-    def check(self, view, tokenizer, *, student_rows):
-        teacher_tokenizer = answer_tokenizer(view, tokenizer)
-        url, section = view.teacher_model.url, view.teacher_model
+    def check(self, config, teacher, tokenizer, *, student_rows):
+        teacher_tokenizer = answer_tokenizer(config, teacher, tokenizer)
+        url, section = teacher.model.url, teacher.model
         report = health(url)
         if report.get("protocol") != served_protocol.PROTOCOL_VERSION:
             raise ConfigError(f"teacher_model.url: the server at {url} speaks protocol {report.get('protocol')!r}, "
                               f"this meshkd {served_protocol.PROTOCOL_VERSION}: run the same meshkd release on both")
         if section.path is not None or section.random_init is not None:  # the teacher the config describes
-            mine, theirs = teacher_identity(view), report.get("teacher", {})
+            mine, theirs = teacher_identity(teacher), report.get("teacher", {})
             differ = [key for key in mine if mine[key] != theirs.get(key)]
             if differ:
                 raise ConfigError(f"teacher_model: the teacher served at {url} is not the one this config describes "
                                   f"({differ[0]}: served {theirs.get(differ[0])!r}, here {mine[differ[0]]!r}); leave "
                                   f"teacher_model's other keys out to take it as it is")
         if report.get("vocabulary") != served_protocol.vocabulary_fingerprint(teacher_tokenizer):
-            label = "teacher_model.tokenizer" if view.kd.cross_tokenizer is not None else "model.tokenizer"
+            label = "teacher_model.tokenizer" if config.kd.cross_tokenizer is not None else "model.tokenizer"
             raise ConfigError(f"teacher_model.url: the teacher at {url} has another vocabulary than {label} (their "
                               "token -> id mappings differ): it reads the token ids that tokenizer writes")
         return TeacherCheck(teacher_tokenizer, vocab_rows=report["vocab_rows"], hidden_size=report["hidden_size"],
                             num_layers=report.get("num_layers"), report=report)
 
-    def make(self, view, check, context):
-        return ServedTeacher(view.teacher_model.url, **asking(view, context))
+    def make(self, config, teacher, check, context):
+        return ServedTeacher(teacher.model.url, **asking(config, teacher, context))
 
 
-def asking(view, context) -> dict:
+def asking(config, teacher, context) -> dict:
     """What a client of a served teacher is made with: whether this rank receives answers (a last stage), how
     long it retries, and the settings of the answers it asks for."""
-    return {"device": context.device, "wait_s": view.collective_timeout_s,
+    return {"device": context.device, "wait_s": config.collective_timeout_s,
             "receives": any(dist.get_rank() in ranks for ranks in last_stage_ranks(context.setup)),
-            "settings": served_protocol.answer_settings(view.kd, seed=view.seed, vocab_size=context.vocab_size,
-                                                        hidden_layers=paired_layers(view, "teacher"))}
+            "settings": served_protocol.answer_settings(config.kd_of(teacher), seed=config.seed,
+                                                        vocab_size=context.vocab_size,
+                                                        hidden_layers=paired_layers(config, "teacher"))}

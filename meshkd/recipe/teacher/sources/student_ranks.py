@@ -14,14 +14,14 @@ class StudentRanks(SourceKind):
     name = "student_ranks"
     loads_here = True
 
-    def describes(self, view, *, writing_cache):
-        return not view.separate_meshes and view.teacher_model.url is None and not reads_cache(view, writing_cache)
+    def describes(self, config, teacher, *, writing_cache):
+        return teacher.distributed is None and teacher.model.url is None and not reads_cache(teacher, writing_cache)
 
-    def check(self, view, tokenizer, *, student_rows):
-        return model_check(view)
+    def check(self, config, teacher, tokenizer, *, student_rows):
+        return model_check(teacher)
 
-    def make(self, view, check, context):
+    def make(self, config, teacher, check, context):
         runner = lay_out_teacher(*context.loaded, context.setup, device=context.device)
-        return LocalTeacher(TeacherForward(runner, vocab_size=context.vocab_size, kd=view.kd, seed=view.seed,
-                                           vocabulary_map=context.vocabulary_map,
-                                           hidden_layers=paired_layers(view, "teacher")))
+        return LocalTeacher(TeacherForward(runner, vocab_size=context.vocab_size, kd=config.kd_of(teacher),
+                                           seed=config.seed, vocabulary_map=context.vocabulary_map,
+                                           hidden_layers=paired_layers(config, "teacher")))

@@ -32,11 +32,12 @@ def _config(tmp_path, case: str):
                                             ("cache", "cache"), ("served", "served"),
                                             ("completions", "completions"), ("writing_cache", "student_ranks")])
 def test_every_teacher_config_describes_exactly_one_kind(tmp_path, case, expected):
-    kind = kind_of(_config(tmp_path, case), writing_cache=case == "writing_cache")
+    config = _config(tmp_path, case)
+    kind = kind_of(config, config.teacher_named(), writing_cache=case == "writing_cache")
     assert kind.name == expected
     assert kind.own_ranks == (expected == "own_ranks") and kind.loads_here == (expected == "student_ranks")
     others = [other.name for other in KINDS.values() if other is not kind
-              and other.describes(_config(tmp_path, case), writing_cache=case == "writing_cache")]
+              and other.describes(config, config.teacher_named(), writing_cache=case == "writing_cache")]
     assert not others
 
 
@@ -46,11 +47,11 @@ class Echo(SourceKind):
 
     name = "echo"
 
-    def describes(self, view, *, writing_cache):
-        return str(view.teacher_model.url).startswith("echo://")
+    def describes(self, config, teacher, *, writing_cache):
+        return str(teacher.model.url).startswith("echo://")
 
-    def check(self, view, tokenizer, *, student_rows):
-        return dataclasses.replace(model_check(view), report={"asked": "echo"})
+    def check(self, config, teacher, tokenizer, *, student_rows):
+        return dataclasses.replace(model_check(teacher), report={"asked": "echo"})
 
 
 @pytest.fixture
@@ -71,10 +72,11 @@ def test_a_new_kind_is_one_registered_class(tmp_path, echo_registered):
 
 
 def test_kinds_that_overlap_are_refused_naming_them(tmp_path, echo_registered):
-    greedy = type("Greedy", (Echo,), {"name": "greedy", "describes": lambda self, view, writing_cache: True})
+    greedy = type("Greedy", (Echo,), {"name": "greedy", "describes": lambda self, config, teacher, writing_cache: True})
     register(greedy)
+    config = _config(tmp_path, "student_ranks")
     try:
         with pytest.raises(ValueError, match=r"describes 2 kinds of teacher source \(student_ranks, greedy\)"):
-            kind_of(_config(tmp_path, "student_ranks"))
+            kind_of(config, config.teacher_named())
     finally:
         del KINDS["greedy"]
