@@ -4,7 +4,7 @@ A one-process run on chat rows made from the standard library counts exactly the
 each step draws, and its held-out loss before training equals plain transformers' next-token loss over the
 answers alone; a context-parallel and a pipelined student, a student reading the teacher's cache, two
 identical teachers at 0.5 / 0.5 and rows read from the token store all train its curve. On-policy, the student
-completes the rows' own prompts, read from the token store as they are in memory.
+completes the rows' own prompts, read from the token store wherever it is kept.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ def test_on_policy_completes_the_rows_own_prompts(one_rank):
 
 
 def test_on_policy_prompts_read_from_the_token_store_train_the_same_curve(one_rank):
-    """The on-policy run with its rows and prompts in the token store draws the same completions and trains the
-    in-memory run's curve; its evaluations score the same validation prompts' completions."""
+    """The on-policy run with its rows and prompts in a store of its own (`dataset.token_store`) draws the same
+    completions and trains the curve of the run whose store is in the cache directory; its evaluations score the
+    same validation prompts' completions."""
     reference, stored = (train_records(one_rank[name]) for name in ("on_policy", "on_policy_stored"))
     assert curve(stored) == pytest.approx(curve(reference), abs=1e-6)
     for key in ("generated_tokens", "num_tokens"):
