@@ -134,9 +134,15 @@ def uld_loss(
     log_q, log_p, dtype = _student_groups(
         student_logits, student_targets, teacher_log_probs, student_first, student_last, temperature
     )
-    terms = _sorted_l1(log_q.exp(), log_p.exp())
+    terms = uld_terms(log_q, log_p)
     valid = torch.ones(len(terms), dtype=torch.bool, device=terms.device)
     return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, dtype)
+
+
+def uld_terms(log_q: Tensor, log_p: Tensor) -> Tensor:
+    """`uld_loss`' term of each group, before T^2 and the normaliser: [groups], of the student's and teacher's group
+    log-probabilities (`group_log_probs`) [groups, each one's vocabulary]."""
+    return _sorted_l1(log_q.exp(), log_p.exp())
 
 
 def _generalized_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
@@ -180,11 +186,21 @@ def gold_loss(
         matched_weight, unmatched_weight: w_m and w_u; None takes the adaptive default (w_u = 1 - w_m).
         Others: as for `uld_loss`.
     """
-    if divergence not in ("forward_kl", "reverse_kl"):
-        raise ValueError(f"divergence must be 'forward_kl' or 'reverse_kl', got {divergence!r}")
     log_q, log_p, dtype = _student_groups(
         student_logits, student_targets, teacher_log_probs, student_first, student_last, temperature
     )
+    terms = gold_terms(log_q, log_p, vocabulary_map, divergence=divergence, matched_weight=matched_weight,
+                       unmatched_weight=unmatched_weight)
+    valid = torch.ones(len(terms), dtype=torch.bool, device=terms.device)
+    return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, dtype)
+
+
+def gold_terms(log_q: Tensor, log_p: Tensor, vocabulary_map: VocabularyMap, *, divergence: str = "forward_kl",
+               matched_weight: float | None = None, unmatched_weight: float | None = None) -> Tensor:
+    """`gold_loss`' term of each group, before T^2 and the normaliser: [groups], of the student's and teacher's
+    group log-probabilities (`group_log_probs`) [groups, each one's vocabulary] (arguments as there)."""
+    if divergence not in ("forward_kl", "reverse_kl"):
+        raise ValueError(f"divergence must be 'forward_kl' or 'reverse_kl', got {divergence!r}")
     student_ids, teacher_ids = vocabulary_map.exact_student_ids, vocabulary_map.exact_teacher_ids
     _check_ids(student_ids, log_q.shape[-1], "student")
     _check_ids(teacher_ids, log_p.shape[-1], "teacher")
@@ -206,8 +222,7 @@ def gold_loss(
         teacher_rest[teacher_ids] = False
         if bool(student_rest.any()) or bool(teacher_rest.any()):
             terms = terms + unmatched_weight * _sorted_l1(log_q[:, student_rest].exp(), log_p[:, teacher_rest].exp())
-    valid = torch.ones(len(terms), dtype=torch.bool, device=terms.device)
-    return terms.sum() * temperature**2 / token_normalizer(num_valid_tokens, valid, dtype)
+    return terms
 
 
 def project_teacher_logits(

@@ -100,7 +100,8 @@ class _Layout:
 
 
 def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, chunk_size: int = 1024,
-                      bias: Tensor | None = None, compute_dtype: torch.dtype | None = None) -> Tensor:
+                      bias: Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                      reverse: bool = False) -> Tensor:
     """The loss `objective` gives the logits `hidden @ weight^T (+ bias)`, computed `chunk_size` tokens at a time.
 
     Args:
@@ -114,6 +115,7 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
             chunk's logits are made in it and handed to `objective` as float32, the gradients with respect to
             the hidden states and the weight are made in it from the logits' gradient rounded to it, and the
             weight's are summed over the chunks in float32. Autocast itself is off inside.
+        reverse: the chunks last to first (an objective whose chunks depend on later ones').
 
     Returns:
         The loss, a scalar whose gradients with respect to `hidden` and `weight` (and `bias`) are those of the
@@ -139,7 +141,8 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
     grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if needs_grad and bias is not None \
         else None
     with torch.autocast(rows.device.type, enabled=False):
-        for start in range(0, rows.shape[0], chunk_size):
+        starts = range(0, rows.shape[0], chunk_size)
+        for start in reversed(starts) if reverse else starts:
             tokens = slice(start, start + chunk_size)
             chunk = rows[tokens].to(dtype)
             with torch.no_grad():

@@ -19,11 +19,14 @@ cp, pp's last stage: under tp the head is vocab-parallel, each rank computes its
 chunk's logits and the losses' vocab-parallel paths combine them), and a model that does not transform its logits
 after the head (`LOGIT_TRANSFORMS`: Gemma 2's soft-capping, Granite's scaling, Cohere's scale; a model that does
 anyway is stopped at its first step, naming the key); and per micro-batch to one teacher's distribution
-(`Distribution`: full, full_bf16, top-k, compact), several teachers' (`Ensemble`: sum, mixture, route) or no teacher
-(`kd.kd_ratio: 0`). Under context parallel each cp rank's head sees its own share of the positions, as the
-micro-batch and the answer are cut (`shard_micro_batch`, `TeacherAnswer.shard`), and its loss is over that share, as
-whole logits' is. Elsewhere the step computes whole logits as before. In a `model.dtype` other than float32 (mixed
-precision, or half-precision weights) the chunks' matmuls run in that dtype, as autocast runs the output layer
+(`Distribution`: full, full_bf16, top-k, compact), several teachers' (`Ensemble`: sum, mixture, route), a teacher
+of another tokenizer's per aligned group (`GroupDistributions`: uld, gold; a group's distribution also reads the
+log-probabilities of its earlier positions' labels, found first by a pass without gradients, and its chunks run last
+to first, `GroupDistributions.prepare_chunks`) or no teacher (`kd.kd_ratio: 0`). Under context parallel each cp
+rank's head sees its own share of the positions, as the micro-batch and the answer are cut (`shard_micro_batch`,
+`TeacherAnswer.shard`), and its loss is over that share, as whole logits' is. Elsewhere the step computes whole
+logits as before. In a `model.dtype` other than float32 (mixed precision, or half-precision weights) the chunks'
+matmuls run in that dtype, as autocast runs the output layer
 (`fused_output_loss`'s `compute_dtype`).
 """
 
@@ -66,11 +69,7 @@ class FusedHead:
         head = causal_lm.get_output_embeddings() if hasattr(causal_lm, "get_output_embeddings") else None
         transforms = any(getattr(where, key, None) is not None for key in LOGIT_TRANSFORMS
                          for where in (causal_lm.config, causal_lm))
-        # A cross-tokenizer teacher's group answers (uld, gold) are not read chunk by chunk: in a pipeline the
-        # stage's output kind is fixed for the run, so none there.
-        grouped = config.kd.cross_tokenizer is not None and config.kd.cross_tokenizer.loss != "projection"
-        if (not config.kd.fused_output_loss or transforms or not isinstance(head, torch.nn.Linear)
-                or (pipeline is not None and grouped)):
+        if not config.kd.fused_output_loss or transforms or not isinstance(head, torch.nn.Linear):
             return None
         if pipeline is not None:
             pipeline.loss_in_head = True
@@ -107,7 +106,12 @@ class FusedHead:
                 raise RuntimeError(f"the output layer ran more forwards than the {index} micro-batches it was given")
             sums = {"ce_loss": torch.zeros(()), "kd_loss": torch.zeros(())}
             self.values.append(sums)
-            loss = self._fused(hidden, self._objective(micro_batches[index], answers[index], context, norm, sums))
+            micro_batch, answer = micro_batches[index], answers[index]
+            # A cross-tokenizer teacher's groups read their earlier positions' labels: known first, chunks reversed.
+            grouped = answer is not None and kd.kd_ratio > 0 and hasattr(answer, "prepare_chunks")
+            if grouped:
+                answer.prepare_chunks(self._label_log_probs(hidden, micro_batch), micro_batch, context)
+            loss = self._fused(hidden, self._objective(micro_batch, answer, context, norm, sums), reverse=grouped)
             logits = self._as_logits(loss, hidden)
             local = logits.to_local() if isinstance(logits, DTensor) else logits
             self._returned.append((local.data_ptr(), loss.detach()))
@@ -150,9 +154,26 @@ class FusedHead:
         with self._swapped(forward):
             yield
 
-    def _fused(self, hidden: torch.Tensor, objective) -> torch.Tensor:
+    def _fused(self, hidden: torch.Tensor, objective, *, reverse: bool = False) -> torch.Tensor:
         return fused_output_loss(hidden, self.head.weight, objective, bias=self.head.bias,
-                                 chunk_size=self.kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype)
+                                 chunk_size=self.kd.chunk_size or DEFAULT_CHUNK, compute_dtype=self.compute_dtype,
+                                 reverse=reverse)
+
+    def _label_log_probs(self, hidden: torch.Tensor, micro_batch: dict) -> torch.Tensor:
+        """Each flattened position's log-probability of its label at `kd.temperature` (0 where it has none), chunk
+        by chunk, without gradients."""
+        labels = micro_batch["labels"].reshape(-1)
+        found = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
+
+        def objective(logits: torch.Tensor, tokens: slice) -> torch.Tensor:
+            scaled = logits[:, : self.vocab_size] / self.kd.temperature
+            picked = scaled.gather(-1, labels[tokens].clamp(min=0)[:, None])[:, 0] - scaled.logsumexp(-1)
+            found[tokens] = picked.masked_fill(labels[tokens] < 0, 0.0)
+            return torch.zeros((), device=logits.device)
+
+        with torch.no_grad():
+            self._fused(hidden.detach(), objective)
+        return found
 
     def _as_logits(self, loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """`loss` as the logits' shape with stride 0 (`_Broadcast`); for a vocab-parallel head a DTensor sharded on

@@ -39,8 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
+from meshkd.core.chunked_loss import token_normalizer
 from meshkd.core.combinations import combination_named
-from meshkd.core.cross_tokenizer_loss import VocabularyMap, gold_loss, group_log_probs, project_teacher_logits, uld_loss
+from meshkd.core.cross_tokenizer_loss import (
+    VocabularyMap,
+    gold_loss,
+    gold_terms,
+    group_log_probs,
+    project_teacher_logits,
+    uld_loss,
+    uld_terms,
+)
 from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
 from meshkd.core.encodings.full import FullLogits
 from meshkd.core.fused_output import chunk_answer
@@ -412,6 +421,66 @@ class GroupDistributions(TeacherAnswer):
     def kd_loss(self, logits, micro_batch, context, *, norm):
         return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
                              vocabulary_map=context.vocabulary_map), {}
+
+    def check_indices(self, context: LossContext, vocab_size: int) -> None:
+        """Nothing to check: a group's distribution is over the teacher's whole vocabulary, no indices."""
+
+    def prepare_chunks(self, label_log_probs: torch.Tensor, micro_batch: dict, context: LossContext) -> None:
+        """Before `chunk_kd_loss`, which then takes the chunks last to first (`fused_output_loss(reverse=True)`):
+        `label_log_probs` [positions], each flattened position's log-probability of its label at `kd.temperature`.
+
+        A group's distribution is its last position's plus the log-probabilities of its earlier positions' labels
+        (`group_log_probs`), which may lie in earlier chunks: those enter with these values, and their gradient is
+        carried back to their chunk as the group's derivative with respect to them (`pending`), known by then."""
+        ignore, length = context.kd.ignore_index, micro_batch["input_ids"].shape[1]
+        first = group_positions(micro_batch, None, length, ignore)
+        last = group_positions(micro_batch, GROUP_ENDS, length, ignore)
+        lengths = last - first
+        earlier = first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()), device=first.device) - (
+            (lengths.cumsum(0) - lengths).repeat_interleave(lengths))  # each group's positions before its last
+        group_of = torch.full_like(label_log_probs, -1, dtype=torch.long)
+        group_of[earlier] = torch.arange(len(first), device=first.device).repeat_interleave(lengths)
+        if bool((micro_batch["labels"].reshape(-1)[earlier] < 0).any()):
+            raise ValueError("a target inside a group (before its last position) is not a token id: groups must lie "
+                             "within documents, where every position but the last has a target")
+        prefix = label_log_probs.new_zeros(len(first)).index_add(0, group_of[earlier], label_log_probs[earlier])
+        self._chunks = {"last": last, "group_of": group_of, "prefix": prefix, "label_log_probs": label_log_probs,
+                        "pending": torch.zeros_like(prefix)}
+
+    def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
+        """`kd_loss`' share of the flattened positions `tokens` given their logits [c, vocab]: the groups that end
+        there, and the gradient of those that end in a later chunk through their labels here (no value). The
+        chunks run last to first after `prepare_chunks`."""
+        state, kd = self._chunks, context.kd
+        start = tokens.start
+        end = start + logits.shape[0]
+        scaled = logits.float() / kd.temperature
+        log_z = scaled.logsumexp(-1)
+        labels = micro_batch["labels"].reshape(-1)[start:end]
+        live = scaled.gather(-1, labels.clamp(min=0)[:, None])[:, 0] - log_z  # each label's log-probability
+        owner = state["group_of"][start:end]
+        inside = owner >= 0
+        ends_here = inside & (state["last"][owner.clamp(min=0)] < end)
+        ending = ((state["last"] >= start) & (state["last"] < end)).nonzero()[:, 0]
+        here = owner[ends_here]
+        live_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(0, here, live[ends_here])
+        known_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(
+            0, here, state["label_log_probs"][start:end][ends_here])
+        # The earlier chunks' share of each group's prefix, as a leaf: its gradient is what they are owed.
+        outside = (state["prefix"][ending] - known_sum[ending]).detach().requires_grad_()
+        rows = state["last"][ending] - start
+        log_q = scaled[rows] - log_z[rows, None] + (live_sum[ending] + outside)[:, None]
+        teacher = self.wire["log_probs"][ending].detach().to(log_q.dtype)
+        if kd.cross_tokenizer.loss == "uld":
+            terms = uld_terms(log_q, teacher)
+        else:
+            terms = gold_terms(log_q, teacher, context.vocabulary_map, divergence=kd.divergence)
+        loss = terms.sum() * kd.temperature**2 / token_normalizer(norm, inside, log_q.dtype)
+        if len(ending) and loss.requires_grad:
+            (state["pending"][ending],) = torch.autograd.grad(loss, outside, retain_graph=True)
+        later = inside & ~ends_here
+        carried = (live[later] * state["pending"][owner[later]]).sum()
+        return loss + (carried - carried.detach()), {}
 
 
 class LabelLogProbs(TeacherAnswer):

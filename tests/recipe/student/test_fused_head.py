@@ -1,8 +1,9 @@
 """`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
 loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
 dp 2 student under FSDP2, a cp 2, a tp 2 and a pp 2 student (tied too), CE alone, a bfloat16 (mixed-precision)
-student and two teachers combined by sum, mixture or route (with each teacher's figures); where it does not apply,
-the step computes whole logits."""
+student, two teachers combined by sum, mixture or route (with each teacher's figures) and a teacher of another
+tokenizer by uld and gold (groups of several tokens across chunks); where it does not apply, the step computes
+whole logits."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ CASES = {"full": ({}, {}, {}), "topk": (TOPK, {}, {}), "compact": (COMPACT, {}, 
          "tied": (TOPK, {"tie_word_embeddings": True}, {}), "ce_only": ({"kd_ratio": 0.0}, {}, {}),
          "reverse_kl": ({"divergence": "reverse_kl"}, {}, {}), "bfloat16": (TOPK, {}, {"dtype": "bfloat16"})}
 TEACHER_CASES = ("sum", "mixture", "route")
+CROSS_CASES = ("uld", "gold")
 BFLOAT16_REL = 5e-3
 """A bfloat16 student's fused and whole-logits losses after its first step agree to this (measured: 2.0e-3 at
 step 5): the first step's values are equal, but the output weight's gradient is rounded to bfloat16 per chunk
@@ -71,10 +73,27 @@ def teachers_runs(tmp) -> dict[str, dict]:
     return runs
 
 
+def cross_tokenizer_runs(tmp) -> dict[str, dict]:
+    """A teacher of another tokenizer, its answers per aligned group (uld, gold); chunks of 8 tokens, so that
+    groups of several student tokens straddle chunks."""
+    from tests.recipe.teacher.test_cross_tokenizer import cross_config
+
+    runs = {}
+    for loss in CROSS_CASES:
+        for fused in (True, False):
+            name = f"{loss}_{'fused' if fused else 'whole'}"
+            config = cross_config(tmp / name, {"dp_size": 1}, None)
+            config["kd"]["cross_tokenizer"]["loss"] = loss
+            config["kd"].update(fused_output_loss=fused, chunk_size=8)
+            runs[name] = config
+    return runs
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     runs = runs_of(tmp_path_factory.mktemp("fused"), 1, {"dp_size": 1})
     runs |= teachers_runs(tmp_path_factory.mktemp("fused_teachers"))
+    runs |= cross_tokenizer_runs(tmp_path_factory.mktemp("fused_cross"))
     dp2 = runs_of(tmp_path_factory.mktemp("fused_dp2"), 2, {"dp_size": 2})
     results = run_world(1, [_named(TrainRun(config), name) for name, config in runs.items()], timeout_s=60,
                         deadline_s=600)
@@ -102,7 +121,7 @@ def _named(check, name: str):
 LAYOUTS = ("dp2_topk", "cp2_topk", "tp2_topk", "pp2_topk", "pp2_tied")
 
 
-@pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, *LAYOUTS])
+@pytest.mark.parametrize("case", [*CASES, *TEACHER_CASES, *CROSS_CASES, *LAYOUTS])
 def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case):
     fused, whole = (train_records(one_rank[f"{case}_{kind}"]) for kind in ("fused", "whole"))
     assert [(r["kind"], r["step"]) for r in fused] == [(r["kind"], r["step"]) for r in whole]
