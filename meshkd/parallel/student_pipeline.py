@@ -239,9 +239,10 @@ class StudentPipeline:
         self._runners: dict[tuple, _Runner] = {}
         self._loss_fn: LossFn | None = None
         self.loss_in_head = False
-        """Whether the last stage's output layer hands training's loss in place of the logits (the fused output
-        layer, `meshkd.recipe.student.fused_head`): broadcast to the logits' shape with stride 0, which the
-        training schedule's metadata then says. Set before the first step."""
+        """Whether the last stage's output layer hands training's loss in place of the logits, and an evaluation's
+        zeros (the fused output layer, `meshkd.recipe.student.fused_head`, which sums the figures itself):
+        broadcast to the logits' shape with stride 0, which both schedules' metadata then say. Set before the
+        first step."""
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -328,7 +329,8 @@ class StudentPipeline:
 
     @torch.no_grad()
     def forward(self, micro_batch: dict) -> torch.Tensor | None:
-        """Logits [rows, seq, vocab] on the last stage (DTensor Shard(-1) under tp); None elsewhere.
+        """Logits [rows, seq, vocab] on the last stage (DTensor Shard(-1) under tp; stride 0 with `loss_in_head`:
+        the fused output layer's evaluation has summed its figures); None elsewhere.
 
         Every stage (and tp rank) of the replica calls it with the same micro-batch. Forward only; put
         `stage_model` in eval mode first if the model has dropout.
@@ -404,7 +406,7 @@ class StudentPipeline:
         hidden = meta(rows, length, self.hidden_size)
         inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
         outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if self.is_last else hidden
-        if self.is_last and train and self.loss_in_head:  # the loss at every entry: one stored value
+        if self.is_last and self.loss_in_head:  # the loss (or an evaluation's zero) at every entry: one stored value
             outputs = torch.empty_strided(outputs.shape, (0, 0, 0), dtype=self.logits_dtype, device="meta",
                                           requires_grad=True)
         if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)

@@ -156,7 +156,7 @@ class StudentTrainer:
                               byte_lengths=byte_lengths, teacher_byte_lengths=teacher_byte_lengths,
                               vocab_size=self.vocab_size, teacher_role=self.setups.role(name),
                               validation_answer=self._checked[name].source.validation_answer(teacher),
-                              fused_head=fused_head if self.pipeline is None else None)  # whole logits pipelined
+                              fused_head=fused_head)
 
         self.evaluation = TeachersEvaluation.of(
             {name: evaluation(name, source) for name, source in self.teacher_sources.items()},

@@ -10,9 +10,9 @@ backward hooks run as for whole logits. The CE and KD values are kept for the st
 A pipelined student's last stage swaps its output layer for a whole step (`computing_each`): the schedule runs
 the stage's forwards in micro-batch order whatever it interleaves, so the k-th forward computes micro-batch k's
 objective, and the schedule's loss (which gets the micro-batch's index) reads it back (`loss_of(logits, k)`).
-The training schedule's metadata says the stage's output has stride 0 (`StudentPipeline.loss_in_head`), and the
-loss travels in the stage's logits dtype, its exact float32 value kept for the backward's scale and the metrics.
-Held-out evaluations of a pipelined student compute whole logits.
+The schedules' metadata says the stage's output has stride 0 (`StudentPipeline.loss_in_head`), and the loss
+travels in the stage's logits dtype, its exact float32 value kept for the backward's scale and the metrics. A
+held-out evaluation's forward hands the stage's chunks to the evaluation (`evaluating`), as without a pipeline.
 
 It applies (`FusedHead.of`) where the logits reach the loss as the output layer makes them: any student (dp, tp,
 cp, pp's last stage: under tp the head is vocab-parallel, each rank computes its vocabulary slice of a
