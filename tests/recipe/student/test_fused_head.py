@@ -1,9 +1,9 @@
 """`kd.fused_output_loss` (on by default, `meshkd.recipe.student.fused_head`): the output layer applied inside the
-loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a
-dp 2 student under FSDP2, a cp 2, a tp 2 and a pp 2 student (tied too), CE alone, a bfloat16 (mixed-precision)
-student, two teachers combined by sum, mixture or route (with each teacher's figures) and a teacher of another
-tokenizer by uld and gold (groups of several tokens across chunks); where it does not apply, the step computes
-whole logits."""
+loss trains the curve of whole logits, for full and top-k answers (exact and compact), a tied output layer, a LoRA
+student, a dp 2 student under FSDP2, a cp 2, a tp 2 and a pp 2 student (tied too), CE alone, a bfloat16
+(mixed-precision) student, two teachers combined by sum, mixture or route (with each teacher's figures) and a
+teacher of another tokenizer by uld and gold (groups of several tokens across chunks); where it does not apply, the
+step computes whole logits."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from tests.world import run_world
 
 pytestmark = pytest.mark.world
 
-# name: (kd keys, the student's random_init keys, its model keys)
-CASES = {"full": ({}, {}, {}), "topk": (TOPK, {}, {}), "compact": (COMPACT, {}, {}),
-         "tied": (TOPK, {"tie_word_embeddings": True}, {}), "ce_only": ({"kd_ratio": 0.0}, {}, {}),
-         "reverse_kl": ({"divergence": "reverse_kl"}, {}, {}), "bfloat16": (TOPK, {}, {"dtype": "bfloat16"})}
+# name: (kd keys, the student's random_init keys, its model keys, other top-level keys)
+CASES = {"full": ({}, {}, {}, {}), "topk": (TOPK, {}, {}, {}), "compact": (COMPACT, {}, {}, {}),
+         "tied": (TOPK, {"tie_word_embeddings": True}, {}, {}), "ce_only": ({"kd_ratio": 0.0}, {}, {}, {}),
+         "reverse_kl": ({"divergence": "reverse_kl"}, {}, {}, {}), "bfloat16": (TOPK, {}, {"dtype": "bfloat16"}, {}),
+         "lora": (TOPK, {}, {}, {"peft": {"rank": 4, "alpha": 8.0}})}
 TEACHER_CASES = ("sum", "mixture", "route")
 CROSS_CASES = ("uld", "gold")
 BFLOAT16_REL = 5e-3
@@ -35,9 +36,9 @@ float32 run's is 1.01726), and Adam carries the difference on."""
 def runs_of(tmp, world: int, student: dict) -> dict[str, dict]:
     base = base_config(tmp)
     runs = {}
-    for name, (kd, init, model) in CASES.items():
+    for name, (kd, init, model, top_level) in CASES.items():
         for fused in (True, False):
-            config = with_layout(base, student, None)
+            config = {**with_layout(base, student, None), **top_level}
             config["kd"].update(kd, fused_output_loss=fused, chunk_size=16)  # several chunks a micro-batch
             config["model"]["random_init"].update(init)
             config["model"].update(model)
