@@ -138,7 +138,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     trained = {f"{name} student": json.loads(Path(directory, "summary.json").read_text())["hf_dir"]
                for name, directory, _ in runs}
     print(f"\ngreedy completions of {_DEMO_PROMPT!r}:")
-    for name, text in compare_completions(config.teacher_model, config.model.keep_layers, trained, _DEMO_PROMPT,
+    for name, text in compare_completions(config.teacher_named().model, config.model.keep_layers, trained, _DEMO_PROMPT,
                                           max_new_tokens=16).items():
         print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     print_curves({name: directory for name, directory, _ in runs})
@@ -176,8 +176,8 @@ def _demo_report(config, summaries: dict[str, dict], run_dirs: dict[str, str]) -
         from meshkd.recipe.lifecycle.completions import compare_completions
 
         print(f"HF-format student written to {kd['hf_dir']}\n\ngreedy completions of {_DEMO_PROMPT!r}:")
-        texts = compare_completions(config.teacher_model, config.model.keep_layers, {"trained student": kd["hf_dir"]},
-                                    _DEMO_PROMPT, max_new_tokens=16)
+        texts = compare_completions(config.teacher_named().model, config.model.keep_layers,
+                                    {"trained student": kd["hf_dir"]}, _DEMO_PROMPT, max_new_tokens=16)
         for name, text in texts.items():
             print(f"--- {name}\n{_DEMO_PROMPT}{text}")
     print_curves({_LABELS[name]: run_dir for name, run_dir in run_dirs.items()})

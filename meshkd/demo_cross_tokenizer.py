@@ -38,7 +38,7 @@ def student_directory(config, run_dir: str) -> Path:
     from meshkd.recipe.modeling.transplant import transplanted_student
 
     train_texts, _ = split_texts(**reading_arguments(config.dataset))
-    return transplanted_student(config.teacher_model.path, config.model.keep_layers, train_texts, STUDENT_VOCAB,
+    return transplanted_student(config.teacher_named().model.path, config.model.keep_layers, train_texts, STUDENT_VOCAB,
                                 run_dir + "_student")
 
 
