@@ -15,8 +15,8 @@ pass them on. The classes here make them on the teacher's side and read them on 
   distribution over the student's vocabulary at every position (a cross-tokenizer teacher's projected onto
   it: `kd.cross_tokenizer.loss: projection`); the divergence of `kd.divergence` at the positions KD counts
   (`kd_labels`). Asked `with_label_log_probs`, it carries each label's log-probability besides.
-- `GroupDistributions` ("groups"): a cross-tokenizer teacher's distribution per aligned group of tokens
-  (`meshkd.recipe.corpus.aligned_data`), against the student's groups by `kd.cross_tokenizer.loss` `uld` or `gold`.
+- `GroupDistributions` ("groups", `meshkd.recipe.teacher.group_answers`): a cross-tokenizer teacher's distribution
+  per aligned group of tokens, against the student's groups by `kd.cross_tokenizer.loss` `uld` or `gold`.
 - `LabelLogProbs` ("label_log_probs"): the teacher's log-probability of each label of its own tokenization,
   what an evaluation of the teacher's loss asks for.
 - `Ensemble` ("teachers"): several teachers' answers (made by `meshkd.core.teacher_ensemble.TeacherEnsemble`),
@@ -27,7 +27,9 @@ pass them on. The classes here make them on the teacher's side and read them on 
 A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
 paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
 (`meshkd.recipe.teacher.hidden_states`).
-A new kind of answer is one class here, one entry in `_TYPES` and, if a teacher makes it, a line in `answer_type`.
+The base type and the contexts are `meshkd.recipe.teacher.answer_base`'s. A new kind of answer is one class (here,
+or in a module of its own as `group_answers`), one entry in `_TYPES` and, if a teacher makes it, a line in
+`answer_type`.
 """
 
 from __future__ import annotations
@@ -35,21 +37,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from meshkd.core.chunked_loss import token_normalizer
 from meshkd.core.combinations import combination_named
-from meshkd.core.cross_tokenizer_loss import (
-    VocabularyMap,
-    gold_loss,
-    gold_terms,
-    group_log_probs,
-    project_teacher_logits,
-    uld_loss,
-    uld_terms,
-)
+from meshkd.core.cross_tokenizer_loss import project_teacher_logits
 from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
 from meshkd.core.encodings.full import FullLogits
 from meshkd.core.fused_output import chunk_answer
@@ -63,119 +55,11 @@ from meshkd.core.logits_codec import (
 )
 from meshkd.core.loss import top1_agreements as _top1_agreements
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
-from meshkd.core.teacher_protocol import Encoded
-from meshkd.core.topology import DistributedSetup
-from meshkd.parallel.context_parallel import shard_teacher_logits
-from meshkd.recipe.corpus.rows import (
-    GROUP_ENDS,
-    TEACHER_GROUP_ENDS,
-    TEACHER_POSITIONS,
-    group_positions,
-    kd_labels,
-    teacher_side,
-)
+from meshkd.recipe.corpus.rows import TEACHER_POSITIONS, group_positions, kd_labels, teacher_side
 from meshkd.recipe.settings.config import KDConfig
+from meshkd.recipe.teacher.answer_base import Cut, EncodeContext, Figures, LossContext, TeacherAnswer
+from meshkd.recipe.teacher.group_answers import GROUPS, GroupDistributions
 from meshkd.recipe.teacher.hidden_states import HIDDEN_STATES, HiddenStateProjections, hidden_state_loss
-
-GROUPS = "groups"
-"""The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
-
-Figures = dict[str, torch.Tensor]
-Cut = tuple[slice, tuple[int, ...]]
-"""Some positions of a micro-batch: a slice of its flattened positions and the positions' shape [rows, sequence]."""
-
-
-def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
-                            ignore_index: int) -> torch.Tensor:
-    """[groups, teacher vocab]: the teacher's chain-rule distribution of each group KD counts
-    (`meshkd.core.cross_tokenizer_loss.group_log_probs`), from its logits of the batch's teacher side."""
-    teacher = teacher_side(batch)
-    length = teacher["input_ids"].shape[1]
-    # The next token: inside a group it is the same document's, and the group's merge reads only those.
-    targets = torch.roll(teacher["input_ids"], -1, dims=1)
-    return group_log_probs(logits, targets, group_positions(batch, TEACHER_POSITIONS, length, ignore_index),
-                           group_positions(batch, TEACHER_GROUP_ENDS, length, ignore_index), temperature=temperature)
-
-
-def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
-                  num_valid_tokens: float | torch.Tensor, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
-    """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
-    group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
-    length, ignore = batch["input_ids"].shape[1], kd.ignore_index
-    common = {"student_first": group_positions(batch, None, length, ignore),
-              "student_last": group_positions(batch, GROUP_ENDS, length, ignore),
-              "temperature": kd.temperature, "num_valid_tokens": num_valid_tokens}
-    if kd.cross_tokenizer.loss == "uld":
-        return uld_loss(logits, batch["labels"], teacher_log_probs, **common)
-    return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
-
-
-@dataclass
-class EncodeContext:
-    """What the teacher makes its answer with beside its logits: the objective's settings (`kd`: the top-k
-    options, the temperature, the cross-tokenizer loss), the seed of top-k tail samples, the student's
-    vocabulary size and, for a projected cross-tokenizer teacher, how its vocabulary maps onto the student's."""
-
-    kd: KDConfig
-    seed: int
-    vocab_size: int
-    vocabulary_map: VocabularyMap | None = None
-
-
-@dataclass
-class LossContext:
-    """What every answer's KD loss reads beside the student's logits: the objective's settings (`kd`), GOLD's
-    vocabulary pairs, several teachers' normalized weights, and the student's cp size (rows answered are
-    counted once over the cp ranks' sum).
-
-    `index_checks`: None, each top-k answer's index values are checked where its loss is computed (a host sync
-    each); a list, each top-k answer's check (`AnswerEncoding.index_errors`, a device flag) is appended to it
-    instead, for the caller to read with the step's other figures (`meshkd.recipe.student.train_step.TrainStep`)."""
-
-    kd: KDConfig
-    vocabulary_map: VocabularyMap | None = None
-    teacher_weights: dict[str, float] | None = None
-    cp_size: int = 1
-    index_checks: list[torch.Tensor] | None = None
-
-
-class TeacherAnswer:
-    """One micro-batch's answer: `wire` is its dict as it travelled."""
-
-    def __init__(self, wire: dict) -> None:
-        self.wire = wire
-
-    @classmethod
-    def encode(cls, logits: torch.Tensor, batch: dict, transport: str, context: EncodeContext) -> Encoded:
-        """The wire dict of this kind of answer to a request for `transport`, made by the teacher from its logits
-        [rows, its sequence, vocab] of the request's `batch` (over the common vocabulary with one tokenizer,
-        its own with `kd.cross_tokenizer`)."""
-        raise NotImplementedError(f"{cls.__name__} is not made by one teacher")
-
-    @property
-    def wait_s(self) -> dict[str, float]:
-        """Seconds each teacher of several was waited for, by name (none for one teacher's answer)."""
-        return {}
-
-    def shard(self, setup: DistributedSetup) -> TeacherAnswer:
-        """This cp rank's share: every tensor of the answer is [rows, sequence, ...], cut along the sequence
-        like the student's batch (`shard_teacher_logits`)."""
-        if setup.cp_size == 1:
-            return self
-        return type(self)({key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor)
-                           and value.ndim >= 2 else value for key, value in self.wire.items()})
-
-    def kd_loss(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *,
-                norm: float | torch.Tensor) -> tuple[torch.Tensor, Figures]:
-        """(the KD term of the micro-batch, summed over its counted positions and divided by `norm`, the
-        step's valid tokens; figures for the step's metrics). `logits`: the student's [rows, sequence, vocab]
-        over the teacher's vocabulary."""
-        raise ValueError(f"a teacher answer of mode {self.wire.get('mode')!r} is no training answer")
-
-    def label_log_probs(self) -> torch.Tensor:
-        """[rows, sequence] float32: the teacher's log-probability of each label of its own tokenization, 0 at
-        ignored labels (the sum of their negatives is its loss)."""
-        raise ValueError(f"a teacher answer of mode {self.wire.get('mode')!r} holds no label log-probabilities")
 
 
 class Distribution(TeacherAnswer):
@@ -406,81 +290,6 @@ class Distribution(TeacherAnswer):
                 merged[key][rows[name]] = member.wire[key].to(dtype)
         merged["mode"] = merged_mode(first["mode"])
         return Distribution(merged)
-
-
-class GroupDistributions(TeacherAnswer):
-    """A cross-tokenizer teacher's distribution per aligned group ("log_probs" [groups, teacher vocab])."""
-
-    @classmethod
-    def encode(cls, logits, batch, transport, context):
-        """The teacher's chain-rule distribution of each group KD counts (`teacher_group_log_probs`), at
-        `kd.temperature`, whatever encoding is asked (`kd.cross_tokenizer.loss` `uld` and `gold` take `full`)."""
-        return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
-            logits, batch, temperature=context.kd.temperature, ignore_index=context.kd.ignore_index)}
-
-    def kd_loss(self, logits, micro_batch, context, *, norm):
-        return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
-                             vocabulary_map=context.vocabulary_map), {}
-
-    def check_indices(self, context: LossContext, vocab_size: int) -> None:
-        """Nothing to check: a group's distribution is over the teacher's whole vocabulary, no indices."""
-
-    def prepare_chunks(self, label_log_probs: torch.Tensor, micro_batch: dict, context: LossContext) -> None:
-        """Before `chunk_kd_loss`, which then takes the chunks last to first (`fused_output_loss(reverse=True)`):
-        `label_log_probs` [positions], each flattened position's log-probability of its label at `kd.temperature`.
-
-        A group's distribution is its last position's plus the log-probabilities of its earlier positions' labels
-        (`group_log_probs`), which may lie in earlier chunks: those enter with these values, and their gradient is
-        carried back to their chunk as the group's derivative with respect to them (`pending`), known by then."""
-        ignore, length = context.kd.ignore_index, micro_batch["input_ids"].shape[1]
-        first = group_positions(micro_batch, None, length, ignore)
-        last = group_positions(micro_batch, GROUP_ENDS, length, ignore)
-        lengths = last - first
-        earlier = first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()), device=first.device) - (
-            (lengths.cumsum(0) - lengths).repeat_interleave(lengths))  # each group's positions before its last
-        group_of = torch.full_like(label_log_probs, -1, dtype=torch.long)
-        group_of[earlier] = torch.arange(len(first), device=first.device).repeat_interleave(lengths)
-        if bool((micro_batch["labels"].reshape(-1)[earlier] < 0).any()):
-            raise ValueError("a target inside a group (before its last position) is not a token id: groups must lie "
-                             "within documents, where every position but the last has a target")
-        prefix = label_log_probs.new_zeros(len(first)).index_add(0, group_of[earlier], label_log_probs[earlier])
-        self._chunks = {"last": last, "group_of": group_of, "prefix": prefix, "label_log_probs": label_log_probs,
-                        "pending": torch.zeros_like(prefix)}
-
-    def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
-        """`kd_loss`' share of the flattened positions `tokens` given their logits [c, vocab]: the groups that end
-        there, and the gradient of those that end in a later chunk through their labels here (no value). The
-        chunks run last to first after `prepare_chunks`."""
-        state, kd = self._chunks, context.kd
-        start = tokens.start
-        end = start + logits.shape[0]
-        scaled = logits.float() / kd.temperature
-        log_z = scaled.logsumexp(-1)
-        labels = micro_batch["labels"].reshape(-1)[start:end]
-        live = scaled.gather(-1, labels.clamp(min=0)[:, None])[:, 0] - log_z  # each label's log-probability
-        owner = state["group_of"][start:end]
-        inside = owner >= 0
-        ends_here = inside & (state["last"][owner.clamp(min=0)] < end)
-        ending = ((state["last"] >= start) & (state["last"] < end)).nonzero()[:, 0]
-        here = owner[ends_here]
-        live_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(0, here, live[ends_here])
-        known_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(
-            0, here, state["label_log_probs"][start:end][ends_here])
-        # The earlier chunks' share of each group's prefix, as a leaf: its gradient is what they are owed.
-        outside = (state["prefix"][ending] - known_sum[ending]).detach().requires_grad_()
-        rows = state["last"][ending] - start
-        log_q = scaled[rows] - log_z[rows, None] + (live_sum[ending] + outside)[:, None]
-        teacher = self.wire["log_probs"][ending].detach().to(log_q.dtype)
-        if kd.cross_tokenizer.loss == "uld":
-            terms = uld_terms(log_q, teacher)
-        else:
-            terms = gold_terms(log_q, teacher, context.vocabulary_map, divergence=kd.divergence)
-        loss = terms.sum() * kd.temperature**2 / token_normalizer(norm, inside, log_q.dtype)
-        if len(ending) and loss.requires_grad:
-            (state["pending"][ending],) = torch.autograd.grad(loss, outside, retain_graph=True)
-        later = inside & ~ends_here
-        carried = (live[later] * state["pending"][owner[later]]).sum()
-        return loss + (carried - carried.detach()), {}
 
 
 class LabelLogProbs(TeacherAnswer):

@@ -1,0 +1,123 @@
+"""A cross-tokenizer teacher's answer per aligned group ("groups", `kd.cross_tokenizer.loss` `uld` or `gold`): the
+teacher's chain-rule distribution of each group over its own vocabulary, against the student's groups
+(`meshkd.recipe.corpus.aligned_data`; the losses are `meshkd.core.cross_tokenizer_loss`'s), of whole logits or
+chunk by chunk (the fused output layer)."""
+
+from __future__ import annotations
+
+import torch
+
+from meshkd.core.chunked_loss import token_normalizer
+from meshkd.core.cross_tokenizer_loss import (
+    VocabularyMap,
+    gold_loss,
+    gold_terms,
+    group_log_probs,
+    uld_loss,
+    uld_terms,
+)
+from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, group_positions, teacher_side
+from meshkd.recipe.teacher.answer_base import LossContext, TeacherAnswer
+
+GROUPS = "groups"
+"""The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
+
+
+def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
+                            ignore_index: int) -> torch.Tensor:
+    """[groups, teacher vocab]: the teacher's chain-rule distribution of each group KD counts
+    (`meshkd.core.cross_tokenizer_loss.group_log_probs`), from its logits of the batch's teacher side."""
+    teacher = teacher_side(batch)
+    length = teacher["input_ids"].shape[1]
+    # The next token: inside a group it is the same document's, and the group's merge reads only those.
+    targets = torch.roll(teacher["input_ids"], -1, dims=1)
+    return group_log_probs(logits, targets, group_positions(batch, TEACHER_POSITIONS, length, ignore_index),
+                           group_positions(batch, TEACHER_GROUP_ENDS, length, ignore_index), temperature=temperature)
+
+
+def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Tensor, kd, *,
+                  num_valid_tokens: float | torch.Tensor, vocabulary_map: VocabularyMap | None) -> torch.Tensor:
+    """`kd.cross_tokenizer.loss` `uld` or `gold` of a micro-batch: the student's groups against the teacher's
+    group distributions (`teacher_group_log_probs`), summed and divided by `num_valid_tokens`."""
+    length, ignore = batch["input_ids"].shape[1], kd.ignore_index
+    common = {"student_first": group_positions(batch, None, length, ignore),
+              "student_last": group_positions(batch, GROUP_ENDS, length, ignore),
+              "temperature": kd.temperature, "num_valid_tokens": num_valid_tokens}
+    if kd.cross_tokenizer.loss == "uld":
+        return uld_loss(logits, batch["labels"], teacher_log_probs, **common)
+    return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
+
+
+class GroupDistributions(TeacherAnswer):
+    """A cross-tokenizer teacher's distribution per aligned group ("log_probs" [groups, teacher vocab])."""
+
+    @classmethod
+    def encode(cls, logits, batch, transport, context):
+        """The teacher's chain-rule distribution of each group KD counts (`teacher_group_log_probs`), at
+        `kd.temperature`, whatever encoding is asked (`kd.cross_tokenizer.loss` `uld` and `gold` take `full`)."""
+        return {"mode": GROUPS, "log_probs": teacher_group_log_probs(
+            logits, batch, temperature=context.kd.temperature, ignore_index=context.kd.ignore_index)}
+
+    def kd_loss(self, logits, micro_batch, context, *, norm):
+        return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
+                             vocabulary_map=context.vocabulary_map), {}
+
+    def check_indices(self, context: LossContext, vocab_size: int) -> None:
+        """Nothing to check: a group's distribution is over the teacher's whole vocabulary, no indices."""
+
+    def prepare_chunks(self, label_log_probs: torch.Tensor, micro_batch: dict, context: LossContext) -> None:
+        """Before `chunk_kd_loss`, which then takes the chunks last to first (`fused_output_loss(reverse=True)`):
+        `label_log_probs` [positions], each flattened position's log-probability of its label at `kd.temperature`.
+
+        A group's distribution is its last position's plus the log-probabilities of its earlier positions' labels
+        (`group_log_probs`), which may lie in earlier chunks: those enter with these values, and their gradient is
+        carried back to their chunk as the group's derivative with respect to them (`pending`), known by then."""
+        ignore, length = context.kd.ignore_index, micro_batch["input_ids"].shape[1]
+        first = group_positions(micro_batch, None, length, ignore)
+        last = group_positions(micro_batch, GROUP_ENDS, length, ignore)
+        lengths = last - first
+        earlier = first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()), device=first.device) - (
+            (lengths.cumsum(0) - lengths).repeat_interleave(lengths))  # each group's positions before its last
+        group_of = torch.full_like(label_log_probs, -1, dtype=torch.long)
+        group_of[earlier] = torch.arange(len(first), device=first.device).repeat_interleave(lengths)
+        if bool((micro_batch["labels"].reshape(-1)[earlier] < 0).any()):
+            raise ValueError("a target inside a group (before its last position) is not a token id: groups must lie "
+                             "within documents, where every position but the last has a target")
+        prefix = label_log_probs.new_zeros(len(first)).index_add(0, group_of[earlier], label_log_probs[earlier])
+        self._chunks = {"last": last, "group_of": group_of, "prefix": prefix, "label_log_probs": label_log_probs,
+                        "pending": torch.zeros_like(prefix)}
+
+    def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
+        """`kd_loss`' share of the flattened positions `tokens` given their logits [c, vocab]: the groups that end
+        there, and the gradient of those that end in a later chunk through their labels here (no value). The
+        chunks run last to first after `prepare_chunks`."""
+        state, kd = self._chunks, context.kd
+        start = tokens.start
+        end = start + logits.shape[0]
+        scaled = logits.float() / kd.temperature
+        log_z = scaled.logsumexp(-1)
+        labels = micro_batch["labels"].reshape(-1)[start:end]
+        live = scaled.gather(-1, labels.clamp(min=0)[:, None])[:, 0] - log_z  # each label's log-probability
+        owner = state["group_of"][start:end]
+        inside = owner >= 0
+        ends_here = inside & (state["last"][owner.clamp(min=0)] < end)
+        ending = ((state["last"] >= start) & (state["last"] < end)).nonzero()[:, 0]
+        here = owner[ends_here]
+        live_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(0, here, live[ends_here])
+        known_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(
+            0, here, state["label_log_probs"][start:end][ends_here])
+        # The earlier chunks' share of each group's prefix, as a leaf: its gradient is what they are owed.
+        outside = (state["prefix"][ending] - known_sum[ending]).detach().requires_grad_()
+        rows = state["last"][ending] - start
+        log_q = scaled[rows] - log_z[rows, None] + (live_sum[ending] + outside)[:, None]
+        teacher = self.wire["log_probs"][ending].detach().to(log_q.dtype)
+        if kd.cross_tokenizer.loss == "uld":
+            terms = uld_terms(log_q, teacher)
+        else:
+            terms = gold_terms(log_q, teacher, context.vocabulary_map, divergence=kd.divergence)
+        loss = terms.sum() * kd.temperature**2 / token_normalizer(norm, inside, log_q.dtype)
+        if len(ending) and loss.requires_grad:
+            (state["pending"][ending],) = torch.autograd.grad(loss, outside, retain_graph=True)
+        later = inside & ~ends_here
+        carried = (live[later] * state["pending"][owner[later]]).sum()
+        return loss + (carried - carried.detach()), {}
