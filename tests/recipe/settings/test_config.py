@@ -141,3 +141,28 @@ def test_a_run_from_a_teacher_cache_needs_no_teacher_ranks_and_no_teacher():
     data["kd"] = {}
     with pytest.raises(ConfigError, match="teacher_model: set exactly one of"):
         config_from_dict(data)
+
+
+def test_each_teacher_is_a_spec_of_teacher_list_and_the_settings_it_changes_are_asked_of_the_config(tmp_path):
+    """The one-teacher keys are a list of one; a teacher is found by name (the only one without); `kd_of` and
+    `layout_of` give what a teacher changes of the run's settings; a wrong name is refused naming those there are."""
+    from tests.recipe.teacher.test_teachers import llama_teacher, qwen_teacher, teacher, with_teachers
+
+    one = config_from_dict(with_layout(base_config(tmp_path), {"dp_size": 1}, {"dp_size": 2}))
+    (only,) = one.teacher_list()
+    assert one.teacher_named() is not None and only.model == one.teacher_model and only.cache is None
+    assert one.layout_of(only).dp_size == 2 and one.kd_of(only) == one.kd
+    several = with_teachers(tmp_path, {"dp_size": 1}, [teacher("code", llama_teacher(), 1.0, {"dp_size": 1}),
+                                                       teacher("prose", qwen_teacher(), 1.0)])
+    several["teachers"][1].update(logits_transport="topk", cache=str(tmp_path / "cache"))
+    config = config_from_dict(several)
+    code, prose = config.teacher_named("code"), config.teacher_named("prose")
+    assert config.layout_of(code).dp_size == 1 and config.layout_of(prose) is config.distributed
+    assert config.kd_of(code).logits_transport == "full" and config.kd_of(code).teacher_cache is None
+    assert config.kd_of(prose).logits_transport == "topk" and config.kd_of(prose).teacher_cache == str(
+        tmp_path / "cache")
+    assert config.kd.logits_transport == "full"  # the run's own settings stay as given
+    with pytest.raises(ConfigError, match=r"teachers: give one of code, prose"):
+        config.teacher_named()
+    with pytest.raises(ConfigError, match=r"teachers: no teacher named 'poems'; give code, prose"):
+        config.teacher_named("poems")
