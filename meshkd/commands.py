@@ -156,14 +156,15 @@ def serve_teacher_command(config_path: str, overrides: list[str], nproc: int | N
                           "where students find it); this config " + ("has several teachers (teachers)" if
                           config.teachers is not None else "gives neither"))
     options.check()
+    teacher = config.teacher_named()
     if launcher.inside_torchrun():
         from meshkd.recipe.lifecycle.teacher_service import serve_teacher
 
-        return launcher.run_here(lambda: serve_teacher(config, config.teacher_named(), options))
+        return launcher.run_here(lambda: serve_teacher(config, teacher, options))
     from meshkd.recipe.lifecycle.preflight import preflight_teacher
 
-    preflight_teacher(config, config.teacher_named())
-    world_size = _teacher_world_size(config, config.teacher_named(), nproc)
+    preflight_teacher(config, teacher)
+    world_size = _teacher_world_size(config, teacher, nproc)
     flags = {"--host": options.host, "--port": options.port, "--max-batch-tokens": options.max_batch_tokens,
              "--max-request-tokens": options.max_request_tokens, "--tls-cert": options.tls_cert,
              "--tls-key": options.tls_key, "--address-file": options.address_file}

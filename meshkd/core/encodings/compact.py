@@ -179,17 +179,26 @@ class CompactTopK(AnswerEncoding):
     def decode(self, answer):
         """The "topk" answer it carries; besides it, fields other than the packing's (an evaluation's label
         log-probabilities, a teacher's hidden states) are kept."""
-        packing = ("k", "tail_samples", "vocab", "packed")
-        return {**{key: value for key, value in answer.items() if key not in packing}, **unpack_topk(answer)}
+        return self._decoded(answer)[0]
 
     def check(self, answer, shape, *, check_indices):
-        self.exact.check(self.decode(answer), shape, check_indices=False)
-        if check_indices and bool(self.index_errors(answer, shape[-1])):  # one host sync for every index value
+        decoded, whole = self._decoded(answer)  # unpacked once for both checks
+        self.exact.check(decoded, shape, check_indices=False)
+        if check_indices and bool(self._errors(decoded, whole, shape[-1])):  # one host sync for every index value
             raise ValueError(self.index_message(shape[-1]))
 
     def index_errors(self, answer, vocab):
-        decoded, whole = _unpack(answer)
+        return self._errors(*_unpack(answer), vocab)
+
+    def _errors(self, decoded, whole, vocab):
+        """The exact encoding's index check of the decoded answer, or a bitmap without its n ones."""
         return self.exact.index_errors(decoded, vocab) | ~whole
+
+    @staticmethod
+    def _decoded(answer):
+        packing = ("k", "tail_samples", "vocab", "packed")
+        encoded, whole = _unpack(answer)
+        return {**{key: value for key, value in answer.items() if key not in packing}, **encoded}, whole
 
     def index_message(self, vocab):
         return f"{self.exact.index_message(vocab)} (a compact answer's index bitmaps hold k and m ones)"

@@ -74,12 +74,13 @@ class StudentTrainer:
         """This rank's models and data (and the teachers on the student's ranks); `checked`: each teacher's
         preflight, by name."""
         config = self.config
-        self.teachers, self._checked = {teacher.name: teacher for teacher in config.teacher_list()}, checked
-        checked = checked[next(iter(self.teachers))]  # what the teachers share: the student's tokenizer
+        self.teacher_configs = {teacher.name: teacher for teacher in config.teacher_list()}
+        self._checked = checked
+        checked = checked[next(iter(self.teacher_configs))]  # what the teachers share: the student's tokenizer
         self.tokenizer, self.teacher_tokenizer = checked.tokenizer, checked.teacher_tokenizer
         self._teacher_width = checked.teacher_width
         self._model, self._checkpoint = load_student(config, self.setup)
-        self._teachers = {name: load_teacher(teacher) for name, teacher in self.teachers.items()
+        self._teachers = {name: load_teacher(teacher) for name, teacher in self.teacher_configs.items()
                           if self._checked[name].source.loads_here}
         # Read by the teacher's projection when it answers here (shared meshes), by GOLD's loss on every student.
         self._vocabulary_map = teacher_vocabulary_map(
@@ -104,12 +105,13 @@ class StudentTrainer:
             name: self._checked[name].source.make(self.config, teacher, self._checked[name].teacher, SourceContext(
                 self.setup, self.device, datasets, vocab_size, self._vocabulary_map, bridge=bridges.get(name),
                 loaded=self._teachers.pop(name, None)))
-            for name, teacher in self.teachers.items()}
+            for name, teacher in self.teacher_configs.items()}
         # One teacher is the list of one: its own source; several are asked as one.
         self.teacher = TeacherEnsemble.of(
             self.teacher_sources, roles={name: self.setups.role(name) for name in self.teacher_sources},
             watch=self.faults.watch, route=combination_named(self.config.kd.combine).routes_rows,
-            transports={name: self.config.kd_of(teacher).logits_transport for name, teacher in self.teachers.items()})
+            transports={name: self.config.kd_of(teacher).logits_transport
+                        for name, teacher in self.teacher_configs.items()})
         self.model, self.pipeline, self.router_loss = lay_out_student(
             self._model, self._checkpoint, self.config, self.setup, device=self.device,
             num_micro_batches=self.num_micro_batches)
@@ -148,7 +150,7 @@ class StudentTrainer:
         teacher_byte_lengths = token_byte_lengths(self.teacher_tokenizer) if config.kd.cross_tokenizer else None
 
         def evaluation(name: str, teacher: TeacherSource) -> Evaluation:
-            return Evaluation(config, self.setup, kd=config.kd_of(self.teachers[name]), model=self.model,
+            return Evaluation(config, self.setup, kd=config.kd_of(self.teacher_configs[name]), model=self.model,
                               pipeline=self.pipeline, teacher=teacher,
                               val_set=self.val_set, val_prompts=self.val_prompts,
                               completions=lambda: self._completions(greedy=True), watch=self.faults.watch,

@@ -53,9 +53,10 @@ def validate(config: KDRecipeConfig) -> None:
     for teacher in config.teacher_list():
         try:
             check_models(config, teacher)
-            check_kd(config, config.kd_of(teacher))
+            kd = config.kd_of(teacher)
+            check_kd(config, kd)
             if teacher.model.url is not None:
-                check_served_teacher(teacher.model, config.kd_of(teacher))
+                check_served_teacher(teacher.model, kd)
         except ConfigError as error:
             raise error if config.teachers is None else ConfigError(f"teachers.{teacher.name}: {error}") from None
     check_step_scheduler(config)
