@@ -149,8 +149,9 @@ def output_layer(tokens_list: list[int], *, whole_up_to: int, chunk_size: int = 
 def _step_probe(kind: str, tokens: int) -> dict:
     """Run in a fresh process: peak bytes above the model of one micro-batch's forward and backward through a
     transformers model (a one-layer Llama of width 64 with Qwen2.5's vocabulary, CE on `tokens` positions, as
-    the trainer computes it): "whole" from its logits, "fused" within `FusedHead.computing` (what `meshkd train`
-    does), so the peak counts what the model hands back and its gradient too, not the kernel alone."""
+    the trainer computes it): "whole" from its logits, "fused" from its last hidden states through `FusedHead.loss`
+    (what `meshkd train` does), so the peak counts what the model hands back and its gradient too, not the kernel
+    alone."""
     import time
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -164,7 +165,8 @@ def _step_probe(kind: str, tokens: int) -> dict:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=OUTPUT_VOCAB, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
     ids = torch.randint(0, OUTPUT_VOCAB, (1, tokens))
-    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(tokens)[None]}
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(tokens)[None],
+             "attention_mask": torch.ones_like(ids)}
     kd = KDConfig(kd_ratio=0.0, chunk_size=1024)
     head = FusedHead(model.lm_head, kd=kd, vocab_size=OUTPUT_VOCAB)
     norm = torch.tensor(float(tokens))
@@ -175,9 +177,7 @@ def _step_probe(kind: str, tokens: int) -> dict:
         logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
         loss = cross_entropy_loss(logits, batch["labels"], num_valid_tokens=norm, chunk_size=1024)
     else:
-        with head.computing(batch, None, LossContext(kd), norm=norm):
-            logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
-        loss = head.loss_of(logits)
+        loss, _ = head.loss(head.hidden_states(model, None, batch), batch, None, LossContext(kd), norm=norm)
     loss.backward()
     return {"peak_bytes": status_kib("VmHWM") * 1024 - base, "seconds": time.perf_counter() - started,
             "value": float(loss.detach())}

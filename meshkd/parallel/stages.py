@@ -14,7 +14,9 @@ stages before the last. Two hooks join a stage to its neighbours:
 - before the last stage, the pass-through standing in for the final norm records its input: the output of
   the last kept layer after every hook of that layer ran (FSDP2's included). What follows runs on
   pass-throughs and costs a few element-wise operations.
-The last stage returns the model's logits, i.e. what the model's own head and post-processing produce.
+The last stage returns the model's logits, i.e. what the model's own head and post-processing produce, or, for a
+loss that applies the output layer itself (`meshkd.core.fused_output`), its last hidden states
+(`last_hidden_states`: the model's forward with its output layer applied to no position).
 """
 
 from __future__ import annotations
@@ -24,7 +26,42 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelStage", "decoder_of", "is_pass_through", "is_tied", "stage_layers"]
+__all__ = ["HeadTransformError", "ModelStage", "decoder_of", "is_pass_through", "is_tied", "last_hidden_states",
+           "stage_layers"]
+
+
+class HeadTransformError(ValueError):
+    """A model changes its logits after its output layer (`last_hidden_states`' check)."""
+
+
+def last_hidden_states(model: nn.Module, *, check_head: bool = False, **inputs: Any) -> torch.Tensor:
+    """[batch, sequence, hidden]: a causal LM's last hidden states (after its final norm: what its output layer
+    takes), from the model's own forward with the output layer applied to no position (`logits_to_keep`) and the
+    hidden states asked for (the last of them is the final norm's output in transformers 5).
+
+    `check_head`: apply the output layer to the last position instead and check that the model returned what the
+    output layer made there (a forward hook reads it), once, before trusting that the logits are the output
+    layer's of these hidden states.
+
+    Raises:
+        HeadTransformError: with `check_head`, the model changed the output layer's logits (a soft-cap or a scale
+            in its forward).
+    """
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    keep = 1 if check_head else torch.empty(0, dtype=torch.long, device=ids.device)
+    made: list[torch.Tensor] = []
+    head = model.get_output_embeddings() if check_head else None
+    handle = head.register_forward_hook(lambda module, args, output: made.append(output)) if check_head else None
+    try:
+        output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=keep)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if check_head:
+        local = [value.to_local() if hasattr(value, "to_local") else value for value in (output.logits, made[-1])]
+        if local[0].shape != local[1].shape or not torch.equal(local[0].float(), local[1].float()):
+            raise HeadTransformError(f"{type(model).__name__} changes its logits after its output layer")
+    return output.hidden_states[-1]
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -142,21 +179,25 @@ class ModelStage:
             self._recorder = decoder.norm = _Recorder()
             model.set_output_embeddings(_PassThrough())
 
-    def run(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, *, hidden_states: bool = False, check_head: bool = False,
+            **kwargs: Any) -> torch.Tensor:
         """The stage's output for `inputs`, through the model's own forward.
 
         `inputs` is input_ids [batch, sequence] on the first stage and the previous stage's hidden state
         [batch, sequence, hidden] elsewhere; `kwargs` go to the model's forward (attention_mask,
         position_ids, ...). Returns the hidden state [batch, sequence, hidden] on a stage before the last,
-        else the model's logits [batch, sequence, vocab].
+        else the model's logits [batch, sequence, vocab], or with `hidden_states` its last hidden states
+        (`last_hidden_states`, which `check_head` passes on).
         """
-        if self.is_first:
-            output = self.model(input_ids=inputs, use_cache=False, **kwargs)
-        else:
+        feed = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
+        if not self.is_first:
             self._replace_input.hidden = inputs
-            try:
-                output = self.model(inputs_embeds=inputs, use_cache=False, **kwargs)
-            finally:
+        try:
+            if self.is_last and hidden_states:
+                return last_hidden_states(self.model, check_head=check_head, **feed, **kwargs)
+            output = self.model(**feed, use_cache=False, **kwargs)
+        finally:
+            if not self.is_first:
                 self._replace_input.hidden = None
         if self.is_last:
             return output.logits

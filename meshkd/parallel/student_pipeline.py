@@ -26,7 +26,8 @@ kwargs (chunked per micro-batch like the inputs) and each stage builds its own a
 
 Stage metadata is given statically (shapes from the micro-batch, dtype from the parameters), so torch runs
 no extra forward/backward to infer it and never calls the loss for that; the last stage hands the schedule
-its local vocab shard (a plain tensor) and the loss gets the DTensor Shard(-1) back. One stage and
+its local vocab shard (a plain tensor) and the loss gets the DTensor Shard(-1) back, or, where the loss applies the
+output layer itself (`hands_hidden_states`), its last hidden states. One stage and
 schedule are built per micro-batch shape and kind (training, evaluation) and reused. Gradients are not
 rescaled (`scale_grads=False`): the caller's loss is normalized over the whole optimizer step and already
 multiplied by `student_loss_scale(setup)`.
@@ -84,7 +85,8 @@ class _StageModule(nn.Module):
     previous stage's hidden state [rows, seq, hidden] elsewhere; the model's own forward runs with the
     masks built from `documents`. Returns the hidden state, or on the last stage this rank's local logits
     [rows, seq, local_vocab] as a plain tensor (the stage metadata then needs no DTensor gradient
-    description; `StudentPipeline` rebuilds the DTensor for the loss).
+    description; `StudentPipeline` rebuilds the DTensor for the loss), or with `hands_hidden_states` the last
+    hidden states [rows, seq, hidden] (the output layer checked on the first forward: `last_hidden_states`).
     """
 
     def __init__(
@@ -101,6 +103,8 @@ class _StageModule(nn.Module):
         self.dtype, self.logits_dtype = dtype, logits_dtype
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.router_loss = router_loss
+        self.hands_hidden_states = False
+        self._head_checked = False
 
     def forward(self, inputs: torch.Tensor, statistics: torch.Tensor | None = None, *, position_ids: torch.Tensor,
                 documents: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +113,12 @@ class _StageModule(nn.Module):
         masks = layer_masks(documents, self.windows, dtype=mask_dtype(self, inputs.device), cp_size=self.cp_size,
                             cp_rank=self.cp_rank, block=self.block)
         with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
-            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
-        if not self.stage.is_last:
+            hidden_states = self.stage.is_last and self.hands_hidden_states
+            check_head = hidden_states and not self._head_checked
+            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids,
+                                    hidden_states=hidden_states, check_head=check_head)
+            self._head_checked |= check_head
+        if not self.stage.is_last or self.hands_hidden_states:
             # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
             output = output.to(self.dtype).contiguous()
         else:
@@ -238,11 +246,17 @@ class StudentPipeline:
 
         self._runners: dict[tuple, _Runner] = {}
         self._loss_fn: LossFn | None = None
-        self.loss_in_head = False
-        """Whether the last stage's output layer hands training's loss in place of the logits, and an evaluation's
-        zeros (the fused output layer, `meshkd.recipe.student.fused_head`, which sums the figures itself):
-        broadcast to the logits' shape with stride 0, which both schedules' metadata then say. Set before the
-        first step."""
+
+    @property
+    def hands_hidden_states(self) -> bool:
+        """Whether the last stage hands its last hidden states [rows, seq, hidden] to the loss and to `forward`'s
+        caller in place of the logits (a loss that applies the output layer itself: the fused output layer,
+        `meshkd.recipe.student.fused_head`); both schedules' metadata then say so. Set before the first step."""
+        return self.stage_model.hands_hidden_states
+
+    @hands_hidden_states.setter
+    def hands_hidden_states(self, value: bool) -> None:
+        self.stage_model.hands_hidden_states = value
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -261,7 +275,8 @@ class StudentPipeline:
                 share from `shard_student_batch` (then seq is the local length). Other keys are ignored.
             loss_fn: `loss_fn(index, logits) -> Tensor`, called on the last stage only, once per
                 micro-batch `index` (0-based, in order), with logits [rows, seq, vocab] (a DTensor
-                Shard(-1) under tp); with a `router_loss`, `loss_fn(index, logits, router)` where `router`
+                Shard(-1) under tp; with `hands_hidden_states`, the last hidden states); with a
+                `router_loss`, `loss_fn(index, logits, router)` where `router`
                 is this rank's share of the micro-batch's router loss (the whole of it without cp, else the
                 cp ranks' shares add up to it), to add to the loss. It returns the scalar loss to
                 backpropagate, already normalized over the optimizer step and multiplied by
@@ -317,8 +332,8 @@ class StudentPipeline:
         local.add_(received)
 
     def _schedule_loss(self, output: torch.Tensor | tuple, target: torch.Tensor) -> torch.Tensor:
-        """The loss the torch schedule calls on the last stage: (local logits [, router statistics], [index])
-        -> loss_fn(...)."""
+        """The loss the torch schedule calls on the last stage: (local logits or hidden states [, router
+        statistics], [index]) -> loss_fn(...)."""
         index = int(target.reshape(-1)[0])
         if self.router_loss is None:
             return self._loss_fn(index, self._logits(output))
@@ -329,8 +344,8 @@ class StudentPipeline:
 
     @torch.no_grad()
     def forward(self, micro_batch: dict) -> torch.Tensor | None:
-        """Logits [rows, seq, vocab] on the last stage (DTensor Shard(-1) under tp; stride 0 with `loss_in_head`:
-        the fused output layer's evaluation has summed its figures); None elsewhere.
+        """Logits [rows, seq, vocab] on the last stage (DTensor Shard(-1) under tp; the last hidden states with
+        `hands_hidden_states`); None elsewhere.
 
         Every stage (and tp rank) of the replica calls it with the same micro-batch. Forward only; put
         `stage_model` in eval mode first if the model has dropout.
@@ -378,8 +393,9 @@ class StudentPipeline:
         return input_ids, position_ids, documents
 
     def _logits(self, local: torch.Tensor) -> torch.Tensor:
-        """The last stage's local logits as the model returns them: a DTensor Shard(-1) under tp."""
-        if self.tp_mesh is None:
+        """The last stage's local logits as the model returns them: a DTensor Shard(-1) under tp (the last hidden
+        states, with `hands_hidden_states`, as they are)."""
+        if self.tp_mesh is None or self.hands_hidden_states:
             return local
         rows, length = local.shape[:2]
         # Explicit global shape and stride: the vocab may not split evenly over tp.
@@ -405,10 +421,8 @@ class StudentPipeline:
 
         hidden = meta(rows, length, self.hidden_size)
         inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
-        outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if self.is_last else hidden
-        if self.is_last and self.loss_in_head:  # the loss (or an evaluation's zero) at every entry: one stored value
-            outputs = torch.empty_strided(outputs.shape, (0, 0, 0), dtype=self.logits_dtype, device="meta",
-                                          requires_grad=True)
+        logits = self.is_last and not self.hands_hidden_states
+        outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if logits else hidden
         if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)
             statistics = meta(2, self.router_loss.num_experts + 1, dtype=torch.float32)
             inputs = (inputs,) if self.is_first else (inputs, statistics)

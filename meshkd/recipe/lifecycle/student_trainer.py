@@ -43,7 +43,14 @@ from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
 from meshkd.recipe.student.step_data import StepData, run_datasets
 from meshkd.recipe.student.student_model import export_student, lay_out_student, load_student, student_hidden_states
-from meshkd.recipe.student.train_step import TrainStep, build_optimizer
+from meshkd.recipe.student.train_step import (
+    Objective,
+    Optimization,
+    StepRanks,
+    StudentParts,
+    TrainStep,
+    build_optimizer,
+)
 from meshkd.recipe.teacher.sources import SourceContext
 from meshkd.recipe.teacher.teacher_worker import load_teacher, teacher_vocabulary_map
 
@@ -134,15 +141,14 @@ class StudentTrainer:
         """The training step (on-policy: wrapped in the completions' step) and the evaluations."""
         config = self.config
         fused_head = FusedHead.of(self.model, config, self.setup, self.pipeline, self.vocab_size)
-        self.step = TrainStep(model=self.model, pipeline=self.pipeline, optimizer=self.optimizer,
-                              scheduler=self.scheduler, setup=self.setup, kd=config.kd, vocab_size=self.vocab_size,
-                              num_micro_batches=self.num_micro_batches, max_grad_norm=config.optimizer.max_grad_norm,
-                              router_loss=self.router_loss, watch=self.faults.watch, device=self.device,
-                              vocabulary_map=self._vocabulary_map,
-                              teacher_weights=config.teacher_weights(),
-                              hidden_states=self.hidden_states, group=self.student_group,
-                              stop_requested=self._stop.requested,
-                              fused_head=fused_head)
+        student = StudentParts(self.model, self.pipeline, fused_head=fused_head, router_loss=self.router_loss,
+                               hidden_states=self.hidden_states)
+        objective = Objective(config.kd, self.vocab_size, vocabulary_map=self._vocabulary_map,
+                              teacher_weights=config.teacher_weights())
+        optimization = Optimization(self.optimizer, self.scheduler, self.num_micro_batches,
+                                    max_grad_norm=config.optimizer.max_grad_norm)
+        self.step = TrainStep(student, objective, optimization, StepRanks(self.setup, self.device, self.student_group),
+                              watch=self.faults.watch, stop_requested=self._stop.requested)
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
                                            completions=self._completions) if config.kd.mode == "on_policy" else None
         # The same for every teacher: each vocabulary entry's bytes, counted once.

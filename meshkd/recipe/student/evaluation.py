@@ -32,7 +32,7 @@ student's figures only: they run between steps while a prefetching teacher feed 
 the next step's micro-batches on the bridge, and they stay as cheap as the student's forward.
 
 Where the training's output layer is fused with its loss (`kd.fused_output_loss`), the held-out sums are made
-through it too, chunk by chunk (`FusedHead.evaluating`): the [tokens, vocab] logits are never whole there either.
+through it too, chunk by chunk (`FusedHead.evaluate`): the [tokens, vocab] logits are never whole there either.
 
 `samples` scores the student's greedy completions of the validation prompts by the teacher; `first` is
 step 0's evaluation, which a resumed run reads back from its run directory instead of computing it again.
@@ -194,8 +194,7 @@ class Evaluation:
             self._add_logits(sums, logits, flat[tokens], text[tokens], answer, with_distribution=with_distribution,
                              cut=(tokens, tuple(labels.shape)))
 
-        with self.fused_head.evaluating(on_chunk):
-            student_logits(self.model, self.pipeline, micro_batch)
+        self.fused_head.evaluate(self.fused_head.hidden_states(self.model, self.pipeline, micro_batch), on_chunk)
         return True
 
     def _label_bytes(self, labels: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:

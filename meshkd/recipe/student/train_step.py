@@ -6,10 +6,16 @@ objective's settings) and no state of the run: calling it takes the step's `num_
 trains, and returns the step's metrics. The data path of a micro-batch:
 
     shard (this cp rank's head-tail share of the batch and of the answer)
-      -> the student's logits (the model, or `StudentPipeline`, whose schedule runs a whole step at once)
-      -> micro_batch_loss -> backward (gradient sync on the step's last micro-batch only)
+      -> the student's logits, or with the fused output layer its last hidden states (the model, or
+         `StudentPipeline`, whose schedule runs a whole step at once)
+      -> micro_batch_loss (`FusedHead.loss`, else the objective of whole logits) -> backward (gradient sync on
+         the step's last micro-batch only)
     then, once per step: clip -> one reduction of the step's figures -> the non-finite rule -> optimizer and
     lr step -> metrics
+
+What a step works with comes as four objects: the student's parts (`StudentParts`: the model, its pipeline, the
+fused output layer, the router and hidden-state terms), the objective (`Objective`), the optimization
+(`Optimization`: optimizer, schedule, micro-batches, clipping) and the ranks (`StepRanks`).
 
 An item is `{"micro_batch": ..., "step_valid": ...}`: the micro-batch on the device and the local number of
 valid tokens of its whole step (all its micro-batches on this rank, a tensor on the device), known before its
@@ -38,6 +44,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +58,7 @@ from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
 from meshkd.core.topology import DistributedSetup
 from meshkd.parallel.context_parallel import shard_student_batch
 from meshkd.parallel.data_parallel import clip_grad_norm, gradient_sync, scale_expert_gradients, student_loss_scale
+from meshkd.parallel.stages import HeadTransformError
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.batches import to_device
@@ -172,47 +180,77 @@ def student_logits(model: torch.nn.Module, pipeline: StudentPipeline | None, mic
                  attention_mask=micro_batch["attention_mask"], use_cache=False).logits  # no KV cache to build
 
 
+@dataclass
+class StudentParts:
+    """What of the student a step runs: the laid-out model (a pipelined student's stage model), its pipeline (or
+    None), its output layer fused with the loss (`FusedHead.of`, or None: whole logits), an MoE student's router
+    loss and `kd.hidden_states`' student side (`StudentHiddenStates`; its term is logged as `hidden_state_loss`)."""
+
+    model: torch.nn.Module
+    pipeline: StudentPipeline | None = None
+    fused_head: FusedHead | None = None
+    router_loss: RouterLoss | None = None
+    hidden_states: StudentHiddenStates | None = None
+
+
+@dataclass
+class Objective:
+    """The objective's settings (`kd`: kd_ratio, temperature, divergence, the non-finite rule, ...), the vocabulary
+    the teacher's answers cover (the student's logits are cut to it for KD), `kd.cross_tokenizer.loss: gold`'s
+    exact pairs of the two vocabularies, and several teachers' normalized weights by name (their answers combine
+    by `kd.combine`; each one's divergence and wait are logged as `kd_loss/NAME` and `teacher_wait_s/NAME`)."""
+
+    kd: KDConfig
+    vocab_size: int
+    vocabulary_map: VocabularyMap | None = None
+    teacher_weights: dict[str, float] | None = None
+
+
+@dataclass
+class Optimization:
+    """The optimizer and its lr schedule (stepped once a step), the micro-batches a step takes on this rank, and
+    the clip threshold (None: no clipping; the norm is still measured)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    num_micro_batches: int
+    max_grad_norm: float | None = None
+
+
+@dataclass
+class StepRanks:
+    """The student's layout, this rank's device, and every student rank (None: the world), over which the step's
+    figures are reduced."""
+
+    setup: DistributedSetup
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+
+
 class TrainStep:
     """One optimizer step: `step(feed, skipped_steps=...)` -> the step's metrics (see the module docstring).
 
     Args:
-        model: the laid-out student (a pipelined student's stage model).
-        pipeline: the student's pipeline, or None.
-        optimizer, scheduler: the optimizer and its lr schedule, stepped once per call.
-        setup: the student's layout.
-        kd: the objective's settings (`kd_ratio`, temperature, divergence, non-finite rule, ...).
-        vocab_size: the vocabulary the teacher's answers cover (the student's logits are cut to it for KD).
-        num_micro_batches: micro-batches per step on this rank.
-        max_grad_norm: clip threshold (None: no clipping; the norm is still measured).
-        router_loss: an MoE student's router loss, or None.
+        student, objective, optimization, ranks: what the step works with (the module docstring).
         watch: `FaultWatch.watch`, around each wait for the teacher's answer.
-        vocabulary_map: `kd.cross_tokenizer.loss: gold`'s exact pairs of the two vocabularies.
-        teacher_weights: several teachers' normalized weights, by name (their answers combine by
-            `kd.combine`, `meshkd.recipe.teacher.teacher_answers.Ensemble`); each one's divergence and wait are logged
-            as `kd_loss/NAME` and `teacher_wait_s/NAME`.
-        hidden_states: `kd.hidden_states`' student side (`meshkd.recipe.teacher.hidden_states.StudentHiddenStates`); its
-            term is logged as `hidden_state_loss`.
-        group: every student rank (None: the world), over which the step's figures are reduced.
-        stop_requested: whether this rank was asked to stop; agreed over `group` in each step's reduction, and
-            `stop_agreed` tells the caller after the step (None: never asked).
+        stop_requested: whether this rank was asked to stop; agreed over the ranks' group in each step's reduction,
+            and `stop_agreed` tells the caller after the step (None: never asked).
     """
 
-    def __init__(self, *, model: torch.nn.Module, pipeline: StudentPipeline | None, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, setup: DistributedSetup, kd: KDConfig,
-                 vocab_size: int, num_micro_batches: int, max_grad_norm: float | None,
-                 router_loss: RouterLoss | None, watch: Callable[[str, str], Any], device: torch.device,
-                 vocabulary_map: VocabularyMap | None = None, teacher_weights: dict[str, float] | None = None,
-                 hidden_states: StudentHiddenStates | None = None, group: dist.ProcessGroup | None = None,
-                 stop_requested: Callable[[], bool] | None = None, fused_head: FusedHead | None = None) -> None:
-        self.model, self.pipeline, self.optimizer, self.scheduler = model, pipeline, optimizer, scheduler
-        self.setup, self.kd, self.vocab_size, self.device = setup, kd, vocab_size, device
-        self.num_micro_batches, self.max_grad_norm = num_micro_batches, max_grad_norm
-        self.router_loss, self.watch, self.hidden_states = router_loss, watch, hidden_states
-        self.group, self.stop_requested = group, stop_requested or (lambda: False)
-        self.fused_head = fused_head
+    def __init__(self, student: StudentParts, objective: Objective, optimization: Optimization, ranks: StepRanks, *,
+                 watch: Callable[[str, str], Any], stop_requested: Callable[[], bool] | None = None) -> None:
+        self.model, self.pipeline, self.fused_head = student.model, student.pipeline, student.fused_head
+        self.router_loss, self.hidden_states = student.router_loss, student.hidden_states
+        self.kd, self.vocab_size = objective.kd, objective.vocab_size
+        self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.num_micro_batches, self.max_grad_norm = optimization.num_micro_batches, optimization.max_grad_norm
+        self.setup, self.device, self.group = ranks.setup, ranks.device, ranks.group
+        self.watch, self.stop_requested = watch, stop_requested or (lambda: False)
         self.stop_agreed = False  # whether any student rank was asked to stop, as of the last step's reduction
-        self.answer_context = LossContext(kd, vocabulary_map=vocabulary_map, teacher_weights=teacher_weights,
-                                          cp_size=setup.cp_size, index_checks=[])
+        setup = self.setup
+        self.answer_context = LossContext(self.kd, vocabulary_map=objective.vocabulary_map,
+                                          teacher_weights=objective.teacher_weights, cp_size=setup.cp_size,
+                                          index_checks=[])
         self._cp_group = setup.device_mesh.get_group("cp") if setup.cp_size > 1 else None
         self._dp_group = setup.dp_mesh.get_group()
         # The loss values are the same on every tp rank and, once the last stage has sent them, every stage:
@@ -239,18 +277,15 @@ class TrainStep:
             # Gradients are reduced over the data-parallel ranks once, after the step's last micro-batch.
             with gradient_sync(self.model, enabled=index == self.num_micro_batches - 1):
                 router = None
-                fused = self.fused_head is not None and self.fused_head.applies(answer)
                 with (self.router_loss.recording() if self.router_loss else contextlib.nullcontext(),
-                      self.hidden_states.tap.on() if self.hidden_states else contextlib.nullcontext(),
-                      self.fused_head.computing(micro_batch, answer, self.answer_context, norm=pairs.norm)
-                      if fused else contextlib.nullcontext()):
-                    logits = student_logits(self.model, None, micro_batch)
+                      self.hidden_states.tap.on() if self.hidden_states else contextlib.nullcontext()):
+                    output = (self.fused_head.hidden_states(self.model, None, micro_batch) if self.fused_head
+                              else student_logits(self.model, None, micro_batch))
                 hidden = self.hidden_states.tap.take() if self.hidden_states else None
                 if self.router_loss:  # under cp, this rank's share
                     statistics = self.router_loss.statistics(micro_batch["attention_mask"])
                     router = self.router_loss.local_loss(statistics, group=self._cp_group)
-                loss, values = self.micro_batch_loss(logits, micro_batch, answer, pairs.norm, router, hidden,
-                                                     fused=fused)
+                loss, values = self.micro_batch_loss(output, micro_batch, answer, pairs.norm, router, hidden)
                 loss.backward()
             records.append(values)
         return records
@@ -260,37 +295,33 @@ class TrainStep:
         every stage gets their values from it, so all log, clip and checkpoint alike."""
         micro_batches, answers = zip(*pairs)
         by_index: dict[int, dict] = {}
-        # Only the last stage has a fused head (`FusedHead.of`); the kind of its answers is the run's.
-        fused = self.fused_head is not None
 
-        def loss_fn(index: int, logits: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
-            loss, by_index[index] = self.micro_batch_loss(logits, micro_batches[index], answers[index], norm, router,
-                                                          fused=fused, index=index)
+        def loss_fn(index: int, output: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
+            loss, by_index[index] = self.micro_batch_loss(output, micro_batches[index], answers[index], norm, router)
             return loss
 
-        with (self.fused_head.computing_each(list(micro_batches), list(answers), self.answer_context, norm=norm)
-              if fused else contextlib.nullcontext()):
+        try:
             self.pipeline.step(list(micro_batches), loss_fn)
+        except HeadTransformError as error:  # the last stage's first forward, with the fused output layer
+            raise self.fused_head.refusal(error) from None
         return broadcast_loss_metrics_from_last_stage(
             [by_index[i] for i in range(len(pairs))] if self.pipeline.is_last else None, pp_group=self.setup.pp_group)
 
-    def micro_batch_loss(self, logits: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
+    def micro_batch_loss(self, output: torch.Tensor, micro_batch: dict, answer: TeacherAnswer | None,
                          norm: float | torch.Tensor, router: torch.Tensor | None = None,
-                         hidden: list[torch.Tensor] | None = None, fused: bool = False,
-                         index: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         hidden: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss to backpropagate, its detached loss / ce_loss / kd_loss values) of one micro-batch.
 
-        `norm`: the step's global number of valid tokens, at least 1 (a 0-dim tensor in the step). `router`: an
-        MoE student's load-balancing loss of this micro-batch (under cp this rank's share); the objective adds
-        `router_loss.coefficient` times its mean over the step's micro-batches on every dp rank. `hidden`: the
-        student's outputs of `kd.hidden_states`' paired layers; the objective adds `weight` times their term
-        (`hidden_state_loss`). `fused`: the logits are the objective the fused head computed (`FusedHead`), of the
-        `index`-th micro-batch it was given."""
-        if fused:
-            loss = self.fused_head.loss_of(logits, index)
-            values = {key: value.to(logits.device) for key, value in self.fused_head.values[index].items()}
+        `output`: the student's logits, or with the fused output layer its last hidden states (`FusedHead.loss`
+        then computes the objective). `norm`: the step's global number of valid tokens, at least 1 (a 0-dim tensor
+        in the step). `router`: an MoE student's load-balancing loss of this micro-batch (under cp this rank's
+        share); the objective adds `router_loss.coefficient` times its mean over the step's micro-batches on every
+        dp rank. `hidden`: the student's outputs of `kd.hidden_states`' paired layers; the objective adds `weight`
+        times their term (`hidden_state_loss`)."""
+        if self.fused_head is not None:
+            loss, values = self.fused_head.loss(output, micro_batch, answer, self.answer_context, norm=norm)
         else:
-            loss, values = self._objective(logits, micro_batch, answer, norm)
+            loss, values = self._objective(output, micro_batch, answer, norm)
         if hidden is not None:
             term = answer.hidden_state_loss(hidden, micro_batch, self.answer_context, norm=norm,
                                             projections=self.hidden_states.projections)

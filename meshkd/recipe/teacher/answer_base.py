@@ -73,6 +73,13 @@ class TeacherAnswer:
         return type(self)({key: shard_teacher_logits(value, setup) if isinstance(value, torch.Tensor)
                            and value.ndim >= 2 else value for key, value in self.wire.items()})
 
+    chunks_reversed = False
+    """Whether `chunk_kd_loss` takes the chunks last to first, after `prepare_chunks`."""
+
+    def prepare_chunks(self, label_log_probs: torch.Tensor, micro_batch: dict, context: LossContext) -> None:
+        """Before a `chunks_reversed` answer's `chunk_kd_loss`: `label_log_probs` [positions], each flattened
+        position's log-probability of its label at `kd.temperature`. Nothing for the others."""
+
     def kd_loss(self, logits: torch.Tensor, micro_batch: dict, context: LossContext, *,
                 norm: float | torch.Tensor) -> tuple[torch.Tensor, Figures]:
         """(the KD term of the micro-batch, summed over its counted positions and divided by `norm`, the

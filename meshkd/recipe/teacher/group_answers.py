@@ -62,6 +62,8 @@ class GroupDistributions(TeacherAnswer):
         return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
                              vocabulary_map=context.vocabulary_map), {}
 
+    chunks_reversed = True
+
     def check_indices(self, context: LossContext, vocab_size: int) -> None:
         """Nothing to check: a group's distribution is over the teacher's whole vocabulary, no indices."""
 

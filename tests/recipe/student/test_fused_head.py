@@ -148,12 +148,15 @@ def test_the_fused_output_layer_trains_the_curve_of_whole_logits(one_rank, case)
 
 def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_never_makes_them_whole(tmp_path):
     """`FusedHead.of`: a plain float32 or bfloat16 student gets one (computing in its dtype), and a pipeline's last
-    stage (whose training schedule it tells); a stage before the last, a model that soft-caps its logits, or
-    `kd.fused_output_loss: false` do not. Within `computing`
-    the model's logits are the loss at every entry (stride 0) and so is their gradient: no [tokens, vocab] tensor
-    exists in forward or backward."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
+    stage (told to hand its last hidden states); a stage before the last, a model that soft-caps its logits, or
+    `kd.fused_output_loss: false` do not. The step asks the student for its last hidden states and calls the loss
+    on them: the value and the output layer's gradient of whole logits, with no [tokens, vocab] tensor made in
+    forward or backward; an evaluation gets each chunk's logits; a model that changes its logits after its output
+    layer is stopped at its first forward, naming the key."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaForCausalLM
 
+    from meshkd.core.loss import cross_entropy_loss
     from meshkd.recipe.settings.config import ConfigError
     from meshkd.recipe.settings.config_loading import config_from_dict
     from meshkd.recipe.student.fused_head import FusedHead
@@ -161,16 +164,16 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     from tests.tiny import tiny_llama_model
 
     config = config_from_dict(base_config_for_check(tmp_path))
-    ce_only = config_from_dict(base_config_for_check(tmp_path, kd_ratio=0.0))
+    ce_only = config_from_dict(base_config_for_check(tmp_path, kd_ratio=0.0, chunk_size=8))
     plain = SimpleNamespace(tp_size=1, cp_size=1)
     model = tiny_llama_model(vocab=262)
     assert FusedHead.of(model, config, plain, None, 262) is not None
     head = FusedHead.of(model, ce_only, plain, None, 262)
-    last = SimpleNamespace(causal_lm=model, logits_dtype=torch.bfloat16, loss_in_head=False)
-    assert FusedHead.of(None, config, plain, last, 262).logits_dtype == torch.bfloat16 and last.loss_in_head
+    last = SimpleNamespace(causal_lm=model, hands_hidden_states=False)
+    assert FusedHead.of(None, config, plain, last, 262) is not None and last.hands_hidden_states
     first = SimpleNamespace(causal_lm=SimpleNamespace(config=model.config, get_output_embeddings=torch.nn.Identity),
-                            logits_dtype=torch.float32, loss_in_head=False)
-    assert FusedHead.of(None, config, plain, first, 262) is None and not first.loss_in_head
+                            hands_hidden_states=False)
+    assert FusedHead.of(None, config, plain, first, 262) is None and not first.hands_hidden_states
     bfloat16 = base_config_for_check(tmp_path)
     bfloat16["model"]["dtype"] = "bfloat16"
     assert FusedHead.of(model, config_from_dict(bfloat16), plain, None, 262).compute_dtype == torch.bfloat16
@@ -183,34 +186,51 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
     granite = GraniteForCausalLM(GraniteConfig(vocab_size=262, hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
     assert FusedHead.of(granite, config, plain, None, 262) is None  # its logits are divided by logits_scaling
-    ids = torch.randint(0, 262, (2, 16))
-    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(16).repeat(2, 1),
-             "attention_mask": torch.ones(2, 16, dtype=torch.int64)}
-    with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
-        logits = model(input_ids=ids, position_ids=batch["position_ids"]).logits
-    assert tuple(logits.shape) == (2, 16, 262) and logits.stride() == (0, 0, 0) and not logits._is_view()
-    strides = []  # nor in backward: the logits' gradient is a stride-0 tensor too
-    logits.register_hook(lambda grad: strides.append(grad.stride()))
-    head.loss_of(logits).backward()
-    assert strides == [(0, 0, 0)]
-    assert model.lm_head.weight.grad is not None and float(head.values[0]["ce_loss"]) > 0
-    assert "forward" not in vars(model.lm_head)  # the head's own forward is back
-    chunks = []  # an evaluation's forward: each chunk's logits handed on, none made whole
-    with torch.no_grad(), head.evaluating(lambda logits, tokens: chunks.append((tuple(logits.shape), tokens))):
-        zeros = model(input_ids=ids, position_ids=batch["position_ids"]).logits
-    assert zeros.stride() == (0, 0, 0) and [shape for shape, _ in chunks] == [(32, 262)]
-    assert "forward" not in vars(model.lm_head)
-    wrapped = model.lm_head.forward  # as transformers' tensor-parallel styles wrap a head: the wrapper comes back
-    model.lm_head.forward = wrapped
-    with torch.no_grad(), head.evaluating(lambda logits, tokens: None):
-        model(input_ids=ids, position_ids=batch["position_ids"])
-    assert vars(model.lm_head)["forward"] is wrapped
-    # A model that changes what its head returned is stopped, naming the key.
-    with head.computing(batch, None, LossContext(ce_only.kd), norm=torch.tensor(32.0)):
-        scaled = model(input_ids=ids, position_ids=batch["position_ids"]).logits / 2
-    with pytest.raises(ConfigError, match=r"kd.fused_output_loss: LlamaForCausalLM changes its logits after its "
+    ids = torch.randint(0, 262, (3, 16))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(16).repeat(3, 1),
+             "attention_mask": torch.ones(3, 16, dtype=torch.int64)}
+    whole = cross_entropy_loss(model(input_ids=ids, position_ids=batch["position_ids"]).logits, batch["labels"],
+                               num_valid_tokens=48)
+    whole.backward()
+    expected = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for value in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(value, torch.Tensor):
+                    self.largest = max(self.largest, value.numel())
+            return out
+
+    with LargestTensor() as watched:
+        hidden = head.hidden_states(model, None, batch)
+        loss, values = head.loss(hidden, batch, None, LossContext(ce_only.kd), norm=torch.tensor(48.0))
+        loss.backward()
+    assert tuple(hidden.shape) == (3, 16, 32)
+    assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-6) and float(values["ce_loss"]) == pytest.approx(
+        float(whole.detach()), rel=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad, expected, rtol=1e-5, atol=1e-7)
+    assert watched.largest < 48 * 262  # the weight's gradient [262, 32] at most, never the 48 tokens' logits
+    chunks = []  # an evaluation: each chunk's logits handed on, none made whole
+    with torch.no_grad():
+        head.evaluate(head.hidden_states(model, None, batch), lambda logits, tokens: chunks.append(
+            (tuple(logits.shape), tokens)))
+    assert [shape for shape, _ in chunks] == [(8, 262)] * 6 and [tokens.start for _, tokens in chunks] == [0, 8, 16, 24, 32, 40]
+
+    class Halving(LlamaForCausalLM):  # changes its logits after its output layer, unknown to LOGIT_TRANSFORMS
+        def forward(self, *args, **kwargs):
+            output = super().forward(*args, **kwargs)
+            output.logits = output.logits / 2
+            return output
+
+    halving = Halving(model.config)
+    scaled = FusedHead.of(halving, ce_only, plain, None, 262)
+    with pytest.raises(ConfigError, match=r"kd.fused_output_loss: Halving changes its logits after its "
                                           r"output layer.*set kd.fused_output_loss: false"):
-        head.loss_of(scaled)
+        scaled.hidden_states(halving, None, batch)
 
 
 def base_config_for_check(tmp_path, **kd) -> dict:

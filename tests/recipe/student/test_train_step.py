@@ -28,7 +28,16 @@ from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_st
 from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.settings.config import ConfigError, KDConfig
 from meshkd.recipe.settings.config_loading import config_from_dict
-from meshkd.recipe.student.train_step import TrainStep, enable_activation_checkpointing, micro_batches, step_items
+from meshkd.recipe.student.train_step import (
+    Objective,
+    Optimization,
+    StepRanks,
+    StudentParts,
+    TrainStep,
+    enable_activation_checkpointing,
+    micro_batches,
+    step_items,
+)
 from tests.tiny import base_config, tiny_llama_model, with_layout
 from tests.world import run_world
 
@@ -81,12 +90,10 @@ def counted_gradient_reductions(model: torch.nn.Module):
 def a_step(model, setup, *, num_micro_batches: int, kd: KDConfig | None = None, stop_requested=None) -> TrainStep:
     """A `TrainStep` of `num_micro_batches` micro-batches, plain cross-entropy unless `kd`, SGD."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    return TrainStep(model=model, pipeline=None, optimizer=optimizer,
-                     scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), setup=setup,
-                     kd=kd or dataclasses.replace(KDConfig(), kd_ratio=0.0), vocab_size=VOCAB,
-                     num_micro_batches=num_micro_batches, max_grad_norm=None, router_loss=None,
-                     watch=lambda *_: contextlib.nullcontext(), device=torch.device("cpu"),
-                     stop_requested=stop_requested)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return TrainStep(StudentParts(model), Objective(kd or dataclasses.replace(KDConfig(), kd_ratio=0.0), VOCAB),
+                     Optimization(optimizer, schedule, num_micro_batches), StepRanks(setup, torch.device("cpu")),
+                     watch=lambda *_: contextlib.nullcontext(), stop_requested=stop_requested)
 
 
 def one_step(model, setup, rows: dict, *, num_micro_batches: int, step: TrainStep | None = None,
