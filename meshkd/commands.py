@@ -18,8 +18,8 @@ import math
 
 from meshkd import launcher
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
-from meshkd.recipe.settings.config_checks import required_world_size
 from meshkd.recipe.settings.config_loading import config_from_dict, load_config, read_config_document
+from meshkd.recipe.settings.layout_checks import required_world_size
 
 
 def _world_size(needed: int | None, nproc: int | None, dp_key: str = "distributed.dp_size") -> int:
