@@ -114,7 +114,7 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     (`meshkd.recipe.corpus.routing`); `pack_texts` (`kd.cross_tokenizer`): chat and prompt / completion rows are
     rendered by its teacher tokenizer too, for the teacher's side of the rows.
 
-    The rows are read from the corpus's token store (`meshkd.recipe.corpus.token_store`: under `dataset.token_store`,
+    The rows are read from the corpus's token store (`meshkd.recipe.corpus.corpus_store`: under `dataset.token_store`,
     else meshkd's cache directory), written first if there is none (`store_wait_s`: how long to wait for another
     process writing it); those of a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both
     sides stored), and prompts (`text_key`, `prompts`) from a store of their own."""
