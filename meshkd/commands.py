@@ -7,7 +7,9 @@ or a missing file fails in seconds, before any process starts), then starts the 
 torch's own launcher (`meshkd.launcher`: gloo on CPU, NCCL on CUDA). Inside an existing torchrun world it
 trains in that world directly. `cache_teacher_command` does the same with the teacher's ranks only, writing
 the teacher's answers to `kd.teacher_cache` (`meshkd.recipe.lifecycle.cache_writer`). Each returns the exit status;
-a bad config or input raises `ConfigError` / `ValueError` / `OSError` for the caller to print.
+a bad config or input raises `ConfigError` / `ValueError` / `OSError` for the caller to print. Each command reads
+the config file once; the overrides it adds (a GGUF model converted, the student's layers selected) rebuild the
+config from that one document, and reach the workers as `--set` arguments.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from __future__ import annotations
 import math
 
 from meshkd import launcher
-from meshkd.recipe.settings.config import ConfigError
-from meshkd.recipe.settings.config_checks import required_world_size
-from meshkd.recipe.settings.config_loading import load_config
+from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig
+from meshkd.recipe.settings.config_loading import config_from_dict, load_config, read_config_document
+from meshkd.recipe.settings.layout_checks import required_world_size
 
 
 def _world_size(needed: int | None, nproc: int | None, dp_key: str = "distributed.dp_size") -> int:
@@ -34,10 +36,9 @@ def _set_args(overrides: list[str]) -> list[str]:
     return [item for override in overrides for item in ("--set", override)]
 
 
-def selected_layers(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
-    """`["model.keep_layers=[...]"]` when the config asks for `{auto: N}` (measured, or read from the run
+def selected_layers(config: KDRecipeConfig, *, resume: bool = False) -> list[str]:
+    """`["model.keep_layers=[...]"]` when `config` asks for `{auto: N}` (measured, or read from the run
     directory's record; see `meshkd.recipe.student.layer_selection`), else `[]`."""
-    config = load_config(config_path, overrides)
     if not isinstance(config.model.keep_layers, dict):
         return []
     from meshkd.recipe.modeling.loaders import load_section_tokenizer
@@ -48,7 +49,7 @@ def selected_layers(config_path: str, overrides: list[str], *, resume: bool = Fa
     return [f"model.keep_layers={keep}"]
 
 
-def _converted_gguf_sources(config_path: str, overrides: list[str]) -> list[str]:
+def _converted_gguf_sources(config: KDRecipeConfig) -> list[str]:
     """Overrides pointing each GGUF model section at its model converted once to an HF directory
     (`meshkd.recipe.modeling.models.converted_gguf`): every worker then loads only its share, and in a fraction of
     the time. Under the user's own torchrun the ranks load the GGUF file as it is (they would race)."""
@@ -56,7 +57,7 @@ def _converted_gguf_sources(config_path: str, overrides: list[str]) -> list[str]
         return []
     from meshkd.recipe.modeling.models import converted_gguf
 
-    config, converted = load_config(config_path, overrides), []
+    converted = []
     for label in ("model", "teacher_model"):
         section = getattr(config, label)
         if section.path is not None and (section.gguf_file is not None or str(section.path).endswith(".gguf")):
@@ -65,16 +66,31 @@ def _converted_gguf_sources(config_path: str, overrides: list[str]) -> list[str]
     return converted
 
 
-def _resolved(config_path: str, overrides: list[str], *, resume: bool = False) -> list[str]:
-    """The overrides plus those that GGUF conversion and layer selection add for the workers."""
-    overrides = [*overrides, *_converted_gguf_sources(config_path, overrides)]
-    return [*overrides, *selected_layers(config_path, overrides, resume=resume)]
+def _read(config_path: str, overrides: list[str]) -> tuple[dict, KDRecipeConfig]:
+    """The config file's document (its one read) and the config it builds with `overrides`."""
+    document = read_config_document(config_path)
+    return document, config_from_dict(document, overrides)
+
+
+def _resolved(document: dict, config: KDRecipeConfig, overrides: list[str], *,
+              resume: bool = False) -> tuple[KDRecipeConfig, list[str]]:
+    """The config the workers build and their overrides: `overrides` plus those that GGUF conversion and layer
+    selection add, each config built again from `document` (`config`: that of `overrides` alone)."""
+    converted = _converted_gguf_sources(config)
+    if converted:
+        overrides = [*overrides, *converted]
+        config = config_from_dict(document, overrides)
+    layers = selected_layers(config, resume=resume)  # of the converted model, when it was a GGUF file
+    if layers:
+        overrides = [*overrides, *layers]
+        config = config_from_dict(document, overrides)
+    return config, overrides
 
 
 def train_command(config_path: str, overrides: list[str], nproc: int | None, resume: bool) -> int:
     """`meshkd train`: as one rank inside torchrun, else preflight here and launch the workers."""
-    overrides = _resolved(config_path, overrides, resume=resume)
-    config = load_config(config_path, overrides)
+    document, config = _read(config_path, overrides)
+    config, overrides = _resolved(document, config, overrides, resume=resume)
     if launcher.inside_torchrun():
         from meshkd.recipe.lifecycle.run import KDRecipe
 
@@ -112,8 +128,8 @@ def cached_teacher(config, name: str | None):
 def cache_teacher_command(config_path: str, overrides: list[str], nproc: int | None, shard_rows: int | None,
                           teacher: str | None = None) -> int:
     """`meshkd cache-teacher`: as `train_command`, with the teacher's ranks only."""
-    overrides = _resolved(config_path, overrides)
-    config = load_config(config_path, overrides)
+    document, config = _read(config_path, overrides)
+    config, overrides = _resolved(document, config, overrides)
     cached = cached_teacher(config, teacher)
     if launcher.inside_torchrun():
         from meshkd.recipe.lifecycle.cache_writer import cache_teacher
@@ -148,8 +164,8 @@ def _teacher_world_size(config, teacher, nproc: int | None, *, asks_server: bool
 def serve_teacher_command(config_path: str, overrides: list[str], nproc: int | None, options) -> int:
     """`meshkd serve-teacher`: the teacher's checks here, then its ranks (`meshkd.recipe.lifecycle.teacher_service`)
     serve until stopped. `options`: a `ServeOptions`."""
-    overrides = _resolved(config_path, overrides)
-    config = load_config(config_path, overrides)
+    document, config = _read(config_path, overrides)
+    config, overrides = _resolved(document, config, overrides)
     section = config.teacher_model
     if config.teachers is not None or (section.path is None and section.random_init is None):
         raise ConfigError("meshkd serve-teacher serves teacher_model as its path or random_init give it (its url is "
@@ -173,11 +189,11 @@ def serve_teacher_command(config_path: str, overrides: list[str], nproc: int | N
 
 
 def prune_command(config_path: str, overrides: list[str]) -> int:
-    config = load_config(config_path, overrides)
+    document, config = _read(config_path, overrides)
     if not isinstance(config.model.keep_layers, dict):
         raise ConfigError("model.keep_layers: set it to {auto: N} to have the N most important layers chosen "
                           "(e.g. --set 'model.keep_layers={auto: 8}')")
-    _resolved(config_path, overrides)
+    _resolved(document, config, overrides)
     return 0
 
 

@@ -78,7 +78,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # Top-k with sampled tail tokens: 772 bytes a token; full logits would be 192 KiB a token here.
     cache = ["kd.logits_transport=topk", f"kd.teacher_cache={args.run_dir}_teacher_cache"] if args.cache else []
     # The student's layers are measured once, in the KD run's directory, and every run of the demo keeps them.
-    layers = commands.selected_layers(config_path, demo_overrides(args.run_dir, cache + args.set))
+    layers = commands.selected_layers(load_config(config_path, demo_overrides(args.run_dir, cache + args.set)))
     runs = [("kd", args.run_dir, [])]
     if args.compare:
         runs.append(("ce", args.run_dir + "_ce_only", ["kd.kd_ratio=0.0"]))
@@ -109,7 +109,7 @@ def _demo_on_policy(config_path: str, args: argparse.Namespace) -> int:
     from meshkd.recipe.common import metrics
 
     run_dir = args.run_dir + "_on_policy"
-    layers = commands.selected_layers(config_path, demo_overrides(run_dir, _ON_POLICY + args.set))
+    layers = commands.selected_layers(load_config(config_path, demo_overrides(run_dir, _ON_POLICY + args.set)))
     runs = [("on-policy", run_dir, _ON_POLICY)]
     if args.compare:
         runs.append(("off-policy", run_dir + "_beside", _OFF_POLICY_BESIDE))

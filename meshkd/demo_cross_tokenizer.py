@@ -47,7 +47,7 @@ def run_cross_tokenizer_demo(config_path: str, args: argparse.Namespace) -> int:
     if args.cache:
         raise ConfigError("meshkd demo --cross-tokenizer: leave out --cache (the live teacher answers)")
     run_dir = args.run_dir + "_cross_tokenizer"
-    layers = commands.selected_layers(config_path, demo_overrides(run_dir, args.set))
+    layers = commands.selected_layers(load_config(config_path, demo_overrides(run_dir, args.set)))
     config = load_config(config_path, demo_overrides(run_dir, args.set + layers))
     print(f"meshkd demo: the pruned student ({len(config.model.keep_layers)} layers) with a byte-level BPE of "
           f"{STUDENT_VOCAB} entries trained on the training split, embeddings transplanted from the teacher's")

@@ -14,7 +14,7 @@ import pytest
 # (a one-process precision world measured 65 CPU-s with two threads on 2 busy cores, 16 with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Token stores (every run's rows: `meshkd.recipe.corpus.token_store`) go to meshkd's cache directory unless a config
+# Token stores (every run's rows: `meshkd.recipe.corpus.corpus_store`) go to meshkd's cache directory unless a config
 # names one: the tests' go to a directory of this test session, shared by the processes it starts, removed after.
 os.environ["MESHKD_CACHE"] = tempfile.mkdtemp(prefix="meshkd-tests-")
 

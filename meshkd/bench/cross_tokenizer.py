@@ -73,9 +73,9 @@ class _RandomTeacher:
 
 def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequence: int, rows: int) -> dict:
     """Bytes per student token of the projected answer in each mode, on the aligned rows of `texts`."""
-    from meshkd.core.cross_tokenizer_loss import build_vocabulary_map
     from meshkd.core.logits_codec import encoded_nbytes
     from meshkd.core.teacher_protocol import TeacherRequest
+    from meshkd.core.vocabulary_map import build_vocabulary_map
     from meshkd.recipe.corpus.aligned_data import aligned_packing
     from meshkd.recipe.settings.config import KDConfig
     from meshkd.recipe.teacher.teacher_worker import TeacherForward

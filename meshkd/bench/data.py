@@ -76,7 +76,7 @@ import sys, time, json
 from meshkd.recipe.settings.config_loading import load_config
 from meshkd.recipe.corpus import documents
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
-from meshkd.recipe.corpus.token_store import _chunks
+from meshkd.recipe.corpus.corpus_store import _chunks
 config = load_config(sys.argv[1])
 tokenizer = load_section_tokenizer(config.model)
 arguments = {k: v for k, v in documents.reading_arguments(config.dataset, tokenizer).items() if k != "val_fraction"}

@@ -83,7 +83,7 @@ def aligned_packing(student_tokenizer, teacher_tokenizer, *, sequence_length: in
 class AlignedPacking:
     """The packing of a cross-tokenizer run: texts -> aligned rows of both sides (no special tokens, each side's
     EOS appended, as `meshkd.recipe.corpus.data` tokenizes). A run passes it to `data.build_run_datasets`, whose
-    token store (`meshkd.recipe.corpus.token_store`) keeps both sides and packs the same rows from its settings;
+    token store (`meshkd.recipe.corpus.corpus_store`) keeps both sides and packs the same rows from its settings;
     called on texts, it packs them in memory (a sample's row fill at preflight, `check_row_lengths`)."""
 
     student_tokenizer: Any

@@ -13,7 +13,7 @@ Design:
   closes it), and packed greedily first-fit in document order into rows of `sequence_length` tokens (the
   NEAT layout of `meshkd.core.packing`). A document longer than a row is cut into row-sized pieces; each
   piece is a document of its own in its row. The tokens are kept on disk, once per corpus and tokenizer,
-  and the rows read through memory maps (`build_run_datasets`, `meshkd.recipe.corpus.token_store`), so a
+  and the rows read through memory maps (`build_run_datasets`, `meshkd.recipe.corpus.corpus_store`), so a
   rank's memory does not grow with the corpus.
 - Labels are shifted when the rows are made, once: `labels[i]` is the target of position i, i.e. `input_ids[i + 1]` when
   that token belongs to the same document and trains (an answer token of a chat row), else -100. The
@@ -38,9 +38,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from meshkd.recipe.corpus.corpus_store import stored_datasets
 from meshkd.recipe.corpus.documents import check_arguments, corpus_documents, validation_documents
 from meshkd.recipe.corpus.rows import PackedDataset
-from meshkd.recipe.corpus.token_store import stored_datasets
 from meshkd.recipe.records import Document
 
 if TYPE_CHECKING:  # transformers costs seconds to import; only its type is needed here
@@ -114,7 +114,7 @@ def build_run_datasets(tokenizer: PreTrainedTokenizerBase, dataset, *, sequence_
     (`meshkd.recipe.corpus.routing`); `pack_texts` (`kd.cross_tokenizer`): chat and prompt / completion rows are
     rendered by its teacher tokenizer too, for the teacher's side of the rows.
 
-    The rows are read from the corpus's token store (`meshkd.recipe.corpus.token_store`: under `dataset.token_store`,
+    The rows are read from the corpus's token store (`meshkd.recipe.corpus.corpus_store`: under `dataset.token_store`,
     else meshkd's cache directory), written first if there is none (`store_wait_s`: how long to wait for another
     process writing it); those of a cross-tokenizer run too (`pack_texts` an `aligned_data.AlignedPacking`: both
     sides stored), and prompts (`text_key`, `prompts`) from a store of their own."""

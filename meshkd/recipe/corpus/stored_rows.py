@@ -10,8 +10,6 @@ a cross-tokenizer corpus) build a batch on demand from the memory-mapped tokens
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -19,9 +17,7 @@ from meshkd.core.aligned_packing import GroupTooLongError, cut_document, pad_tok
 from meshkd.core.teacher_ensemble import ROUTE
 from meshkd.recipe.corpus.aligned_data import row_too_short, teacher_padding
 from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, first_fit, padding_rows
-
-if TYPE_CHECKING:
-    from meshkd.recipe.corpus.token_store import TokenStore
+from meshkd.recipe.corpus.token_store import TokenStore
 
 _IGNORE = -100
 

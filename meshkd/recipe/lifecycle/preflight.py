@@ -28,8 +28,8 @@ from meshkd.recipe.modeling import models
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
-from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import expand_path
+from meshkd.recipe.settings.kd_checks import pairs_of
 from meshkd.recipe.teacher.hidden_states import check_pairs
 from meshkd.recipe.teacher.sources import SourceKind, TeacherCheck, kind_of
 

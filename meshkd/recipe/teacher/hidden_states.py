@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshkd.parallel.stages import decoder_of, is_pass_through
-from meshkd.recipe.settings.config_checks import pairs_of
+from meshkd.recipe.settings.kd_checks import pairs_of
 
 HIDDEN_STATES = "hidden_states"  # the answer's key
 

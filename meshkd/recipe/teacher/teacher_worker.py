@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.cross_tokenizer_loss import VocabularyMap, build_vocabulary_map
 from meshkd.core.logits import materialize_teacher_logits
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest, TeacherServer
 from meshkd.core.topology import DistributedSetup
+from meshkd.core.vocabulary_map import VocabularyMap, build_vocabulary_map
 from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.parallel.stages import decoder_of, stage_layers
 from meshkd.parallel.teacher_runner import TeacherRunner

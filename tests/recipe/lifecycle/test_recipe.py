@@ -63,7 +63,7 @@ def train_in_world(world_size: int, config: dict, *, resume: bool = False) -> li
 
 
 def config_world_size(config: dict) -> int:
-    from meshkd.recipe.settings.config_checks import required_world_size
+    from meshkd.recipe.settings.layout_checks import required_world_size
 
     return required_world_size(config_from_dict(config))
 

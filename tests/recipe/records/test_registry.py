@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshkd.recipe.corpus import data
-from meshkd.recipe.corpus.token_store import store_key
+from meshkd.recipe.corpus.corpus_store import store_key
 from meshkd.recipe.modeling.models import byte_tokenizer
 from meshkd.recipe.records import FORMATS, Document, RowFormat, format_named, record_reader, register
 from meshkd.recipe.records.base import RowReader

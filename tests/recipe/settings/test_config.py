@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from meshkd.recipe.settings.config import ConfigError, apply_override
-from meshkd.recipe.settings.config_checks import required_world_size
 from meshkd.recipe.settings.config_loading import config_from_dict, load_config
+from meshkd.recipe.settings.layout_checks import required_world_size
 from tests.tiny import base_config, with_layout
 
 

@@ -6,8 +6,8 @@ temperature other than 1."""
 import pytest
 import torch
 
-from meshkd.core.cross_tokenizer_loss import VocabularyMap
 from meshkd.core.fused_output import fused_output_loss
+from meshkd.core.vocabulary_map import VocabularyMap
 from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_POSITIONS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 from meshkd.recipe.teacher.answer_base import LossContext

@@ -13,8 +13,8 @@ import torch
 
 from meshkd.recipe.lifecycle.preflight import preflight
 from meshkd.recipe.settings.config import ConfigError, HiddenStatesConfig
-from meshkd.recipe.settings.config_checks import pairs_of
 from meshkd.recipe.settings.config_loading import config_from_dict
+from meshkd.recipe.settings.kd_checks import pairs_of
 from meshkd.recipe.teacher.hidden_states import HiddenStateProjections, hidden_state_loss
 from tests.recipe.lifecycle.test_recipe import TrainRun
 from tests.recipe.teacher.test_teacher_cache import run_all, train_records

@@ -17,8 +17,8 @@ import pytest
 
 from meshkd.core.topology import validate_teacher_layouts
 from meshkd.recipe.settings.config import ConfigError
-from meshkd.recipe.settings.config_checks import required_world_size
 from meshkd.recipe.settings.config_loading import config_from_dict
+from meshkd.recipe.settings.layout_checks import required_world_size
 from tests.recipe.lifecycle.test_recipe import RecipeRuns, TrainRun, config_world_size, curve
 from tests.tiny import STEPS, base_config, tiny_llama
 from tests.world import WorldsBySize
