@@ -210,15 +210,17 @@ def test_it_applies_where_the_logits_reach_the_loss_as_the_head_makes_them_and_n
         loss, values = head.loss(hidden, batch, None, LossContext(ce_only.kd), norm=torch.tensor(48.0))
         loss.backward()
     assert tuple(hidden.shape) == (3, 16, 32)
-    assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-6) and float(values["ce_loss"]) == pytest.approx(
-        float(whole.detach()), rel=1e-6)
+    whole = float(whole.detach())
+    assert float(loss.detach()) == pytest.approx(whole, rel=1e-6)
+    assert float(values["ce_loss"]) == pytest.approx(whole, rel=1e-6)
     torch.testing.assert_close(model.lm_head.weight.grad, expected, rtol=1e-5, atol=1e-7)
     assert watched.largest < 48 * 262  # the weight's gradient [262, 32] at most, never the 48 tokens' logits
     chunks = []  # an evaluation: each chunk's logits handed on, none made whole
     with torch.no_grad():
         head.evaluate(head.hidden_states(model, None, batch), lambda logits, tokens: chunks.append(
             (tuple(logits.shape), tokens)))
-    assert [shape for shape, _ in chunks] == [(8, 262)] * 6 and [tokens.start for _, tokens in chunks] == [0, 8, 16, 24, 32, 40]
+    assert [shape for shape, _ in chunks] == [(8, 262)] * 6
+    assert [tokens.start for _, tokens in chunks] == [0, 8, 16, 24, 32, 40]
 
     class Halving(LlamaForCausalLM):  # changes its logits after its output layer, unknown to LOGIT_TRANSFORMS
         def forward(self, *args, **kwargs):
