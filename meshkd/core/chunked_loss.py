@@ -354,7 +354,9 @@ def token_normalizer(num_valid_tokens: int | Tensor | None, valid: Tensor, dtype
     else:
         if num_valid_tokens < 0:
             raise ValueError(f"num_valid_tokens must be >= 0, got {num_valid_tokens}")
-        count = torch.tensor(num_valid_tokens, device=valid.device)
+        # Filled on the device: torch.tensor would copy the value from pageable host memory, a host sync on CUDA
+        # for every chunk that calls this.
+        return torch.full((), max(num_valid_tokens, 1), dtype=dtype, device=valid.device)
     return count.to(dtype).clamp_min(1)
 
 
