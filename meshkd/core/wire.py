@@ -157,6 +157,8 @@ def decode_spec(data: torch.Tensor) -> Any:
         document = json.loads(data.cpu().numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WireFormatError(f"structure spec is not valid JSON: {error}") from None
+    except RecursionError:  # json's parser recurses once per level: a spec nested deeper than Python's limit
+        raise WireFormatError("structure spec is nested more than 64 levels deep") from None
     if isinstance(document, dict) and set(document) == {"version", "error"}:
         raise SenderError(str(document["error"]))
     if not isinstance(document, dict) or document.get("version") != WIRE_VERSION:

@@ -86,6 +86,15 @@ def test_garbage_and_absurd_lengths_are_rejected():
         wire.checked_spec_length(1 << 40)
 
 
+def test_a_spec_nested_past_the_json_parsers_recursion_is_a_wire_format_error():
+    """A peer's (or an HTTP body's) spec nested 50,000 deep is refused as malformed, not a RecursionError."""
+    deep = b'{"version":1,"tree":' + b'{"list":[' * 50_000 + b']}' * 50_000 + b"}"
+    with pytest.raises(wire.WireFormatError, match="nested more than 64 levels"):
+        wire.decode_spec(wire.bytes_tensor(deep))
+    with pytest.raises(wire.WireFormatError, match="nested more than 64 levels"):
+        wire.from_bytes(len(deep).to_bytes(8, "little") + deep)
+
+
 def test_a_sender_error_reaches_the_receiver_as_its_message():
     with pytest.raises(wire.SenderError, match="rank 3 had nothing to send"):
         wire.decode_spec(wire.encode_error("rank 3 had nothing to send"))

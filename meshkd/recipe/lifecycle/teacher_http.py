@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import hmac
+import json
 import ssl
 import threading
 import time
@@ -55,6 +56,9 @@ class HttpServer:
 
     def __init__(self, service: TeacherService) -> None:
         self.service, self.options = service, service.options
+        # The largest body either POST path reads: four int64 columns of the most tokens a request may hold, and
+        # the spec (a completions prompt's JSON takes fewer bytes a token than that).
+        self.max_body = 4 * 8 * self.options.max_request_tokens + (64 << 10)
         self.draining = False
         self._token = bearer_token()
         self._loop = asyncio.new_event_loop()
@@ -71,7 +75,6 @@ class HttpServer:
         from aiohttp import web
 
         options = self.options
-        max_body = 4 * 8 * options.max_request_tokens + (64 << 10)  # four int64 columns and the spec
 
         @web.middleware
         async def authorize(request, handler):
@@ -79,7 +82,7 @@ class HttpServer:
                 return self._error(401, "a bearer token is required (MESHKD_TEACHER_TOKEN), and this one is not it")
             return await handler(request)
 
-        app = web.Application(client_max_size=max_body, middlewares=[authorize])
+        app = web.Application(client_max_size=self.max_body, middlewares=[authorize])
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_post(ANSWER_PATH, self._answer)
         app.router.add_post(COMPLETIONS_PATH, self._completions)
@@ -116,6 +119,34 @@ class HttpServer:
 
         return web.json_response({"error": message}, status=status)
 
+    async def _body(self, request) -> bytes:
+        """The request's body, decoded as its Content-Encoding says; Refused (413 or 400) for one this server does
+        not read. A declared length above the limit is refused before a byte is read: the client may never send
+        the bytes it declared, and a handler waiting for them would answer nothing."""
+        from aiohttp import web
+
+        declared = request.content_length
+        if declared is not None and declared > self.max_body:
+            raise Refused(413, f"the body declares {declared} bytes, more than this server's limit of "
+                               f"{self.max_body} (--max-request-tokens {self.options.max_request_tokens})")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as error:
+            raise Refused(413, f"the body is larger than this server's limit: {error.text}") from None
+        except web.RequestPayloadError as error:  # a gzip / deflate / br body that does not decode, or cut short
+            # The connection's parser stops at a body it cannot decode, so no more of it ever arrives; marked at
+            # its end, the body is not read on after the answer (aiohttp reads an unread body for a while before
+            # it closes, and would log this error again with its traceback).
+            request.content.feed_eof()
+            raise Refused(400, f"the body could not be read as its headers describe it ({error.__cause__ or error}); "
+                               "send it plain or in a Content-Encoding that decodes") from None
+
+    def _refused(self, error: Refused):
+        """The 4xx of a refused body; the connection closed after it, since what is left of the body is unread."""
+        response = self._error(error.status, str(error))
+        response.force_close()
+        return response
+
     def _authorized(self, request) -> bool:
         if self._token is None:
             return True
@@ -134,11 +165,11 @@ class HttpServer:
         if self.draining:
             return self._error(503, "this teacher is stopping; ask again (another server may take its address)")
         try:
-            body = await request.read()
+            body = await self._body(request)
             parsed = parse_request(body, vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
                                    max_tokens=self.options.max_request_tokens)
-        except web.HTTPRequestEntityTooLarge as error:
-            return self._error(413, f"the body is larger than this server's limit: {error.text}")
+        except Refused as error:
+            return self._refused(error)
         except TooLarge as error:
             return self._error(413, str(error))
         except ValueError as error:
@@ -167,11 +198,13 @@ class HttpServer:
         if self.draining:
             return self._error(503, "this teacher is stopping; ask again (another server may take its address)")
         try:
-            body = await request.json()
+            body = json_body(await self._body(request))
             prompts, k = completion_prompts(body, self.service.vocab_rows)
             requests = [parse_request(prompt_request(prompt, k, self.service.vocab_rows).to_bytes(),
                                       vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
                                       max_tokens=self.options.max_request_tokens) for prompt in prompts]
+        except Refused as error:
+            return self._refused(error)
         except TooLarge as error:
             return self._error(413, str(error))
         except ValueError as error:
@@ -199,6 +232,25 @@ class HttpServer:
     def _token_text(self, as_ids: bool):
         tokenizer = self.service.tokenizer
         return (lambda token: f"token_id:{token}") if as_ids else (lambda token: tokenizer.decode([token]))
+
+
+class Refused(Exception):
+    """A request body the server does not read (a 4xx): its HTTP status and the message the client gets."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def json_body(body: bytes):
+    """The JSON value of a request body; ValueError for one that is not JSON, nested too deep included (json's
+    parser recurses once per level, and Python's recursion limit would end a deeper one)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("the body is JSON nested too deep to read") from None
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError among them
+        raise ValueError(f"the body is not JSON: {error}") from None
 
 
 def completion_prompts(body, vocab_rows: int) -> tuple[list[list[int]], int]:
