@@ -27,9 +27,10 @@ import math
 
 import torch
 
+from meshkd.core import wire
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest
-from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError
+from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError, host_rows
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -63,7 +64,7 @@ class CompletionsTeacher(ServedTeacher):
         self.model = model
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
-        batch = {key: value.cpu() for key, value in request.batch.items()}
+        batch = host_rows(request)
         spans = [documents({key: value[row] for key, value in batch.items()}) for row in range(len(batch["input_ids"]))]
         prompts = [batch["input_ids"][row, first:end].tolist() for row, row_spans in enumerate(spans)
                    for first, end in row_spans]
@@ -84,7 +85,8 @@ class CompletionsTeacher(ServedTeacher):
         return answer
 
     def _answer(self, future: concurrent.futures.Future) -> Encoded:
-        return self._on_device(future.result())
+        """The answer decoded on the host, on `device` in one copy (`wire.to_device`)."""
+        return wire.to_device(future.result(), self.device)
 
     def _choices(self, body: bytes) -> list[dict]:
         """The completions of a response's `body`, in the order of their prompts."""
