@@ -95,25 +95,28 @@ class TeacherEnsemble:
 
     def _member_request(self, index: int, name: str, request: TeacherRequest) -> TeacherRequest:
         """What member `name` (`index`-th) is asked: its own transport; with `route` only its rows."""
-        batch = request.batch
+        batch, host = request.batch, request.host_batch
         if self.route:
             rows = batch[ROUTE][:, 0] == index
             batch = {key: value[rows] for key, value in batch.items()}
-        return TeacherRequest(batch, self._transport(name, request.logits_transport))
+            if host is not None:
+                rows = host[ROUTE][:, 0] == index
+                host = {key: value[rows] for key, value in host.items()}
+        return TeacherRequest(batch, self._transport(name, request.logits_transport), host)
 
     def _transport(self, name: str, asked: str) -> str:
         """What member `name` is asked for: its own encoding of the logits in place of the one in `asked`."""
         mode, plus, rest = asked.partition("+")
         return self.transports[name] + plus + rest if name in self.transports and mode in LOGITS_MODES else asked
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
         """Every member's answer to the request, in turn (evaluations ask this way)."""
         answers, waits = {}, {}
         for index, (name, source) in enumerate(self.sources.items()):
             started = time.perf_counter()
-            request = self._member_request(index, name, TeacherRequest(batch, logits_transport))
+            request = self._member_request(index, name, TeacherRequest(batch, logits_transport, host_batch))
             with self._watch("the teacher request", self.roles[name]):
-                answers[name] = source.request(request.batch, request.logits_transport)
+                answers[name] = source.request(request.batch, request.logits_transport, host_batch=request.host_batch)
             waits[name] = time.perf_counter() - started
         return _combined(answers, waits)
 

@@ -48,6 +48,10 @@ class TeacherRequest:
     """The answer asked for: an encoding of the logits (`meshkd.core.logits_codec.LOGITS_MODES`), the
     teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation of its loss needs), or
     both in one answer (`with_label_log_probs(mode)`, what an evaluation of the KL needs besides)."""
+    host_batch: Batch | None = None
+    """The same rows on the host, where the caller has them already (the batch it copied to the device): a teacher
+    that sends rows over a network reads these instead of copying the device's back (None: it copies). They
+    never travel in `to_wire`."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"batch": self.batch, "logits_transport": self.logits_transport}
@@ -108,8 +112,9 @@ class TeacherFeed:
 class TeacherSource(Protocol):
     """Where a student's teacher logits come from."""
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
-        """The encoded teacher logits of this rank's micro-batch (None on ranks that compute no loss)."""
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
+        """The encoded teacher logits of this rank's micro-batch (None on ranks that compute no loss);
+        `host_batch`: the same rows on the host, where the caller has them (`TeacherRequest.host_batch`)."""
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:
@@ -125,7 +130,7 @@ class LocalTeacher:
     def __init__(self, forward: Callable[[TeacherRequest], Encoded | None]) -> None:
         self._forward = forward
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
         return self._forward(TeacherRequest(batch, logits_transport))
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
@@ -144,7 +149,7 @@ class TeacherClient:
             raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks request teacher logits")
         self.bridge = bridge
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
         return self.exchange(TeacherRequest(batch, logits_transport).to_wire())
 
     def exchange(self, payload: Any) -> Any:

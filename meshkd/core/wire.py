@@ -19,6 +19,7 @@ import math
 import sys
 from typing import Any
 
+import numpy
 import torch
 
 WIRE_VERSION = 1
@@ -157,6 +158,8 @@ def decode_spec(data: torch.Tensor) -> Any:
         document = json.loads(data.cpu().numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WireFormatError(f"structure spec is not valid JSON: {error}") from None
+    except RecursionError:  # json's parser recurses once per level: a spec nested deeper than Python's limit
+        raise WireFormatError("structure spec is nested more than 64 levels deep") from None
     if isinstance(document, dict) and set(document) == {"version", "error"}:
         raise SenderError(str(document["error"]))
     if not isinstance(document, dict) or document.get("version") != WIRE_VERSION:
@@ -310,9 +313,39 @@ def to_bytes(value: Any) -> bytes:
     return b"".join([len(spec).to_bytes(8, "little"), spec, data.numpy().tobytes() if data is not None else b""])
 
 
-def from_bytes(data: bytes) -> Any:
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An empty uint8 host buffer of `nbytes` to copy to `device` from: pinned for a CUDA device, so that the copy
+    runs without the host waiting (pinning needs CUDA: pageable elsewhere)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def _moved(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A `host_buffer` on `device`: one copy, the host not waiting for it on a GPU (torch's pinned-memory allocator
+    keeps the buffer until its copy has run; later work on the same stream runs after it)."""
+    return buffer.to(device, non_blocking=device.type == "cuda")
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A nested value with its tensor leaves on `device` in one copy: packed into one `host_buffer`, moved, and cut
+    into its leaves there (views of the moved buffer). A value whose leaves are all on `device` is returned as
+    it is."""
+    tensors: list[torch.Tensor] = []
+    spec = tree_spec(value, tensors)
+    if all(tensor.device == device for tensor in tensors):
+        return value
+    leaves = leaves_of(tensors)
+    offsets, total = buffer_layout(leaves)
+    buffer = host_buffer(total, device)
+    for tensor, offset in zip(tensors, offsets):
+        flat = _as_bytes(tensor.cpu())
+        buffer[offset : offset + flat.numel()].copy_(flat)
+    return tree_from_spec(spec, unpack_leaves(_moved(buffer, device), leaves))
+
+
+def from_bytes(data: bytes, *, device: torch.device | None = None) -> Any:
     """The value `to_bytes` made; WireFormatError naming what is wrong with any other byte string, checked
-    before a tensor is allocated. The tensors are CPU tensors owning their memory."""
+    before a tensor is allocated. The tensors own their memory, on `device` (None: the host): the tensor bytes
+    are read into one `host_buffer` and moved in one copy, then cut into the leaves there."""
     if len(data) < 8:
         raise WireFormatError(f"{len(data)} bytes are too few for a spec length")
     length = checked_spec_length(int.from_bytes(data[:8], "little"))
@@ -323,5 +356,11 @@ def from_bytes(data: bytes) -> Any:
     expected = receive_nbytes(leaves) if leaves else 0
     if len(data) - 8 - length != expected:
         raise WireFormatError(f"the spec describes {expected} bytes of tensors, {len(data) - 8 - length} follow it")
-    tensors = unpack_leaves(bytes_tensor(data[8 + length :]), leaves) if leaves else []
+    device = device or torch.device("cpu")
+    tensors = []
+    if leaves:
+        buffer = host_buffer(expected, device)
+        if expected:
+            buffer.numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8, offset=8 + length)
+        tensors = unpack_leaves(_moved(buffer, device), leaves)
     return tree_from_spec(tree, tensors)

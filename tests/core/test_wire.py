@@ -86,6 +86,15 @@ def test_garbage_and_absurd_lengths_are_rejected():
         wire.checked_spec_length(1 << 40)
 
 
+def test_a_spec_nested_past_the_json_parsers_recursion_is_a_wire_format_error():
+    """A peer's (or an HTTP body's) spec nested 50,000 deep is refused as malformed, not a RecursionError."""
+    deep = b'{"version":1,"tree":' + b'{"list":[' * 50_000 + b']}' * 50_000 + b"}"
+    with pytest.raises(wire.WireFormatError, match="nested more than 64 levels"):
+        wire.decode_spec(wire.bytes_tensor(deep))
+    with pytest.raises(wire.WireFormatError, match="nested more than 64 levels"):
+        wire.from_bytes(len(deep).to_bytes(8, "little") + deep)
+
+
 def test_a_sender_error_reaches_the_receiver_as_its_message():
     with pytest.raises(wire.SenderError, match="rank 3 had nothing to send"):
         wire.decode_spec(wire.encode_error("rank 3 had nothing to send"))
@@ -140,3 +149,22 @@ def test_a_value_survives_its_byte_string_and_a_damaged_one_is_refused():
                              (data[:8] + b"}" + data[9:], "not valid JSON")):
         with pytest.raises(wire.WireFormatError, match=message):
             wire.from_bytes(damaged)
+
+
+def test_a_value_reaches_a_device_in_one_copy_equal_to_its_host_form():
+    """`from_bytes(..., device=)` and `to_device` give the value `from_bytes` gives, its leaves on the device (the
+    meta device here: its leaves are views of the one moved buffer, shapes and dtypes kept)."""
+    value = {"mode": "topk", "log_probs": torch.randn(2, 3, 4), "indices": torch.randint(0, 9, (2, 3, 4)).int(),
+             "flags": torch.ones(5, dtype=torch.bool), "rest": [torch.randn(3, dtype=torch.bfloat16), 2.5]}
+    data = wire.to_bytes(value)
+    for moved in (wire.from_bytes(data, device=torch.device("cpu")), wire.to_device(value, torch.device("cpu"))):
+        assert moved["mode"] == "topk" and moved["rest"][1] == 2.5
+        for key in ("log_probs", "indices", "flags"):
+            assert torch.equal(moved[key], value[key])
+        assert torch.equal(moved["rest"][0], value["rest"][0])
+    for moved in (wire.from_bytes(data, device=torch.device("meta")), wire.to_device(value, torch.device("meta"))):
+        leaves = [moved["log_probs"], moved["indices"], moved["flags"], moved["rest"][0]]
+        assert all(leaf.is_meta for leaf in leaves)
+        assert [(leaf.dtype, leaf.shape) for leaf in leaves] == [(torch.float32, (2, 3, 4)), (torch.int32, (2, 3, 4)),
+                                                                 (torch.bool, (5,)), (torch.bfloat16, (3,))]
+    assert wire.to_device({"none": []}, torch.device("meta")) == {"none": []}

@@ -2,17 +2,18 @@
 (`meshkd.recipe.teacher.served_protocol`; the students' side is `meshkd.recipe.teacher.served_teacher`).
 
 Every rank of the world is a teacher rank, laid out as the teacher's section says (`teacher_distributed` on
-separate meshes, else `distributed`), as `meshkd cache-teacher` lays it out. Rank 0 also runs the HTTP server
-(aiohttp, on a thread of its own): each request is checked there (`parse_request`; a bad one gets a 4xx and
-the server goes on) and queued. The ranks' main threads loop on work from rank 0: the queued requests that can
-share a forward (same settings and row length; identical requests once), up to `max_batch_tokens`, broadcast
-to every rank as one `meshkd.core.wire` byte string. Each data-parallel replica of the teacher answers its
-share of the rows, its output rank sends that answer to rank 0, and rank 0 cuts the whole answer back into
-one per request: every tensor of an answer is row by row, and `Distribution.encode` seeds each row's tail
-samples by its own tokens, so a row's answer does not depend on the rows it was batched with. With nothing
-queued rank 0 broadcasts an idle word every second, so no rank waits past the collective timeout. A failing
-forward answers its requests with a 500 and the server goes on. SIGINT / SIGTERM (or `meshkd`'s stop file)
-drain: new requests get 503 (students retry them), queued ones are answered, then every rank ends.
+separate meshes, else `distributed`), as `meshkd cache-teacher` lays it out. Rank 0 also runs the HTTP
+server (`meshkd.recipe.lifecycle.teacher_http.HttpServer`, aiohttp on a thread of its own): each request is
+checked there (a bad one gets a 4xx and the server goes on) and queued. The ranks' main threads loop on work
+from rank 0: the queued requests that can share a forward (same settings and row length; identical requests
+once), up to `max_batch_tokens`, broadcast to every rank as one `meshkd.core.wire` byte string. Each
+data-parallel replica of the teacher answers its share of the rows, its output rank sends that answer to rank
+0, and rank 0 cuts the whole answer back into one per request: every tensor of an answer is row by row, and
+`Distribution.encode` seeds each row's tail samples by its own tokens, so a row's answer does not depend on the
+rows it was batched with. With nothing queued rank 0 broadcasts an idle word every second, so no rank waits
+past the collective timeout. A failing forward answers its requests with a 500 and the server goes on. SIGINT /
+SIGTERM (or `meshkd`'s stop file) drain: new requests get 503 (students retry them), queued ones are answered,
+then every rank ends.
 
 A teacher with another tokenizer than its students answers `kd.cross_tokenizer.loss` `uld` and `gold` (per aligned
 group, each such request a forward of its own); not `projection`, which would need the student's tokenizer here.
@@ -20,18 +21,11 @@ group, each such request a forward of its own); not `projection`, which would ne
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import datetime
-import hashlib
-import hmac
 import json
-import ssl
 import threading
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,27 +33,15 @@ import torch.distributed as dist
 
 from meshkd.core import wire
 from meshkd.core.agreement import group_device
-from meshkd.core.logits_codec import with_label_log_probs
 from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.parallel.stages import decoder_of
 from meshkd.recipe.common.faults import StopRequest, about
-from meshkd.recipe.common.files import write_atomically
+from meshkd.recipe.lifecycle.teacher_http import Entry, HttpServer
 from meshkd.recipe.lifecycle.world import run_role
 from meshkd.recipe.modeling.loaders import load_section_tokenizer
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
-from meshkd.recipe.teacher.completions_teacher import COMPLETIONS_PATH, MODELS_PATH
-from meshkd.recipe.teacher.served_protocol import (
-    ANSWER_PATH,
-    HEALTH_PATH,
-    AnswerRequest,
-    Health,
-    TooLarge,
-    answer_kd,
-    bearer_token,
-    parse_request,
-    vocabulary_fingerprint,
-)
+from meshkd.recipe.teacher.served_protocol import Health, answer_kd, bearer_token, vocabulary_fingerprint
 from meshkd.recipe.teacher.teacher_cache import teacher_identity
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher
 
@@ -93,15 +75,6 @@ class ServeOptions:
                 raise FileNotFoundError(f"--{name.replace('_', '-')}: no file {path}")
         if self.max_batch_tokens < 1 or self.max_request_tokens < 1:
             raise ConfigError("--max-batch-tokens and --max-request-tokens must be >= 1")
-
-
-@dataclass(eq=False)  # each entry is itself: a queue removes the ones it took by identity
-class Entry:
-    """A queued request and where its answer goes (a future of the HTTP thread's loop)."""
-
-    request: AnswerRequest
-    digest: str
-    future: asyncio.Future
 
 
 class Queue:
@@ -296,207 +269,6 @@ class TeacherService:
         uptime = time.monotonic() - self._started
         return {**self.stats, "queued_requests": len(self.queue), "uptime_s": uptime,
                 "busy_share": self.stats["busy_s"] / uptime if uptime > 0 else 0.0}
-
-
-class HttpServer:
-    """The HTTP side of rank 0: an aiohttp application on a thread of its own (`served_protocol`'s paths)."""
-
-    def __init__(self, service: TeacherService) -> None:
-        self.service, self.options = service, service.options
-        self.draining = False
-        self._token = bearer_token()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="meshkd-serve-teacher", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result()
-        print(f"meshkd serve-teacher: serving {self.service.model_name} at {self.url}", flush=True)
-        if self.options.address_file:
-            write_atomically(Path(self.options.address_file), self.url.encode())
-
-    async def _listen(self) -> str:
-        from aiohttp import web
-
-        options = self.options
-        max_body = 4 * 8 * options.max_request_tokens + (64 << 10)  # four int64 columns and the spec
-
-        @web.middleware
-        async def authorize(request, handler):
-            if not self._authorized(request):
-                return self._error(401, "a bearer token is required (MESHKD_TEACHER_TOKEN), and this one is not it")
-            return await handler(request)
-
-        app = web.Application(client_max_size=max_body, middlewares=[authorize])
-        app.router.add_get(HEALTH_PATH, self._health)
-        app.router.add_post(ANSWER_PATH, self._answer)
-        app.router.add_post(COMPLETIONS_PATH, self._completions)
-        app.router.add_get(MODELS_PATH, self._models)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        context = None
-        if options.tls_cert:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(options.tls_cert, options.tls_key)
-        site = web.TCPSite(self._runner, options.host, options.port, ssl_context=context)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        host = f"[{options.host}]" if ":" in options.host else options.host
-        return f"{'https' if context else 'http'}://{host}:{port}"
-
-    def close(self) -> None:
-        """Stop listening (a handler still waiting gets its connection closed) and end the thread."""
-        done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-        concurrent.futures.wait([done], timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-    def resolve(self, future: asyncio.Future, result: tuple[int, bytes | str]) -> None:
-        """From the serving thread: give a waiting handler its answer (dropped if its client went away)."""
-        def give() -> None:
-            if not future.done():
-                future.set_result(result)
-        self._loop.call_soon_threadsafe(give)
-
-    @staticmethod
-    def _error(status: int, message: str):
-        from aiohttp import web
-
-        return web.json_response({"error": message}, status=status)
-
-    def _authorized(self, request) -> bool:
-        if self._token is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
-
-    async def _health(self, request):
-        from aiohttp import web
-
-        return web.json_response(asdict(self.service.health) | {"load": self.service.load(),
-                                                                "draining": self.draining})
-
-    async def _answer(self, request):
-        from aiohttp import web
-
-        if self.draining:
-            return self._error(503, "this teacher is stopping; ask again (another server may take its address)")
-        try:
-            body = await request.read()
-            parsed = parse_request(body, vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
-                                   max_tokens=self.options.max_request_tokens)
-        except web.HTTPRequestEntityTooLarge as error:
-            return self._error(413, f"the body is larger than this server's limit: {error.text}")
-        except TooLarge as error:
-            return self._error(413, str(error))
-        except ValueError as error:
-            return self._error(400, str(error))
-        future = self._loop.create_future()
-        self.service.queue.put(Entry(parsed, hashlib.sha256(body).hexdigest(), future))
-        status, result = await future
-        if status != 200:
-            return self._error(status, result)
-        return web.Response(body=result, content_type="application/octet-stream")
-
-
-    # ---- the subset of the OpenAI-compatible completions API that scores prompts (vLLM's prompt_logprobs) ----
-
-    async def _models(self, request):
-        from aiohttp import web
-
-        return web.json_response({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
-                                                              "owned_by": "meshkd"}]})
-
-    async def _completions(self, request):
-        """`completions_teacher`'s request: the top `prompt_logprobs` of every prompt position (and the prompt token
-        itself), one greedy token with `max_tokens: 1`; nothing else of the API (400 naming the field)."""
-        from aiohttp import web
-
-        if self.draining:
-            return self._error(503, "this teacher is stopping; ask again (another server may take its address)")
-        try:
-            body = await request.json()
-            prompts, k = completion_prompts(body, self.service.vocab_rows)
-            requests = [parse_request(prompt_request(prompt, k, self.service.vocab_rows).to_bytes(),
-                                      vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
-                                      max_tokens=self.options.max_request_tokens) for prompt in prompts]
-        except TooLarge as error:
-            return self._error(413, str(error))
-        except ValueError as error:
-            return self._error(400, str(error))
-        futures = []
-        for parsed in requests:
-            futures.append(self._loop.create_future())
-            self.service.queue.put(Entry(parsed, hashlib.sha256(parsed.to_bytes()).hexdigest(), futures[-1]))
-        answers = []
-        for future in futures:
-            status, result = await future
-            if status != 200:
-                return self._error(status, result)
-            answers.append(wire.from_bytes(result))
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
-        choices = [completion_choice(index, prompt, answer, body.get("max_tokens", 16), self._token_text(as_ids))
-                   for index, (prompt, answer) in enumerate(zip(prompts, answers))]
-        tokens = sum(len(prompt) for prompt in prompts)
-        generated = sum(len(choice["token_ids"]) for choice in choices)
-        return web.json_response({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                                  "created": int(time.time()), "model": self.service.model_name, "choices": choices,
-                                  "usage": {"prompt_tokens": tokens, "completion_tokens": generated,
-                                            "total_tokens": tokens + generated}})
-
-    def _token_text(self, as_ids: bool):
-        tokenizer = self.service.tokenizer
-        return (lambda token: f"token_id:{token}") if as_ids else (lambda token: tokenizer.decode([token]))
-
-
-def completion_prompts(body, vocab_rows: int) -> tuple[list[list[int]], int]:
-    """The prompts (token ids) and k of a completions request this server answers; ValueError naming the field."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    prompt, k = body.get("prompt"), body.get("prompt_logprobs")
-    prompts = [prompt] if isinstance(prompt, list) and all(type(token) is int for token in prompt) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(
-            isinstance(ids, list) and ids and all(type(token) is int for token in ids) for ids in prompts):
-        raise ValueError("prompt: give token ids (a list of integers, or a list of such lists); this server does "
-                         "not tokenize text")
-    if type(k) is not int or not 1 <= k <= vocab_rows:
-        raise ValueError(f"prompt_logprobs: give the number of entries a position, 1..{vocab_rows}; this server "
-                         "scores prompts")
-    if body.get("max_tokens", 16) not in (0, 1) or body.get("n", 1) != 1 or body.get("stream"):
-        raise ValueError("max_tokens: this server scores prompts and generates at most one token (max_tokens 0 or "
-                         "1, n 1, no stream)")
-    return prompts, k
-
-
-def prompt_request(prompt: list[int], k: int, vocab_rows: int) -> AnswerRequest:
-    """The native request of one prompt: one row, one document, its top k and each next token's log-probability."""
-    ids = torch.tensor([prompt], dtype=torch.int64)
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = -100
-    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1])[None],
-             "attention_mask": torch.ones_like(ids)}
-    return AnswerRequest(batch, {"transport": with_label_log_probs("topk"), "vocab_size": vocab_rows, "seed": 0,
-                                 "topk": k, "topk_tail_samples": 0, "topk_encoding": "exact", "temperature": 1.0,
-                                 "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None})
-
-
-def completion_choice(index: int, prompt: list[int], answer: dict, max_tokens: int, text: Callable) -> dict:
-    """One `CompletionResponseChoice` (vLLM's fields) from the native answer to `prompt_request`; `text`: a
-    token's `decoded_token`."""
-    log_probs, indices = answer["log_probs"][0].tolist(), answer["indices"][0].tolist()
-    labels = answer["label_log_probs"][0].tolist()
-    entries = [None]
-    for column in range(1, len(prompt)):
-        entry = {str(token): {"logprob": value, "rank": rank + 1, "decoded_token": text(token)}
-                 for rank, (token, value) in enumerate(zip(indices[column - 1], log_probs[column - 1]))}
-        # The prompt token's own entry, which vLLM always adds; its rank is known here only within the top k.
-        entry.setdefault(str(prompt[column]), {"logprob": labels[column - 1], "rank": None,
-                                               "decoded_token": text(prompt[column])})
-        entries.append(entry)
-    generated = [indices[-1][0]] if max_tokens == 1 else []
-    return {"index": index, "text": "".join(text(token) for token in generated), "logprobs": None,
-            "finish_reason": "length", "stop_reason": None, "token_ids": generated, "prompt_logprobs": entries,
-            "prompt_token_ids": prompt}
 
 
 def serve_teacher(config: KDRecipeConfig, teacher: TeacherConfig, options: ServeOptions) -> dict:

@@ -144,9 +144,10 @@ class Evaluation:
                 return
             yield batch
 
-    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS) -> TeacherAnswer | None:
+    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS, *,
+                        host_batch: dict | None = None) -> TeacherAnswer | None:
         with self.watch("the teacher request", self.teacher_role):
-            return answer_of(self.teacher.request(batch, transport))
+            return answer_of(self.teacher.request(batch, transport, host_batch=host_batch))
 
     @torch.no_grad()
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -160,7 +161,7 @@ class Evaluation:
         self.model.eval()
         for batch in self._batches(self.val_set):
             micro_batch = {key: to_device(value, self.device) for key, value in batch.items()}
-            answer = self._teacher_answer(micro_batch, transport) if with_teacher else None
+            answer = self._teacher_answer(micro_batch, transport, host_batch=batch) if with_teacher else None
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None
             labels = micro_batch["labels"]

@@ -70,9 +70,15 @@ class StepData:
         return micro_batches(batch, size=self.config.step_scheduler.local_batch_size, device=self.device)
 
     def items(self, batches: Iterator[dict]) -> Iterator[dict]:
-        """The micro-batches of every remaining step in order, each with its step's local valid-token count."""
+        """The micro-batches of every remaining step in order, each with its step's local valid-token count and
+        its rows on the host (`host_batch`: views of the batch the data gave, which a served teacher sends)."""
+        size = self.config.step_scheduler.local_batch_size
         for _ in range(self.start_step, self.config.step_scheduler.max_steps):
-            yield from step_items(self.micro_batches(next(batches)), ignore_index=self.config.kd.ignore_index)
+            batch = next(batches)
+            host = micro_batches(batch, size=size, device=torch.device("cpu"))  # views: the batch is on the host
+            for item, host_batch in zip(step_items(self.micro_batches(batch), ignore_index=self.config.kd.ignore_index),
+                                        host):
+                yield item | {"host_batch": host_batch}
 
     def teacher_feed(self, teacher: TeacherSource, items: Iterator[dict], *, pipeline_depth: int) -> TeacherFeed:
         """(item, encoded teacher answer) in order; the answers are None when the loss needs no teacher.
@@ -83,7 +89,8 @@ class StepData:
             return TeacherFeed((item, None) for item in items)
         depth = (pipeline_depth or 1) if kd.overlap_teacher else 0
         return teacher.prefetch(items, depth=depth,
-                                batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport))
+                                batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport,
+                                                                     item.get("host_batch")))
 
     def train_next(self, skipped_steps: int) -> dict[str, float]:
         """Train the next step (`skipped_steps`: the non-finite steps skipped so far); its metrics."""

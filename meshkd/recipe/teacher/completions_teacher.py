@@ -13,6 +13,10 @@ so a document's position j gets the entries of its prompt_logprobs[j + 1]. The a
 (`meshkd.core.logits_codec`) at temperature 1 without tail samples (the tail is one rest bucket, log(1 - the top
 k's mass)); each label's log-probability is its prompt token's entry. A position that predicts no token of its
 own document (a document's last, padding) gets a placeholder that no loss counts.
+
+A micro-batch with no prompt (no rows, as a data-parallel rank's share of a short held-out batch can be, or
+padding only) is answered here, all placeholders, without a request: vLLM refuses a request with no prompt (400
+"You must pass at least one prompt").
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import math
 
 import torch
 
+from meshkd.core import wire
 from meshkd.core.logits_codec import LABEL_LOG_PROBS
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest
-from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError
+from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError, host_rows
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
@@ -59,17 +64,20 @@ class CompletionsTeacher(ServedTeacher):
         self.model = model
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
-        batch = {key: value.cpu() for key, value in request.batch.items()}
+        batch = host_rows(request)
         spans = [documents({key: value[row] for key, value in batch.items()}) for row in range(len(batch["input_ids"]))]
         prompts = [batch["input_ids"][row, first:end].tolist() for row, row_spans in enumerate(spans)
                    for first, end in row_spans]
+        answer = concurrent.futures.Future()
+        if not prompts:
+            answer.set_result(self._decoded([], batch, spans, request.logits_transport))
+            return answer
         body = completions_request(prompts, self.settings["topk"], self.model)
         posted = self._submit(self._post(COMPLETIONS_PATH, json_body=body))
-        answer = concurrent.futures.Future()
 
         def decode(done: concurrent.futures.Future) -> None:
             try:
-                answer.set_result(self._decoded(done.result(), batch, spans, request.logits_transport))
+                answer.set_result(self._decoded(self._choices(done.result()), batch, spans, request.logits_transport))
             except BaseException as error:  # noqa: BLE001 - raised where the answer is read
                 answer.set_exception(error)
 
@@ -77,15 +85,21 @@ class CompletionsTeacher(ServedTeacher):
         return answer
 
     def _answer(self, future: concurrent.futures.Future) -> Encoded:
-        return self._on_device(future.result())
+        """The answer decoded on the host, on `device` in one copy (`wire.to_device`)."""
+        return wire.to_device(future.result(), self.device)
 
-    def _decoded(self, body: bytes, batch: dict, spans: list[list[tuple[int, int]]], transport: str) -> Encoded:
-        """The top-k answer (and label log-probabilities, as `transport` asks) of the completions in `body`."""
-        k, ignore = self.settings["topk"], self.settings["ignore_index"]
+    def _choices(self, body: bytes) -> list[dict]:
+        """The completions of a response's `body`, in the order of their prompts."""
         try:
-            choices = sorted(json.loads(body)["choices"], key=lambda choice: choice["index"])
+            return sorted(json.loads(body)["choices"], key=lambda choice: choice["index"])
         except (ValueError, KeyError, TypeError) as error:
             raise ServedTeacherError(f"{self.label}: {self.url} answered no completions ({error})") from None
+
+    def _decoded(self, choices: list[dict], batch: dict, spans: list[list[tuple[int, int]]],
+                 transport: str) -> Encoded:
+        """The top-k answer (and label log-probabilities, as `transport` asks) of `choices`, one per span of
+        `spans` in order; placeholders elsewhere."""
+        k, ignore = self.settings["topk"], self.settings["ignore_index"]
         rows, length = batch["input_ids"].shape
         # Placeholders where no loss reads: k equally likely entries and an equal rest.
         log_probs = torch.full((rows, length, k), -math.log(k + 1))

@@ -57,6 +57,13 @@ def health(url: str, *, path: str = HEALTH_PATH, label: str = "teacher_model.url
                                  "`meshkd serve-teacher CONFIG`") from None
 
 
+def host_rows(request: TeacherRequest) -> Batch:
+    """The request's rows on the host: the caller's host copy where it has one, else the batch copied back."""
+    if request.host_batch is not None:
+        return request.host_batch
+    return {key: value.cpu() for key, value in request.batch.items()}
+
+
 def _message(body: bytes) -> str:
     try:
         return str(json.loads(body)["error"])
@@ -97,14 +104,16 @@ class ServedTeacher:
     def _submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
         if not self.receives:
             return None
-        return self._answer(self._ask(TeacherRequest(batch, logits_transport)))
+        return self._answer(self._ask(TeacherRequest(batch, logits_transport, host_batch)))
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
-        """The future of the answer's body (what `_answer` reads)."""
-        body = AnswerRequest({key: request.batch[key] for key in request_keys(request.batch)},
+        """The future of the answer's body (what `_answer` reads). The rows are sent from the host copy the caller
+        has, where it has one (no copy back from the device per micro-batch)."""
+        rows = host_rows(request)
+        body = AnswerRequest({key: rows[key] for key in request_keys(rows)},
                              {"transport": request.logits_transport, **self.settings}).to_bytes()
         return self._submit(self._post(ANSWER_PATH, body))
 
@@ -131,11 +140,9 @@ class ServedTeacher:
             delay = min(2 * delay, RETRY_MAX_S)
 
     def _answer(self, future: concurrent.futures.Future) -> Encoded:
-        return self._on_device(wire.from_bytes(future.result()))
-
-    def _on_device(self, answer: Encoded) -> Encoded:
-        return {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
-                for key, value in answer.items()}
+        """The answer on `device`: its tensor bytes in one copy (from pinned memory to a GPU), cut into leaves
+        there."""
+        return wire.from_bytes(future.result(), device=self.device)
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:

@@ -331,7 +331,7 @@ class CachedTeacher:
                 self._open[number] = (handle, json.loads(handle.metadata()["answer"]), list(handle.keys()))
             return self._open[number]
 
-    def request(self, batch: Batch, logits_transport: str) -> Encoded:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded:
         """The cached answers for every row of `batch`, as the live teacher would send them."""
         rows: list[dict[str, torch.Tensor]] = []
         fields: dict[str, Any] = {"mode": logits_transport}
