@@ -78,8 +78,9 @@ class FusedHead:
                    logits_dtype=pipeline.logits_dtype if pipeline is not None else torch.float32)
 
     def applies(self, answer: TeacherAnswer | None) -> bool:
-        """Whether the loss against `answer` can be computed by chunks of positions (`chunk_kd_loss`)."""
-        return answer is None or hasattr(answer, "chunk_kd_loss")
+        """Whether the loss against `answer` can be computed by chunks of positions: every kind of answer has
+        `chunk_kd_loss` (one that has no loss refuses there, naming its mode)."""
+        return True
 
     @contextlib.contextmanager
     def computing(self, micro_batch: dict, answer: TeacherAnswer | None, context: LossContext, *,
@@ -108,7 +109,7 @@ class FusedHead:
             self.values.append(sums)
             micro_batch, answer = micro_batches[index], answers[index]
             # A cross-tokenizer teacher's groups read their earlier positions' labels: known first, chunks reversed.
-            grouped = answer is not None and kd.kd_ratio > 0 and hasattr(answer, "prepare_chunks")
+            grouped = answer is not None and kd.kd_ratio > 0 and answer.chunks_reversed
             if grouped:
                 answer.prepare_chunks(self._label_log_probs(hidden, micro_batch), micro_batch, context)
             loss = self._fused(hidden, self._objective(micro_batch, answer, context, norm, sums), reverse=grouped)
