@@ -27,9 +27,10 @@ pass them on. The classes here make them on the teacher's side and read them on 
 A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
 paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
 (`meshkd.recipe.teacher.hidden_states`).
-The base type and the contexts are `meshkd.recipe.teacher.answer_base`'s. A new kind of answer is one class (here,
-or in a module of its own as `group_answers`), one entry in `_TYPES` and, if a teacher makes it, a line in
-`answer_type`.
+The base type, the contexts and the registry are `meshkd.core.answers`'; `Distribution` is one kind a mode
+(`FullAnswer`, `Bfloat16Answer`, `TopKAnswer`, `CompactTopKAnswer`). A new kind of answer is one class registered
+under its mode (`@register`, here or in a module of its own as `group_answers`), with `made_for` if a teacher
+makes it.
 """
 
 from __future__ import annotations
