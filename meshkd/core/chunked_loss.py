@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,34 @@ class _AttachGrad(torch.autograd.Function):
         return grad.mul_(grad_output / normalizer), None, None, None
 
 
+class TopKFields(NamedTuple):
+    """A top-k answer's per-token fields, by name (`meshkd.core.answers.topk`): [..., k], [..., k], [...] and, with
+    sampled tail tokens, [..., m] twice (None without)."""
+
+    log_probs: Tensor
+    indices: Tensor
+    tail_log_prob: Tensor
+    tail_indices: Tensor | None = None
+    tail_log_probs: Tensor | None = None
+
+    @classmethod
+    def of(cls, answer: dict) -> TopKFields:
+        """The fields of a top-k answer dict."""
+        return cls(*(answer.get(name) for name in cls._fields))
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the tail is sampled (else a rest bucket)."""
+        return self.tail_indices is not None
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> TopKFields:
+        """`fn` of every field present."""
+        return TopKFields(*(None if field is None else fn(field) for field in self))
+
+
 def chunked(
     student: Tensor,
-    teacher: Tensor | tuple[Tensor, ...] | None,
+    teacher: Tensor | TopKFields | None,
     labels: Tensor,
     ignore_index: int,
     num_valid_tokens: int | Tensor | None,
@@ -71,8 +97,8 @@ def chunked(
     """
     rows = student.flatten(0, -2)
     num_tokens = rows.shape[0]
-    if isinstance(teacher, tuple):  # per-token teacher fields [..., *] of an encoding: rows of each
-        teacher_rows = tuple(t.reshape(num_tokens, *t.shape[labels.ndim :]) for t in teacher)
+    if isinstance(teacher, TopKFields):  # per-token teacher fields [..., *] of a top-k answer: rows of each
+        teacher_rows = teacher.map(lambda t: t.reshape(num_tokens, *t.shape[labels.ndim :]))
     else:
         teacher_rows = None if teacher is None else teacher.flatten(0, -2)
     flat_labels = labels.reshape(-1).to(student.device)
@@ -88,8 +114,8 @@ def chunked(
         grad = torch.empty_like(rows) if needs_grad and not one_chunk else None
         for start in range(0, num_tokens, chunk_size):
             chunk = slice(start, start + chunk_size)
-            if isinstance(teacher_rows, tuple):
-                t = tuple(field[chunk] for field in teacher_rows)
+            if isinstance(teacher_rows, TopKFields):
+                t = teacher_rows.map(lambda field, chunk=chunk: field[chunk])
             else:
                 t = None if teacher_rows is None else teacher_rows[chunk]
             loss_sum, chunk_grad = chunk_fn(rows[chunk], t, flat_labels[chunk], valid[chunk])
@@ -182,7 +208,7 @@ def student_weighted_chunk(
 
 def kd_topk_chunk(
     student: Tensor,
-    teacher: tuple[Tensor, ...],
+    teacher: TopKFields,
     valid: Tensor,
     temperature: float,
     vocab_offset: int,
@@ -190,8 +216,8 @@ def kd_topk_chunk(
 ) -> tuple[Tensor, Tensor]:
     """Top-k KD for one chunk: sum over tokens of the top-k KL, and T^2 times its gradient [c, v].
 
-    `teacher`: (log_probs [c, k], indices [c, k], tail_log_prob [c]) and optionally (tail_indices [c, m],
-    tail_log_probs [c, m]). With s = student / T, q = softmax(s), P the teacher's top-k probabilities and
+    `teacher`: log_probs [c, k], indices [c, k], tail_log_prob [c] and optionally tail_indices [c, m] and
+    tail_log_probs [c, m]. With s = student / T, q = softmax(s), P the teacher's top-k probabilities and
     P_rest its tail mass, d KL / d s_v = q_v * (sum P + P_rest) - P_v on the k tokens, and on the rest
     - P_rest * q_v / q_rest with a rest bucket, or - P_rest * (times v was sampled) / m with tail samples
     (sum P + P_rest is 1 up to rounding; keeping it makes the gradient exact for the value computed).
@@ -200,8 +226,8 @@ def kd_topk_chunk(
     out complete on every rank.
     """
     compute_dtype = result_dtype(student)
-    log_p, index, tail = teacher[:3]
-    sampled = len(teacher) == 5
+    log_p, index, tail = teacher.log_probs, teacher.indices, teacher.tail_log_prob
+    sampled = teacher.sampled
     log_p, tail = log_p.to(compute_dtype), tail.to(compute_dtype)
     s = student.to(compute_dtype) / temperature
     num_rows, local_vocab = s.shape
@@ -217,8 +243,8 @@ def kd_topk_chunk(
     top_local, top_owned, s_top = local_entries(index)
     rows_of = [s]
     if sampled:
-        sample_local, sample_owned, s_samples = local_entries(teacher[3])
-        sample_log_p = teacher[4].to(compute_dtype)
+        sample_local, sample_owned, s_samples = local_entries(teacher.tail_indices)
+        sample_log_p = teacher.tail_log_probs.to(compute_dtype)
         gathered = torch.cat([s_top, s_samples], dim=-1)
     else:
         in_top = torch.zeros_like(s)

@@ -9,6 +9,8 @@ sequence across CP, and restores the original order.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,6 +29,20 @@ def cp_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = 1) 
         raise ValueError(f"sequence length {length} is not divisible by 2 * cp_size = {2 * cp_size}; pad it first")
     chunks = tensor.chunk(2 * cp_size, dim=dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """The sequence length rounded up to a multiple of 2 * cp_size (head-tail sharding needs equal chunks)."""
+    return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
+
+
+def pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
+    """`tensor` [batch, sequence, ...] padded on dim 1 with `value`, then this cp rank's head-tail share."""
+    pad = padded_length(tensor.shape[1], cp_size) - tensor.shape[1]
+    if pad:
+        shape = (tensor.shape[0], pad, *tensor.shape[2:])
+        tensor = torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
+    return cp_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, dim=1)
 
 
 def cp_unshard(shards: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:

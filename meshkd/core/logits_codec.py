@@ -9,7 +9,7 @@ the student's KD loss consumes it as it arrives (`kd_loss_encoded`). The encodin
 - "topk": the k largest log-probabilities, their indices, the tail's mass and optionally m tail samples,
   8 k + 4 + 8 m bytes whatever V (`meshkd.core.encodings.topk`, which also says how the tail keeps the loss a
   divergence);
-- "topk_compact": a top-k answer packed, 264 bytes at k = 64, m = 32, V = 49,152
+- "topk_compact": a top-k answer packed, 215 bytes at k = 64, m = 32, V = 49,152
   (`meshkd.core.encodings.compact`).
 """
 

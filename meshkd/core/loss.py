@@ -12,7 +12,7 @@ API:
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
 - `kd_loss_topk(student_logits, teacher, labels, ...)`: forward KL against a top-k answer with its tail
-  (`meshkd.core.encodings.topk`); `meshkd.core.logits_codec.kd_loss_encoded` takes an answer of any encoding.
+  (`meshkd.core.encodings.topk`), its fields read by name (`meshkd.core.chunked_loss.TopKFields`).
 - `kd_objective(ce, kd, kd_ratio)`: (1 - kd_ratio) * ce + kd_ratio * kd.
 - `top1_agreements(student_logits, teacher_top, labels, *, ignore_index=-100)`: how many valid positions have
   the teacher's likeliest token as the student's likeliest (an evaluation figure, no gradient).
@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshkd.core.chunked_loss import (
+    TopKFields,
     ce_chunk,
     chunked,
     kd_chunk,
@@ -65,7 +66,6 @@ from meshkd.core.chunked_loss import (
     token_normalizer,
 )
 
-_TOPK_FIELDS = ("log_probs", "indices", "tail_log_prob", "tail_indices", "tail_log_probs")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
 
 
@@ -198,7 +198,7 @@ def kd_loss_topk(
     _check_chunk_size(chunk_size)
     _check_shapes(student_logits, labels)
     labels = _full(labels)
-    fields = tuple(teacher[name] for name in _TOPK_FIELDS if name in teacher)
+    fields = TopKFields.of(teacher)
     if isinstance(student_logits, DTensor):
         student, group, offset = _vocab_shard(student_logits)
         return chunked(
@@ -216,18 +216,18 @@ def kd_loss_topk(
     # The plain path: the formula with autograd, the reference for the other two.
     compute_dtype = result_dtype(student_logits)
     valid = (labels != ignore_index).reshape(-1)
-    vocab, k = student_logits.shape[-1], fields[0].shape[-1]
-    log_p = fields[0].reshape(-1, k).to(compute_dtype)
-    index = fields[1].reshape(-1, k).long().to(student_logits.device)
-    tail = fields[2].reshape(-1).to(compute_dtype)
+    vocab, k = student_logits.shape[-1], fields.log_probs.shape[-1]
+    log_p = fields.log_probs.reshape(-1, k).to(compute_dtype)
+    index = fields.indices.reshape(-1, k).long().to(student_logits.device)
+    tail = fields.tail_log_prob.reshape(-1).to(compute_dtype)
     log_q = F.log_softmax(student_logits.flatten(0, -2).to(compute_dtype) / temperature, dim=-1)
     p, p_rest = log_p.exp(), tail.exp()
     top_terms = torch.where(valid[:, None] & (p > 0), p * (log_p - log_q.gather(-1, index)), 0.0)
     has_tail = valid & (p_rest > 0)
-    if len(fields) == 5:  # sampled tail: P_rest * mean over samples of (log p_t - log q)
-        m = fields[3].shape[-1]
-        sample_index = fields[3].reshape(-1, m).long().to(student_logits.device)
-        sample_log_p = fields[4].reshape(-1, m).to(compute_dtype)
+    if fields.sampled:  # sampled tail: P_rest * mean over samples of (log p_t - log q)
+        m = fields.tail_indices.shape[-1]
+        sample_index = fields.tail_indices.reshape(-1, m).long().to(student_logits.device)
+        sample_log_p = fields.tail_log_probs.reshape(-1, m).to(compute_dtype)
         difference = torch.where(has_tail[:, None], sample_log_p - log_q.gather(-1, sample_index), 0.0)
         tail_terms = torch.where(has_tail, p_rest * difference.mean(-1), 0.0)
     else:  # rest bucket: P_rest * (log P_rest - log q_rest)

@@ -21,7 +21,6 @@ shards its own inputs with the same functions.
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshkd.core.logits import cp_shard
+from meshkd.core.logits import cp_shard, pad_and_shard, padded_length
 from meshkd.core.masks import SUPPORTED_ATTENTION, positions_and_documents
 from meshkd.core.packing import NEAT_INDEXED, enable_cp_masks, packing_layout
 from meshkd.core.topology import DistributedSetup, flatten_axes, member_mesh
@@ -161,20 +160,6 @@ def enable_cp_attention(model: nn.Module, group: dist.ProcessGroup) -> None:
     except (ValueError, AttributeError, KeyError):
         # Older releases validate the name against their own list; the config field is what attention reads.
         model.config._attn_implementation = CP_ATTENTION
-
-
-def padded_length(length: int, cp_size: int) -> int:
-    """The sequence length rounded up to a multiple of 2 * cp_size (head-tail sharding needs equal chunks)."""
-    return math.ceil(length / (2 * cp_size)) * (2 * cp_size)
-
-
-def pad_and_shard(tensor: torch.Tensor, *, cp_size: int, cp_rank: int, value: float = 0) -> torch.Tensor:
-    """`tensor` [batch, sequence, ...] padded on dim 1 with `value`, then this cp rank's head-tail share."""
-    pad = padded_length(tensor.shape[1], cp_size) - tensor.shape[1]
-    if pad:
-        shape = (tensor.shape[0], pad, *tensor.shape[2:])
-        tensor = torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
-    return cp_shard(tensor, cp_size=cp_size, cp_rank=cp_rank, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks
-from meshkd.recipe.teacher.teacher_answers import Cut, Distribution, TeacherAnswer, answer_class, answer_of
+from meshkd.recipe.teacher.teacher_answers import ANSWERS, Cut, Distribution, TeacherAnswer, answer_of
 
 
 def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
@@ -129,7 +129,7 @@ class Evaluation:
         self.dp_rank, self.fused_head = setup.dp_mesh.get_local_rank(), fused_head
         self.without_distribution = None
         """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
-        if validation_answer is not None and not issubclass(answer_class(validation_answer), Distribution):
+        if validation_answer is not None and not issubclass(ANSWERS.named(validation_answer), Distribution):
             self.without_distribution = ("kd.teacher_cache holds only each label's log-probability for validation "
                                          "rows, not the teacher's distribution")
         if kd.cross_tokenizer is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from meshkd.core.answers import LossContext, TeacherAnswer, register
 from meshkd.core.chunked_loss import token_normalizer
 from meshkd.core.cross_tokenizer_loss import (
     VocabularyMap,
@@ -16,8 +17,8 @@ from meshkd.core.cross_tokenizer_loss import (
     uld_loss,
     uld_terms,
 )
+from meshkd.core.encodings import choices
 from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, group_positions, teacher_side
-from meshkd.recipe.teacher.answer_base import LossContext, TeacherAnswer
 
 GROUPS = "groups"
 """The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
@@ -48,8 +49,22 @@ def group_kd_loss(logits: torch.Tensor, batch: dict, teacher_log_probs: torch.Te
     return gold_loss(logits, batch["labels"], teacher_log_probs, vocabulary_map, divergence=kd.divergence, **common)
 
 
+@register
 class GroupDistributions(TeacherAnswer):
-    """A cross-tokenizer teacher's distribution per aligned group ("log_probs" [groups, teacher vocab])."""
+    """A cross-tokenizer teacher's distribution per aligned group ("log_probs" [groups, teacher vocab]).
+
+    Registered from the recipe, not kept in `meshkd.core`: it reads the cross-tokenizer batch keys that pair a
+    group's positions (`meshkd.recipe.corpus.rows`), which belong to the recipe's batch schema."""
+
+    name = GROUPS
+    chunks_reversed = True  # a group's earlier positions' labels are known (`prepare_chunks`) before its last
+
+    @classmethod
+    def made_for(cls, transport, kd):
+        """Any request for a distribution (`uld` and `gold` take `full`) from a cross-tokenizer teacher whose loss
+        compares groups."""
+        return (transport.partition("+")[0] in choices("logits_transport") and kd.cross_tokenizer is not None
+                and kd.cross_tokenizer.loss != "projection")
 
     @classmethod
     def encode(cls, logits, batch, transport, context):

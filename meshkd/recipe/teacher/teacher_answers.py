@@ -27,9 +27,10 @@ pass them on. The classes here make them on the teacher's side and read them on 
 A `Distribution` answering a training request may carry the teacher's hidden states of `kd.hidden_states`'
 paired layers beside it (`with_hidden_states`); `Distribution.hidden_state_loss` is their term
 (`meshkd.recipe.teacher.hidden_states`).
-The base type and the contexts are `meshkd.recipe.teacher.answer_base`'s. A new kind of answer is one class (here,
-or in a module of its own as `group_answers`), one entry in `_TYPES` and, if a teacher makes it, a line in
-`answer_type`.
+The base type, the contexts and the registry are `meshkd.core.answers`'; `Distribution` is one kind a mode
+(`FullAnswer`, `Bfloat16Answer`, `TopKAnswer`, `CompactTopKAnswer`). A new kind of answer is one class registered
+under its mode (`@register`, here or in a module of its own as `group_answers`), with `made_for` if a teacher
+makes it.
 """
 
 from __future__ import annotations
@@ -40,10 +41,23 @@ from collections.abc import Callable
 
 import torch
 
+from meshkd.core.answers import (
+    ANSWERS,
+    Cut,
+    EncodeContext,
+    Figures,
+    LossContext,
+    TeacherAnswer,
+    answer_of,
+    answer_type,
+    register,
+)
 from meshkd.core.combinations import combination_named
 from meshkd.core.cross_tokenizer_loss import project_teacher_logits
 from meshkd.core.encodings import ENCODINGS, AnswerEncoding, encoding_named, selected
-from meshkd.core.encodings.full import FullLogits
+from meshkd.core.encodings.compact import CompactTopK
+from meshkd.core.encodings.full import Bfloat16Logits, FullLogits
+from meshkd.core.encodings.topk import TopK
 from meshkd.core.fused_output import chunk_answer
 from meshkd.core.logits_codec import (
     LABEL_LOG_PROBS,
@@ -57,13 +71,13 @@ from meshkd.core.loss import top1_agreements as _top1_agreements
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
 from meshkd.recipe.corpus.rows import TEACHER_POSITIONS, group_positions, kd_labels, teacher_side
 from meshkd.recipe.settings.config import KDConfig
-from meshkd.recipe.teacher.answer_base import Cut, EncodeContext, Figures, LossContext, TeacherAnswer
-from meshkd.recipe.teacher.group_answers import GROUPS, GroupDistributions
+from meshkd.recipe.teacher.group_answers import GroupDistributions
 from meshkd.recipe.teacher.hidden_states import HIDDEN_STATES, HiddenStateProjections, hidden_state_loss
 
 
 class Distribution(TeacherAnswer):
-    """The teacher's distribution at every position: full logits, bfloat16 logits or top-k with its tail."""
+    """The teacher's distribution at every position in one answer encoding (`meshkd.core.encodings`), a kind
+    each below: full logits, bfloat16 logits, top-k with its tail, compact top-k."""
 
     def __init__(self, wire: dict) -> None:
         wire = encoding_named(wire.get("mode")).decode(wire)  # a packed answer unpacked where the student takes it
@@ -80,8 +94,16 @@ class Distribution(TeacherAnswer):
         return ENCODINGS[self.wire["mode"]]
 
     @classmethod
+    def made_for(cls, transport, kd):
+        """A request for a `kd.logits_transport` encoding (`transport`, perhaps `with_label_log_probs`) whose
+        encoding with `kd.topk_encoding` is this kind's, with one tokenizer or a projected cross-tokenizer teacher."""
+        mode = transport.partition("+")[0]
+        return (mode in LOGITS_MODES and (kd.cross_tokenizer is None or kd.cross_tokenizer.loss == "projection")
+                and selected(logits_transport=mode, topk_encoding=kd.topk_encoding).name == cls.name)
+
+    @classmethod
     def encode(cls, logits, batch, transport, context):
-        """The `kd.logits_transport` encoding asked (`encode_teacher_rows`), of a cross-tokenizer teacher's
+        """This kind's encoding (`encode_teacher_rows`), of a cross-tokenizer teacher's
         distribution projected onto the student's vocabulary (`projected`); asked `with_label_log_probs`, each
         label's log-probability besides, as "label_log_probs" (what an evaluation asks for the held-out KL).
 
@@ -90,7 +112,7 @@ class Distribution(TeacherAnswer):
         kd = context.kd
         mode, with_labels, _ = transport.partition("+")
         distribution = logits if kd.cross_tokenizer is None else cls.projected(logits, batch, context)
-        encoding = selected(logits_transport=mode, topk_encoding=kd.topk_encoding)
+        encoding = ENCODINGS[cls.name]
         # Only tail samples read their seeds: one host sync for the whole batch then, not one per row.
         sampled = encoding.seeded(tail_samples=kd.topk_tail_samples)
         seeds = [context.seed + total for total in batch["input_ids"].sum(dim=-1).tolist()] if sampled else (
@@ -254,8 +276,8 @@ class Distribution(TeacherAnswer):
             logits = members[name].wire["logits"].float()
             norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
             terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
-        return Distribution({"mode": FullLogits.name,
-                             "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)})
+        return answer_of({"mode": FullLogits.name,
+                          "logits": reference + temperature * torch.logsumexp(torch.stack(terms), dim=0)})
 
     @staticmethod
     def merged(members: dict[str, Distribution], rows: dict[str, torch.Tensor]) -> Distribution:
@@ -289,11 +311,46 @@ class Distribution(TeacherAnswer):
             for name, member in members.items():
                 merged[key][rows[name]] = member.wire[key].to(dtype)
         merged["mode"] = merged_mode(first["mode"])
-        return Distribution(merged)
+        return answer_of(merged)
 
 
+@register
+class FullAnswer(Distribution):
+    """The teacher's logits in its dtype (`meshkd.core.encodings.full.FullLogits`)."""
+
+    name = FullLogits.name
+
+
+@register
+class Bfloat16Answer(Distribution):
+    """The teacher's logits rounded to bfloat16 (`meshkd.core.encodings.full.Bfloat16Logits`)."""
+
+    name = Bfloat16Logits.name
+
+
+@register
+class TopKAnswer(Distribution):
+    """The teacher's top-k log-probabilities with its tail (`meshkd.core.encodings.topk.TopK`)."""
+
+    name = TopK.name
+
+
+@register
+class CompactTopKAnswer(Distribution):
+    """A top-k answer packed (`meshkd.core.encodings.compact.CompactTopK`), unpacked where the student takes it."""
+
+    name = CompactTopK.name
+
+
+@register
 class LabelLogProbs(TeacherAnswer):
     """The teacher's log-probability of each label ("log_probs" [rows, sequence], 0 at ignored labels)."""
+
+    name = LABEL_LOG_PROBS
+
+    @classmethod
+    def made_for(cls, transport, kd):
+        return transport == cls.name
 
     @classmethod
     def encode(cls, logits, batch, transport, context):
@@ -305,8 +362,11 @@ class LabelLogProbs(TeacherAnswer):
         return self.wire["log_probs"]
 
 
+@register
 class Ensemble(TeacherAnswer):
     """Several teachers' answers ("answers": name -> answer on the wire, "wait_s": name -> seconds waited)."""
+
+    name = TEACHERS
 
     @functools.cached_property
     def members(self) -> dict[str, Distribution]:
@@ -364,24 +424,9 @@ class Ensemble(TeacherAnswer):
         return loss, figures
 
 
-_TYPES: dict[str, type[TeacherAnswer]] = {**dict.fromkeys(ENCODINGS, Distribution), GROUPS: GroupDistributions,
-                                          LABEL_LOG_PROBS: LabelLogProbs, TEACHERS: Ensemble}
-
-
 def selected_encoding(kd: KDConfig) -> AnswerEncoding:
     """The answer encoding `kd.logits_transport` and `kd.topk_encoding` choose (`meshkd.core.encodings.selected`)."""
     return selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding)
-
-
-def answer_type(transport: str, kd: KDConfig) -> type[TeacherAnswer]:
-    """The kind of answer a teacher makes for a request asking `transport` (`TeacherRequest.logits_transport`)
-    in a run of `kd`: each label's log-probability, a cross-tokenizer teacher's group distributions for
-    `uld` / `gold`, else its distribution over the student's vocabulary."""
-    if transport == LABEL_LOG_PROBS:
-        return LabelLogProbs
-    if kd.cross_tokenizer is not None and kd.cross_tokenizer.loss != "projection":
-        return GroupDistributions
-    return Distribution
 
 
 def with_hidden_states(wire: dict, hidden: list[torch.Tensor] | None, transport: str) -> dict:
@@ -394,23 +439,6 @@ def with_hidden_states(wire: dict, hidden: list[torch.Tensor] | None, transport:
     return {**wire, HIDDEN_STATES: torch.stack(hidden, dim=2).to(dtype)}
 
 
-def answer_class(mode: str) -> type[TeacherAnswer]:
-    """The type of an answer of `mode` on the wire.
-
-    Raises:
-        ValueError: for no known mode.
-    """
-    if mode not in _TYPES:
-        raise ValueError(f"a teacher answer of mode {mode!r}: the student knows {sorted(_TYPES)}")
-    return _TYPES[mode]
-
-
-def answer_of(wire: dict | None) -> TeacherAnswer | None:
-    """The typed answer of a dict from the wire (None: no answer, as on pipeline stages before the last).
-
-    Raises:
-        ValueError: for a dict of no known mode.
-    """
-    if wire is None:
-        return None
-    return answer_class(wire.get("mode") if isinstance(wire, dict) else type(wire).__name__)(wire)
+__all__ = ["ANSWERS", "Bfloat16Answer", "CompactTopKAnswer", "Cut", "Distribution", "EncodeContext", "Ensemble",
+           "Figures", "FullAnswer", "GroupDistributions", "LabelLogProbs", "LossContext", "TeacherAnswer", "TopKAnswer",
+           "answer_of", "answer_type", "selected_encoding", "with_hidden_states"]

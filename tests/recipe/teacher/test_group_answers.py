@@ -6,11 +6,11 @@ temperature other than 1."""
 import pytest
 import torch
 
+from meshkd.core.answers import LossContext
 from meshkd.core.fused_output import fused_output_loss
 from meshkd.core.vocabulary_map import VocabularyMap
 from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_POSITIONS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
-from meshkd.recipe.teacher.answer_base import LossContext
 from meshkd.recipe.teacher.group_answers import GROUPS, GroupDistributions, group_kd_loss
 
 ROWS, LENGTH, WIDTH, VOCAB, TEACHER_VOCAB = 2, 13, 8, 11, 9

@@ -11,12 +11,15 @@ from meshkd.core.loss import kd_loss
 from meshkd.core.teacher_ensemble import TEACHERS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 from meshkd.recipe.teacher.teacher_answers import (
+    Bfloat16Answer,
     Distribution,
     EncodeContext,
     Ensemble,
+    FullAnswer,
     GroupDistributions,
     LabelLogProbs,
     LossContext,
+    TopKAnswer,
     answer_of,
     answer_type,
 )
@@ -36,7 +39,7 @@ def logits(seed: int) -> torch.Tensor:
 
 def test_each_answer_is_read_by_its_mode_and_an_unknown_one_is_named():
     assert answer_of(None) is None
-    assert type(answer_of(encode_teacher_logits(logits(0), "full_bf16"))) is Distribution
+    assert type(answer_of(encode_teacher_logits(logits(0), "full_bf16"))) is Bfloat16Answer
     assert type(answer_of({"mode": TEACHERS, "answers": {}})) is Ensemble
     with pytest.raises(ValueError, match=r"a teacher answer of mode 'logits'"):
         answer_of({"mode": "logits"})
@@ -78,15 +81,15 @@ def test_the_teacher_makes_the_kind_of_answer_asked_and_the_student_reads_it_bac
     context = EncodeContext(kd, seed=7, vocab_size=VOCAB)
     batch = {"input_ids": torch.zeros(ROWS, LENGTH, dtype=torch.long), **micro_batch()}
     assert answer_type(LABEL_LOG_PROBS, kd) is LabelLogProbs
-    assert answer_type(with_label_log_probs("topk"), kd) is answer_type("topk", kd) is Distribution
+    assert answer_type(with_label_log_probs("topk"), kd) is answer_type("topk", kd) is TopKAnswer
     assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="uld"))) is GroupDistributions
-    assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="projection"))) is Distribution
+    assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="projection"))) is FullAnswer
     teacher = logits(5)
     expected = label_log_probs(teacher, batch["labels"])["log_probs"]
     answer = answer_of(LabelLogProbs.encode(teacher, batch, LABEL_LOG_PROBS, context))
     assert type(answer) is LabelLogProbs
     torch.testing.assert_close(answer.label_log_probs(), expected, rtol=0, atol=0)
-    both = answer_of(Distribution.encode(teacher, batch, with_label_log_probs("topk"), context))
+    both = answer_of(TopKAnswer.encode(teacher, batch, with_label_log_probs("topk"), context))
     torch.testing.assert_close(both.label_log_probs(), expected, rtol=0, atol=0)
     assert "label_log_probs" not in both.encoding and set(both.encoding) < set(both.wire)
     with pytest.raises(ValueError, match="asked with_label_log_probs must hold a label_log_probs tensor"):
