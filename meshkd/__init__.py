@@ -3,8 +3,8 @@
 Three layers, each a package:
 
 - `meshkd.core`: the torch-only library: who is where (`topology`), how values travel (`wire`, `bridge`),
-  the teacher request between the roles (`teacher_protocol`), teacher-logits encodings (`logits_codec`),
-  sharded logits (`logits`), the losses (`loss`), NEAT packing (`packing`), stage broadcasts
+  the teacher request between the roles (`teacher_protocol`), the teacher's answers, one registered class a mode
+  (`answers`), sharded logits (`logits`), the losses (`loss`), NEAT packing (`packing`), stage broadcasts
   (`stage_broadcast`) and one status agreement across ranks (`agreement`).
 - `meshkd.parallel`: laying a transformers model out, one concern per module (`stages`,
   `tensor_parallel`, `context_parallel`, `data_parallel`, `sharded_loading`, `teacher_runner`,

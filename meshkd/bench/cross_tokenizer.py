@@ -73,9 +73,9 @@ class _RandomTeacher:
 
 def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequence: int, rows: int) -> dict:
     """Bytes per student token of the projected answer in each mode, on the aligned rows of `texts`."""
-    from meshkd.core.logits_codec import encoded_nbytes
     from meshkd.core.teacher_protocol import TeacherRequest
     from meshkd.core.vocabulary_map import build_vocabulary_map
+    from meshkd.core.wire import payload_nbytes
     from meshkd.recipe.corpus.aligned_data import aligned_packing
     from meshkd.recipe.settings.config import KDConfig
     from meshkd.recipe.teacher.teacher_worker import TeacherForward
@@ -94,7 +94,7 @@ def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequen
         forward = TeacherForward(_RandomTeacher(teacher_vocab), vocab_size=len(student_tokenizer),
                                  kd=KDConfig(logits_transport=mode, **options), seed=0, vocabulary_map=vocabulary_map)
         answer = forward(TeacherRequest(batch=batch, logits_transport=mode))
-        result[f"{mode}_per_student_token"] = encoded_nbytes(answer) / student_tokens
+        result[f"{mode}_per_student_token"] = payload_nbytes(answer) / student_tokens
     return result
 
 

@@ -68,9 +68,10 @@ def _output_probe(kind: str, tokens: int, chunk_size: int, dtype: str = "float32
     to warm up (kernels, cuBLAS workspace) and the second is measured."""
     import time
 
+    from meshkd.core.answers.topk import TopK
     from meshkd.core.fused_output import chunk_answer, fused_output_loss
-    from meshkd.core.logits_codec import kd_loss_encoded
     from meshkd.core.loss import cross_entropy_loss
+    from meshkd.recipe.settings.config import KDConfig
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -89,7 +90,7 @@ def _output_probe(kind: str, tokens: int, chunk_size: int, dtype: str = "float32
 
     def objective(logits, tokens_of, cut=lambda a: a):
         ce = cross_entropy_loss(logits, labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
-        kd = kd_loss_encoded(logits, cut(answer), labels[tokens_of], num_valid_tokens=tokens, chunk_size=chunk_size)
+        kd = TopK.kernel(logits, cut(answer), labels[tokens_of], KDConfig(), norm=tokens, chunk_size=chunk_size)
         return 0.5 * ce + 0.5 * kd
 
     compute_dtype = getattr(torch, dtype)

@@ -1,7 +1,7 @@
 """The transport bench's `modes` section: what each logits transport mode costs in bytes and in KD error.
 
 On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library source, for two students
-(the demo's 8 of 30 layers, and a near one of 26), each registered answer encoding's (`meshkd.core.encodings`;
+(the demo's 8 of 30 layers, and a near one of 26), each registered kind of distribution's (`meshkd.core.answers`;
 those holding indices at each top-k size of the settings) wire bytes per token and the relative error of its KD
 loss, of d loss / d logits and of the output-head weight gradient, against full float32; for an encoding that
 travels packed (compact top-k answers, `kd.topk_encoding: compact`) also the decoded answer's KL to the answer it
@@ -43,9 +43,10 @@ _STUDENTS = {"demo (8/30 layers)": [0, 1, 2, 3, 26, 27, 28, 29], "near (26/30 la
 
 def measure(settings: dict) -> dict:
     """The section's rows (per student, mode and temperature: medians over the samples) and its sizes."""
-    from meshkd.core.encodings import ENCODINGS
-    from meshkd.core.logits_codec import encode_teacher_logits, encoded_nbytes, kd_loss_encoded
+    from meshkd.core.answers import ANSWERS, distributions
+    from meshkd.core.wire import payload_nbytes
     from meshkd.recipe.modeling import models
+    from meshkd.recipe.settings.config import KDConfig
 
     source = models.demo_teacher_source()
     tokenizer = models.load_tokenizer(**source)
@@ -53,8 +54,7 @@ def measure(settings: dict) -> dict:
     students = {name: prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
     samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
     sizes = [(k, 0) for k in settings["topk"]] + list(settings["topk_sampled"])
-    variants = [(name, k, m) for name, encoding in ENCODINGS.items()
-                for k, m in (sizes if encoding.has_indices else [(None, 0)])]
+    variants = [(kind.name, k, m) for kind in distributions() for k, m in (sizes if kind.has_indices else [(None, 0)])]
     per_sample: dict[tuple, list[dict]] = {}
     for sample, ids in enumerate(samples):
         inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -69,20 +69,22 @@ def measure(settings: dict) -> dict:
             for temperature in (1.0, 2.0):
                 results = {}
                 for mode, k, m in variants:
-                    wire = encode_teacher_logits(teacher_logits, mode, k=k, temperature=temperature, tail_samples=m,
-                                                 seed=sample)
-                    encoded, decode_kl = ENCODINGS[mode].decode(wire), None
+                    options = {"k": k, "temperature": temperature, "tail_samples": m, "seed": sample,
+                               "chunk_size": 1024}
+                    wire = ANSWERS.named(mode).encode_logits(teacher_logits, **options)
+                    encoded, decode_kl = ANSWERS.named(mode).decode(wire), None
+                    kind = ANSWERS.named(encoded["mode"])
                     if encoded is not wire:  # what travels is packed; the loss reads its decoding
-                        exact = encode_teacher_logits(teacher_logits, encoded["mode"], k=k, temperature=temperature,
-                                                      tail_samples=m, seed=sample)
+                        exact = kind.encode_logits(teacher_logits, **options)
                         decode_kl = (exact["log_probs"].exp() * (exact["log_probs"] - encoded["log_probs"])).sum(-1)
                     s = student_logits.clone().requires_grad_()
-                    loss = kd_loss_encoded(s, encoded, labels, temperature=temperature, chunk_size=256)
+                    loss = kind.kernel(s, encoded, labels, KDConfig(temperature=temperature), norm=None,
+                                       chunk_size=256)
                     loss.backward()
                     # The output-head weight gradient [vocab, hidden]: what the logit gradient becomes in parameter
                     # space, where sampling noise of single tokens averages out over the batch.
                     head_grad = s.grad.flatten(0, 1).T @ hidden.flatten(0, 1)
-                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, encoded_nbytes(wire), decode_kl)
+                    results[(mode, k, m)] = (float(loss.detach()), s.grad, head_grad, payload_nbytes(wire), decode_kl)
                 reference, reference_grad, reference_head, _, _ = results[("full", None, 0)]
                 for (mode, k, m), (value, grad, head_grad, nbytes, decode_kl) in results.items():
                     name = mode if k is None else f"{mode} k={k}" + (f" +{m} tail samples" if m else " (rest bucket)")

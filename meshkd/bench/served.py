@@ -23,7 +23,7 @@ served, ... in one bench run (`repeats` of each). The figures:
   POSTed to the server as top-k and again as `full` (float32 logits over the student's 4096 entries); the
   figures are the HTTP bodies' lengths (`meshkd.core.wire` byte strings: spec and tensors) over the request's
   tokens, the request's own beside the answers', and the answers' tensor bytes alone
-  (`meshkd.core.logits_codec.encoded_nbytes`) for the spec's share;
+  (`meshkd.core.wire.payload_nbytes`) for the spec's share;
 - the teacher's busy share: the growth of the server's `load.busy_s` (`GET /health`: seconds spent on
   forwards and their answers) over the growth of its `load.uptime_s`, both sampled every 0.1 s, from the end
   of a forward to the end of another (as the samples first see them) in the window in which every student
@@ -211,7 +211,7 @@ def wire_bytes(server: _Server, tokenizer_dir: str, sizes: dict) -> dict:
     import torch
 
     from meshkd.core import wire
-    from meshkd.core.logits_codec import encoded_nbytes
+    from meshkd.core.wire import payload_nbytes
     from meshkd.recipe.corpus.rows import BATCH_KEYS
     from meshkd.recipe.settings.config import KDConfig
     from meshkd.recipe.teacher.served_protocol import AnswerRequest, answer_settings
@@ -220,10 +220,11 @@ def wire_bytes(server: _Server, tokenizer_dir: str, sizes: dict) -> dict:
     settings = answer_settings(KDConfig(**TOPK), seed=0, vocab_size=sizes["vocab"])
     result: dict = {"rows": ROWS, "sequence": sizes["sequence"]}
     for transport in ("topk", "full"):
-        request = AnswerRequest({key: rows[key] for key in BATCH_KEYS}, {"transport": transport, **settings})
+        request = AnswerRequest({key: rows[key] for key in BATCH_KEYS},
+                                {"transport": transport, "with_label_log_probs": False, **settings})
         body = request.to_bytes()
         answer = server.post(body)
-        tensors = encoded_nbytes({key: value for key, value in wire.from_bytes(answer).items()
+        tensors = payload_nbytes({key: value for key, value in wire.from_bytes(answer).items()
                                   if isinstance(value, torch.Tensor)})
         result["tokens"] = request.tokens
         result[f"{transport}_request_bytes_per_token"] = len(body) / request.tokens

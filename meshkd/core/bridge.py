@@ -191,7 +191,7 @@ class KDMeshBridge:
         Args:
             wave: routing wave index.
             logits: on teacher output ranks, [batch, sequence, vocab] full, replicated teacher logits, or
-                their encoded form (a dict from `meshkd.core.logits_codec.encode_teacher_logits`); None
+                their encoded form (a dict from a kind of `meshkd.core.answers`); None
                 elsewhere. An unpaired teacher replica in the last wave has no route: its logits are
                 dropped.
             error: on teacher output ranks, why there are no logits: the receivers raise RuntimeError

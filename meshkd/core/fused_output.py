@@ -178,7 +178,7 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
 
 
 def chunk_answer(answer: dict[str, Any], tokens: slice, lead: tuple[int, ...]) -> dict[str, Any]:
-    """A teacher's encoded answer (`meshkd.core.logits_codec`: full, full_bf16 or top-k) cut to the flattened
+    """A teacher's encoded answer (`meshkd.core.answers`: full, full_bf16 or top-k) cut to the flattened
     positions `tokens` of the positions `lead` ([batch, sequence]): every tensor field [*lead, ...] as [c, ...];
     the other fields as they are."""
     count = math.prod(lead)

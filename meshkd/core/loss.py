@@ -12,7 +12,7 @@ API:
 - `cross_entropy_loss(student_logits, labels, *, ignore_index=-100, num_valid_tokens=None,
   chunk_size=None)`: next-token cross-entropy of the student.
 - `kd_loss_topk(student_logits, teacher, labels, ...)`: forward KL against a top-k answer with its tail
-  (`meshkd.core.encodings.topk`), its fields read by name (`meshkd.core.chunked_loss.TopKFields`).
+  (`meshkd.core.answers.topk`), its fields read by name (`meshkd.core.chunked_loss.TopKFields`).
 - `kd_objective(ce, kd, kd_ratio)`: (1 - kd_ratio) * ce + kd_ratio * kd.
 - `top1_agreements(student_logits, teacher_top, labels, *, ignore_index=-100)`: how many valid positions have
   the teacher's likeliest token as the student's likeliest (an evaluation figure, no gradient).
@@ -175,7 +175,7 @@ def kd_loss_topk(
     num_valid_tokens: int | Tensor | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
-    """Forward KL against a checked top-k answer (`meshkd.core.encodings.topk`): the KL over the teacher's k
+    """Forward KL against a checked top-k answer (`meshkd.core.answers.topk`): the KL over the teacher's k
     tokens plus its tail (a rest bucket, or sampled tail tokens), times T^2, with the same conventions and the
     same three paths as `kd_loss`: plain (autograd, the reference), chunked, and vocab-parallel for a student
     DTensor sharded on the vocab dim (each rank reads the entries it owns; one MAX and one SUM all-reduce per
@@ -184,7 +184,7 @@ def kd_loss_topk(
 
     Args:
         student_logits: [batch, sequence, vocab] or [tokens, vocab], or a vocab-sharded DTensor.
-        teacher: the answer, its fields checked (`meshkd.core.logits_codec.check_encoded_logits`).
+        teacher: the answer, its fields checked (`meshkd.core.answers.topk.TopK.check`).
         labels, ignore_index, num_valid_tokens, chunk_size: as for `kd_loss`.
         temperature: T > 0, the temperature the answer was made at.
     """

@@ -24,8 +24,15 @@ from typing import Any
 
 import torch
 
-from meshkd.core.logits_codec import LOGITS_MODES
-from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest, TeacherSource, cuda_tensors
+from meshkd.core.teacher_protocol import (
+    LABEL_LOG_PROBS,
+    Batch,
+    Encoded,
+    TeacherFeed,
+    TeacherRequest,
+    TeacherSource,
+    cuda_tensors,
+)
 
 TEACHERS = "teachers"
 """The mode of an ensemble's answer: {"mode": TEACHERS, "answers": {name: answer}, "wait_s": {name: seconds}}."""
@@ -102,21 +109,24 @@ class TeacherEnsemble:
             if host is not None:
                 rows = host[ROUTE][:, 0] == index
                 host = {key: value[rows] for key, value in host.items()}
-        return TeacherRequest(batch, self._transport(name, request.logits_transport), host)
+        return TeacherRequest(batch, self._transport(name, request.logits_transport), host,
+                              with_label_log_probs=request.with_label_log_probs)
 
     def _transport(self, name: str, asked: str) -> str:
-        """What member `name` is asked for: its own encoding of the logits in place of the one in `asked`."""
-        mode, plus, rest = asked.partition("+")
-        return self.transports[name] + plus + rest if name in self.transports and mode in LOGITS_MODES else asked
+        """What member `name` is asked for: its own encoding of the logits in place of the one `asked`."""
+        return self.transports.get(name, asked) if asked != LABEL_LOG_PROBS else asked
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded | None:
         """Every member's answer to the request, in turn (evaluations ask this way)."""
         answers, waits = {}, {}
         for index, (name, source) in enumerate(self.sources.items()):
             started = time.perf_counter()
-            request = self._member_request(index, name, TeacherRequest(batch, logits_transport, host_batch))
+            request = self._member_request(index, name, TeacherRequest(batch, logits_transport, host_batch,
+                                                                       with_label_log_probs))
             with self._watch("the teacher request", self.roles[name]):
-                answers[name] = source.request(request.batch, request.logits_transport, host_batch=request.host_batch)
+                answers[name] = source.request(request.batch, request.logits_transport, host_batch=request.host_batch,
+                                               with_label_log_probs=with_label_log_probs)
             waits[name] = time.perf_counter() - started
         return _combined(answers, waits)
 

@@ -1,7 +1,7 @@
 """The teacher protocol: one request from the student's micro-batch to the teacher's encoded logits.
 
 Design. The student trains against a `TeacherSource`: `request(batch, logits_transport)` returns the
-teacher's logits for that micro-batch in the asked encoding (`meshkd.core.logits_codec`), or None on ranks
+teacher's answer for that micro-batch in the asked encoding (`meshkd.core.answers`), or None on ranks
 that compute no loss (pipeline stages before a student's last), and `prefetch(items, ...)` returns a
 `TeacherFeed` of `(item, logits)` pairs, possibly fetched ahead: an iterator to use in a `with` block, so
 that whatever fetches ahead is stopped in one place, with one rule for how long to wait after an error.
@@ -13,7 +13,8 @@ Two sources exist:
   on the teacher ranks answers requests until STOP_TEACHER. `TeacherPrefetcher` runs the same requests
   on a background thread, one micro-batch ahead, so the teacher's forward overlaps the student's step.
 
-A request travels as a `TeacherRequest` (the batch and the encoding asked for). A teacher that fails on
+A request travels as a `TeacherRequest` (the batch, the answer asked for and whether each label's log-probability
+comes beside it). A teacher that fails on
 a request sends its error in place of the logits, on every wave, then raises: the student raises the
 teacher's message instead of waiting for logits that never come. Every request runs every wave even after
 a failure in one (the later waves' peers would otherwise wait forever).
@@ -32,10 +33,12 @@ from typing import Any, Protocol
 import torch
 
 from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
-from meshkd.core.logits_codec import TEACHER_ANSWERS
 
 Batch = dict[str, torch.Tensor]
 Encoded = dict[str, Any]
+LABEL_LOG_PROBS = "label_log_probs"
+"""What an evaluation of the teacher's loss asks for instead of an encoding of the logits: each label's
+log-probability (4 bytes a token; `meshkd.core.answers.label_log_probs`)."""
 
 
 @dataclass(frozen=True)
@@ -45,30 +48,37 @@ class TeacherRequest:
     batch: Batch
     """input_ids [batch, sequence]; position_ids and attention_mask (NEAT document indices) as packed."""
     logits_transport: str
-    """The answer asked for: an encoding of the logits (`meshkd.core.logits_codec.LOGITS_MODES`), the
-    teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation of its loss needs), or
-    both in one answer (`with_label_log_probs(mode)`, what an evaluation of the KL needs besides)."""
+    """The answer asked for: an encoding of the logits (a `kd.logits_transport`, `meshkd.core.answers`), or the
+    teacher's log-probability of each label (`LABEL_LOG_PROBS`, what an evaluation of its loss needs)."""
     host_batch: Batch | None = None
     """The same rows on the host, where the caller has them already (the batch it copied to the device): a teacher
     that sends rows over a network reads these instead of copying the device's back (None: it copies). They
     never travel in `to_wire`."""
+    with_label_log_probs: bool = False
+    """Whether each label's log-probability comes beside the encoding asked, in one answer (what an evaluation of
+    the KL needs besides the teacher's loss)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"batch": self.batch, "logits_transport": self.logits_transport}
+        return {"batch": self.batch, "logits_transport": self.logits_transport,
+                "with_label_log_probs": self.with_label_log_probs}
 
     @classmethod
     def from_wire(cls, value: Any) -> TeacherRequest:
         """The request a teacher rank received; ValueError naming what is wrong with a malformed one."""
-        if not isinstance(value, dict) or set(value) != {"batch", "logits_transport"}:
-            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise ValueError(f"teacher request must have the keys ['batch', 'logits_transport'], got {keys}")
-        if value["logits_transport"] not in TEACHER_ANSWERS:
-            raise ValueError(
-                f"teacher request: logits_transport {value['logits_transport']!r} is not one of {TEACHER_ANSWERS}"
-            )
+        keys = ["batch", "logits_transport", "with_label_log_probs"]
+        if not isinstance(value, dict) or sorted(value) != keys:
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"teacher request must have the keys {keys}, got {got}")
+        if not isinstance(value["logits_transport"], str) or not isinstance(value["with_label_log_probs"], bool):
+            raise ValueError("teacher request: logits_transport must be a string (the answer asked for, checked by "
+                             "the teacher) and with_label_log_probs a bool")
+        if value["with_label_log_probs"] and value["logits_transport"] == LABEL_LOG_PROBS:
+            raise ValueError(f"teacher request: with_label_log_probs goes beside an encoding of the logits, not "
+                             f"{LABEL_LOG_PROBS}")
         if not isinstance(value["batch"], dict) or not isinstance(value["batch"].get("input_ids"), torch.Tensor):
             raise ValueError("teacher request: batch must be a dict holding an input_ids tensor")
-        return cls(batch=value["batch"], logits_transport=value["logits_transport"])
+        return cls(batch=value["batch"], logits_transport=value["logits_transport"],
+                   with_label_log_probs=value["with_label_log_probs"])
 
 
 class TeacherFeed:
@@ -112,9 +122,10 @@ class TeacherFeed:
 class TeacherSource(Protocol):
     """Where a student's teacher logits come from."""
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
-        """The encoded teacher logits of this rank's micro-batch (None on ranks that compute no loss);
-        `host_batch`: the same rows on the host, where the caller has them (`TeacherRequest.host_batch`)."""
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded | None:
+        """The teacher's answer for this rank's micro-batch (None on ranks that compute no loss); `host_batch`: the
+        same rows on the host, where the caller has them, and `with_label_log_probs` as `TeacherRequest` says."""
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:
@@ -130,8 +141,9 @@ class LocalTeacher:
     def __init__(self, forward: Callable[[TeacherRequest], Encoded | None]) -> None:
         self._forward = forward
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
-        return self._forward(TeacherRequest(batch, logits_transport))
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded | None:
+        return self._forward(TeacherRequest(batch, logits_transport, with_label_log_probs=with_label_log_probs))
 
     def prefetch(self, items: Iterable[Any], *, batch_fn: Callable[[Any], TeacherRequest],
                  depth: int = 1) -> TeacherFeed:
@@ -149,8 +161,10 @@ class TeacherClient:
             raise ValueError(f"rank {bridge.rank} is not a student rank: only student ranks request teacher logits")
         self.bridge = bridge
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
-        return self.exchange(TeacherRequest(batch, logits_transport).to_wire())
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded | None:
+        return self.exchange(TeacherRequest(batch, logits_transport,
+                                            with_label_log_probs=with_label_log_probs).to_wire())
 
     def exchange(self, payload: Any) -> Any:
         """One request with any nested `payload` (the wire form of a request); what the teacher answered."""

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshkd.core import wire
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.bridge import RUN_TEACHER, STOP_TEACHER, KDMeshBridge
 from meshkd.core.logits import cp_shard, materialize_teacher_logits
-from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.topology import create_kd_distributed_setups
 from tests.collectives import audited_collectives
 from tests.trees import assert_same_tree, sample_batch
@@ -337,7 +337,7 @@ def check_received_buffers_are_reused_only_once_released():
         send(logits + 10)
 
 
-def check_encoded_logits_travel_as_sent():
+def received_travel_as_sent():
     bridge = make_bridge({"dp_size": 3}, {"dp_size": 2})
     full = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(1))
     for mode, options in (("full", {}), ("full_bf16", {}), ("topk", {"k": 4}), ("topk", {"k": 4, "tail_samples": 3})):
@@ -402,7 +402,7 @@ test_five_rank_world = world_test(
         check_repeated_structure_costs_fewer_collectives_and_bytes,
         check_changing_shapes_dtypes_and_errors_arrive_exactly,
         check_received_buffers_are_reused_only_once_released,
-        check_encoded_logits_travel_as_sent,
+        received_travel_as_sent,
         check_every_collective_of_the_bridge_is_given_tensors_on_its_device,
         check_a_bridge_on_a_device_sends_from_that_device_only,
     ],

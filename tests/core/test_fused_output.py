@@ -5,9 +5,10 @@ full, bfloat16 and top-k answers and every divergence; bad inputs refused."""
 import pytest
 import torch
 
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.fused_output import chunk_answer, fused_output_loss
-from meshkd.core.logits_codec import encode_teacher_logits, kd_loss_encoded
 from meshkd.core.loss import DIVERGENCES, cross_entropy_loss
+from tests.received import kd_loss_of
 from tests.world import world_test
 
 VOCAB, WIDTH = 300, 24
@@ -20,7 +21,7 @@ def objective_of(answer, labels, *, divergence="forward_kl", temperature=2.0, kd
 
     def loss(logits, answer, labels):
         ce = cross_entropy_loss(logits, labels, num_valid_tokens=norm, chunk_size=logits.shape[0])
-        kd = kd_loss_encoded(logits, answer, labels, temperature=temperature, num_valid_tokens=norm,
+        kd = kd_loss_of(logits, answer, labels, temperature=temperature, num_valid_tokens=norm,
                              chunk_size=logits.shape[0], divergence=divergence)
         return (1 - kd_ratio) * ce + kd_ratio * kd
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkd.core.logits_codec import encode_teacher_logits, kd_loss_encoded
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.loss import cross_entropy_loss, kd_loss, kd_objective, top1_agreements
+from tests.received import kd_loss_of
 from tests.world import world_test
 
 
@@ -313,7 +314,7 @@ def test_topk_matches_the_reference_formula_and_its_autograd_gradient(k, samples
     want = _reference_topk(leaf, encoded, labels, temperature)
     want.backward()
     for chunk_size in (None, 3, 100):
-        got, grad = _value_and_grad(kd_loss_encoded, student, encoded, labels, temperature=temperature,
+        got, grad = _value_and_grad(kd_loss_of, student, encoded, labels, temperature=temperature,
                                     chunk_size=chunk_size)  # fmt: skip
         assert got.dtype == torch.float64
         assert got.item() == pytest.approx(want.item(), rel=1e-10)
@@ -326,12 +327,12 @@ def test_topk_rest_bucket_never_overestimates_and_is_exact_at_full_k():
     full = kd_loss(student, teacher, labels, temperature=1.5).item()
     previous = 0.0
     for k in (1, 4, 12, 29):
-        value = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=k, temperature=1.5), labels,
+        value = kd_loss_of(student, encode_teacher_logits(teacher, "topk", k=k, temperature=1.5), labels,
                                 temperature=1.5).item()  # fmt: skip
         # A finer partition of the vocabulary: closer from below (to float32 log-probabilities' precision).
         assert previous - 1e-6 * full <= value <= full * (1 + 1e-6)
         previous = value
-    exact = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=30, temperature=1.5), labels,
+    exact = kd_loss_of(student, encode_teacher_logits(teacher, "topk", k=30, temperature=1.5), labels,
                             temperature=1.5)  # fmt: skip
     assert exact.item() == pytest.approx(full, rel=1e-6)  # float32 log-probs on the wire
 
@@ -340,7 +341,7 @@ def test_topk_sampled_tail_is_unbiased():
     student, teacher, labels = _inputs(shape=(2, 10, 50), seed=3)
     full = kd_loss(student, teacher, labels, temperature=2.0).item()
     estimates = [
-        kd_loss_encoded(student,
+        kd_loss_of(student,
                         encode_teacher_logits(teacher, "topk", k=5, temperature=2.0, tail_samples=4, seed=seed),
                         labels, temperature=2.0).item()
         for seed in range(200)
@@ -348,7 +349,7 @@ def test_topk_sampled_tail_is_unbiased():
     mean = sum(estimates) / len(estimates)
     spread = (sum((e - mean) ** 2 for e in estimates) / (len(estimates) - 1)) ** 0.5
     assert abs(mean - full) < 4 * spread / len(estimates) ** 0.5 + 1e-9
-    bucket = kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=5, temperature=2.0), labels,
+    bucket = kd_loss_of(student, encode_teacher_logits(teacher, "topk", k=5, temperature=2.0), labels,
                              temperature=2.0).item()  # fmt: skip
     assert abs(mean - full) < abs(bucket - full)
 
@@ -356,10 +357,10 @@ def test_topk_sampled_tail_is_unbiased():
 def test_encoded_full_modes_are_kd_loss_on_the_carried_logits():
     student, teacher, labels = _inputs(dtype=torch.float32)
     for chunk_size in (None, 4):
-        full = kd_loss_encoded(student, encode_teacher_logits(teacher, "full"), labels, temperature=2.0,
+        full = kd_loss_of(student, encode_teacher_logits(teacher, "full"), labels, temperature=2.0,
                                chunk_size=chunk_size)  # fmt: skip
         assert full.item() == kd_loss(student, teacher, labels, temperature=2.0, chunk_size=chunk_size).item()
-        half = kd_loss_encoded(student, encode_teacher_logits(teacher, "full_bf16"), labels, temperature=2.0,
+        half = kd_loss_of(student, encode_teacher_logits(teacher, "full_bf16"), labels, temperature=2.0,
                                chunk_size=chunk_size)  # fmt: skip
         rounded = kd_loss(student, teacher.to(torch.bfloat16), labels, temperature=2.0, chunk_size=chunk_size)
         assert half.item() == rounded.item() and half.dtype == torch.float32
@@ -371,10 +372,10 @@ def test_topk_ignored_tokens_and_all_ignored(samples):
     student, teacher, labels = _inputs(seed=5)
     encoded = encode_teacher_logits(teacher, "topk", k=3, tail_samples=samples)
     for chunk_size in (None, 3):
-        _, grad = _value_and_grad(kd_loss_encoded, student, encoded, labels, chunk_size=chunk_size)
+        _, grad = _value_and_grad(kd_loss_of, student, encoded, labels, chunk_size=chunk_size)
         assert torch.all(grad.view(-1, 7)[[1, 6]] == 0)
         nothing = labels.clone().fill_(-100)
-        loss, grad = _value_and_grad(kd_loss_encoded, student, encoded, nothing, chunk_size=chunk_size)
+        loss, grad = _value_and_grad(kd_loss_of, student, encoded, nothing, chunk_size=chunk_size)
         assert loss.item() == 0.0 and torch.all(grad == 0)
 
 
@@ -382,13 +383,13 @@ def test_encoded_loss_argument_errors():
     student, teacher, labels = _inputs()
     encoded = encode_teacher_logits(teacher, "topk", k=3, temperature=2.0)
     with pytest.raises(ValueError, match="encoded at temperature 2.0, the loss asks for 1.0"):
-        kd_loss_encoded(student, encoded, labels, temperature=1.0)
+        kd_loss_of(student, encoded, labels, temperature=1.0)
     with pytest.raises(ValueError, match="do not fit student logits"):
-        kd_loss_encoded(student[:1], encoded, labels[:1], temperature=2.0)
-    with pytest.raises(ValueError, match="need a mode"):
-        kd_loss_encoded(student, teacher, labels)
+        kd_loss_of(student[:1], encoded, labels[:1], temperature=2.0)
+    with pytest.raises(ValueError, match="a teacher answer is a dict with a mode, got Tensor"):
+        kd_loss_of(student, teacher, labels)
     with pytest.raises(ValueError, match="chunk_size"):
-        kd_loss_encoded(student, encoded, labels, temperature=2.0, chunk_size=0)
+        kd_loss_of(student, encoded, labels, temperature=2.0, chunk_size=0)
 
 
 # ------------------------------------------------------------------------------------- divergences
@@ -465,12 +466,12 @@ def test_divergence_errors_and_full_encodings():
         kd_loss(student, teacher, labels, divergence="skew_reverse_kl", skew_alpha=0.0)
     for divergence in ("skew_forward_kl", "tvd"):
         with pytest.raises(ValueError, match="needs the teacher's whole distribution"):
-            kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence=divergence)
+            kd_loss_of(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence=divergence)
     with pytest.raises(ValueError, match="needs the teacher's whole distribution"):
-        kd_loss_encoded(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence="reverse_kl")
+        kd_loss_of(student, encode_teacher_logits(teacher, "topk", k=3), labels, divergence="reverse_kl")
     for mode in ("full", "full_bf16"):
         encoded = encode_teacher_logits(teacher, mode)
-        got = kd_loss_encoded(student, encoded, labels, divergence="jsd", jsd_beta=0.3)
+        got = kd_loss_of(student, encoded, labels, divergence="jsd", jsd_beta=0.3)
         want = kd_loss(student, encoded["logits"], labels, divergence="jsd", jsd_beta=0.3)
         assert got.item() == want.item()
 
@@ -640,10 +641,10 @@ def check_kd_topk_vocab_parallel():
         for temperature in (1.0, 2.0):
             encoded = encode_teacher_logits(teacher, "topk", k=k, temperature=temperature, tail_samples=samples)
             for chunk_size in (None, 3):
-                want, want_grad = _value_and_grad(kd_loss_encoded, student, encoded, labels,
+                want, want_grad = _value_and_grad(kd_loss_of, student, encoded, labels,
                                                   temperature=temperature)  # fmt: skip
                 sharded = _sharded(student, _tp4(), requires_grad=True)
-                got = kd_loss_encoded(sharded, encoded, labels, temperature=temperature, chunk_size=chunk_size)
+                got = kd_loss_of(sharded, encoded, labels, temperature=temperature, chunk_size=chunk_size)
                 got.backward()
                 torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
                 torch.testing.assert_close(sharded.grad.full_tensor(), want_grad, rtol=1e-9, atol=1e-12)
@@ -653,7 +654,7 @@ def check_kd_topk_vocab_parallel():
     student, teacher, labels = _inputs((2, 5, 10), seed=6)
     sharded = _sharded(student, _tp4(), requires_grad=True)
     with CommDebugMode() as forward:
-        loss = kd_loss_encoded(sharded, encode_teacher_logits(teacher, "topk", k=3), labels, chunk_size=3)
+        loss = kd_loss_of(sharded, encode_teacher_logits(teacher, "topk", k=3), labels, chunk_size=3)
     with CommDebugMode() as backward:  # autograd.grad: as in check_vocab_parallel_communication
         torch.autograd.grad(loss, sharded)
     counts = {str(op): count for op, count in forward.get_comm_counts().items() if count}

@@ -37,12 +37,18 @@ WORLD = 5
 def test_a_malformed_request_is_refused_naming_what_is_wrong():
     batch = {"input_ids": torch.zeros(1, 3, dtype=torch.int64)}
     assert TeacherRequest.from_wire(TeacherRequest(batch, "topk").to_wire()).logits_transport == "topk"
-    with pytest.raises(ValueError, match=r"keys \['batch', 'logits_transport'\], got \['batch'\]"):
+    both = TeacherRequest.from_wire(TeacherRequest(batch, "topk", with_label_log_probs=True).to_wire())
+    assert both.with_label_log_probs and both.logits_transport == "topk"
+    with pytest.raises(ValueError, match=r"keys \['batch', 'logits_transport', 'with_label_log_probs'\], got "
+                                         r"\['batch'\]"):
         TeacherRequest.from_wire({"batch": batch})
-    with pytest.raises(ValueError, match="logits_transport 'fp8' is not one of"):
-        TeacherRequest.from_wire({"batch": batch, "logits_transport": "fp8"})
+    with pytest.raises(ValueError, match="with_label_log_probs a bool"):
+        TeacherRequest.from_wire({"batch": batch, "logits_transport": "full", "with_label_log_probs": "yes"})
+    with pytest.raises(ValueError, match="with_label_log_probs goes beside an encoding of the logits"):
+        TeacherRequest.from_wire({"batch": batch, "logits_transport": "label_log_probs", "with_label_log_probs": True})
     with pytest.raises(ValueError, match="input_ids tensor"):
-        TeacherRequest.from_wire({"batch": {"ids": batch["input_ids"]}, "logits_transport": "full"})
+        TeacherRequest.from_wire({"batch": {"ids": batch["input_ids"]}, "logits_transport": "full",
+                                  "with_label_log_probs": False})
     with pytest.raises(ValueError, match="got list"):
         TeacherRequest.from_wire([batch])
 

@@ -12,8 +12,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.bridge import KDMeshBridge
-from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.teacher_protocol import TeacherClient, TeacherPrefetcher, TeacherRequest, TeacherServer
 from meshkd.core.topology import create_kd_distributed_setups
 from tests.collectives import audited_collectives

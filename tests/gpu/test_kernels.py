@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from meshkd.core import wire
-from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, kd_loss_encoded, label_log_probs
+from meshkd.core.answers import encode_teacher_logits, label_log_probs
 from meshkd.core.loss import cross_entropy_loss, kd_loss
 from tests.gpu import CUDA
+from tests.received import kd_loss_of, received
 from tests.trees import assert_same_tree, sample_batch
 
 pytestmark = CUDA
@@ -75,13 +76,13 @@ def test_codecs_on_the_device_match_the_cpu(dtype):
         assert torch.equal(on_device["logits"].cpu(), on_cpu["logits"])  # no arithmetic: exact
     on_cpu = encode_teacher_logits(teacher, "topk", k=16, temperature=1.5)
     on_device = encode_teacher_logits(teacher.to(DEVICE), "topk", k=16, temperature=1.5)
-    assert check_encoded_logits(on_device, teacher.shape) == "topk"
+    assert received(on_device, teacher.shape) == "topk"
     close(on_device["log_probs"], on_cpu["log_probs"], torch.float32)  # computed in float32 either way
     close(on_device["tail_log_prob"], on_cpu["tail_log_prob"], torch.float32)
     if dtype == torch.float32:  # bf16 logits tie often: the order among equal values may differ
         assert torch.equal(on_device["indices"].cpu(), on_cpu["indices"])
     sampled = encode_teacher_logits(teacher.to(DEVICE), "topk", k=16, tail_samples=8, seed=3)
-    assert check_encoded_logits(sampled, teacher.shape) == "topk"
+    assert received(sampled, teacher.shape) == "topk"
     again = encode_teacher_logits(teacher.to(DEVICE), "topk", k=16, tail_samples=8, seed=3)
     assert torch.equal(sampled["tail_indices"], again["tail_indices"])  # seeded: the same draws
     top = sampled["indices"].unsqueeze(-1) == sampled["tail_indices"].unsqueeze(-2)
@@ -99,7 +100,7 @@ def test_losses_and_gradients_on_the_device_match_the_cpu(dtype, chunk_size):
     topk = encode_teacher_logits(teacher, "topk", k=16, temperature=2.0)
     cases = [
         ("ce", lambda s, t, y, e: cross_entropy_loss(s, y, chunk_size=chunk_size)),
-        ("topk", lambda s, t, y, e: kd_loss_encoded(s, e, y, temperature=2.0, chunk_size=chunk_size)),
+        ("topk", lambda s, t, y, e: kd_loss_of(s, e, y, temperature=2.0, chunk_size=chunk_size)),
         *[(divergence, lambda s, t, y, e, divergence=divergence: kd_loss(
             s, t, y, temperature=2.0, chunk_size=chunk_size, divergence=divergence))
           for divergence in ("forward_kl", "reverse_kl", "jsd")],

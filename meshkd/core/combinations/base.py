@@ -35,6 +35,8 @@ class Combination:
     """The value of `kd.combine` that chooses it."""
     routes_rows: ClassVar[bool] = False
     """Whether each row goes to the one teacher its documents name (`dataset.teacher_key`)."""
+    whole_distributions: ClassVar[bool] = False
+    """Whether it reads the teachers' whole distributions (the config then refuses a top-k teacher, naming it)."""
 
     def check(self, config: Any) -> None:
         """ValueError naming the key when the recipe config (`teachers`, `kd`, `dataset`) does not suit it."""

@@ -6,21 +6,12 @@ from __future__ import annotations
 import torch
 
 from meshkd.core.combinations.base import Combination, answer_type, register
-from meshkd.core.encodings import choices
 
 
 @register
 class Mixture(Combination):
     name = "mixture"
-
-    def check(self, config):
-        whole = choices("logits_transport", whole_distribution=True)
-        for teacher in config.teachers:
-            transport = teacher.logits_transport or config.kd.logits_transport
-            if transport not in whole:
-                raise ValueError(f"kd.combine mixture mixes the teachers' whole distributions: "
-                                 f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be "
-                                 f"{' or '.join(whole)}, got {transport!r}")
+    whole_distributions = True
 
     def combined(self, members, weights, *, routes, temperature):
         return answer_type(members).mixture(members, weights, temperature=temperature)

@@ -3,18 +3,28 @@ first-fit placement of the token store's packing plans (`meshkd.recipe.corpus.st
 tensor is `meshkd.recipe.corpus.data`'s module docstring's. A cross-tokenizer row
 (`meshkd.recipe.corpus.aligned_data`) carries its teacher side beside it under `teacher_` names (`teacher_side`)
 and its groups' columns (`TEACHER_POSITIONS`, `GROUP_ENDS`, `TEACHER_GROUP_ENDS`); KD counts its aligned
-positions only (`kd_labels`, `group_positions`).
+positions only (`kd_labels`, `group_positions`). Those keys are `meshkd.core.batch_keys`', which the teacher's
+answers read too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from meshkd.core.batch_keys import (  # noqa: F401 (the schema's keys, re-exported)
+    BATCH_KEYS,
+    GROUP_ENDS,
+    TEACHER_GROUP_ENDS,
+    TEACHER_KEYS,
+    TEACHER_POSITIONS,
+    group_positions,
+    kd_labels,
+    teacher_side,
+)
+
 IGNORE_INDEX = -100
 """Label of positions without a target (document ends, padding); the losses skip it."""
 
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
-"""Keys of every batch dict, each an int64 tensor [rows, sequence_length]."""
 
 
 class PackedDataset:
@@ -124,32 +134,3 @@ def first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node //= 2
     return rows, offsets
-
-
-TEACHER_POSITIONS = "teacher_positions"
-GROUP_ENDS, TEACHER_GROUP_ENDS = "group_ends", "teacher_group_ends"
-"""Beside `teacher_positions`, at a group's first student column: the columns of the logits predicting the
-group's last token, the student's and the teacher's (what `uld` and `gold` merge a group over)."""
-TEACHER_KEYS = tuple(f"teacher_{key}" for key in BATCH_KEYS)
-"""The teacher's side of a row: its `input_ids`, `labels`, `position_ids`, `attention_mask`."""
-
-
-def teacher_side(batch: dict) -> dict:
-    """The teacher's tokenization of a cross-tokenizer batch, under the plain keys (itself otherwise)."""
-    return {key: batch[f"teacher_{key}"] for key in BATCH_KEYS} if TEACHER_POSITIONS in batch else batch
-
-
-def kd_labels(batch: dict, ignore_index: int) -> torch.Tensor:
-    """The labels KD counts: a cross-tokenizer batch's aligned positions only, else all of `labels`."""
-    positions = batch.get(TEACHER_POSITIONS)
-    return batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
-
-
-def group_positions(batch: dict, key: str | None, length: int, ignore_index: int) -> torch.Tensor:
-    """Flat positions (row * `length` + column) held by `batch[key]` (None: the first student columns
-    themselves) at the groups KD counts (`kd_labels`), in row-major order of their first student column:
-    the order in which both sides list a micro-batch's groups."""
-    paired = kd_labels(batch, ignore_index) != ignore_index
-    rows = torch.arange(len(paired), device=paired.device)[:, None].expand_as(paired)
-    columns = torch.arange(paired.shape[1], device=paired.device).expand_as(paired) if key is None else batch[key]
-    return rows[paired] * length + columns[paired]

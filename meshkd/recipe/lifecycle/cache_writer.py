@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import gather_values
-from meshkd.core.logits_codec import LABEL_LOG_PROBS
+from meshkd.core.answers import LABEL_LOG_PROBS, answer_bytes
 from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.recipe.common.faults import FaultWatch, StopRequest, about
@@ -43,7 +43,6 @@ from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, Tea
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.sources import SourceContext, kind_of
-from meshkd.recipe.teacher.teacher_answers import Distribution
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
@@ -70,7 +69,7 @@ def answer_nbytes(config: KDRecipeConfig, teacher: TeacherConfig, split: str, vo
     if split == "validation":  # of the teacher's own tokens
         return 4 * config.teacher_sequence_length
     logits_bytes = 4 if teacher.model.dtype == "float32" else 2
-    return Distribution.nbytes_per_token(kd, vocab_size, logits_bytes=logits_bytes) * sequence
+    return answer_bytes(kd, vocab_size, logits_bytes=logits_bytes) * sequence
 
 
 def default_shard_rows(num_rows: int, row_bytes: int, num_replicas: int) -> int:

@@ -18,6 +18,7 @@ _ROWS = (  # (label, summary key of the student before / after, the teacher's, f
      ".4f"),
     ("KL(teacher || student)", "val_kl_before", "val_kl_after", None, ".4f"),
     ("top-1 agreement with the teacher", "val_top1_agreement_before", "val_top1_agreement_after", None, ".1%"),
+    ("speculative acceptance (1 - TVD)", "val_acceptance_before", "val_acceptance_after", None, ".1%"),
 )
 
 

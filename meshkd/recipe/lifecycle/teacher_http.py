@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshkd.core import wire
-from meshkd.core.logits_codec import with_label_log_probs
 from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.teacher.completions_teacher import COMPLETIONS_PATH, MODELS_PATH
 from meshkd.recipe.teacher.served_protocol import (
@@ -279,7 +278,7 @@ def prompt_request(prompt: list[int], k: int, vocab_rows: int) -> AnswerRequest:
     labels[:, -1] = -100
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1])[None],
              "attention_mask": torch.ones_like(ids)}
-    return AnswerRequest(batch, {"transport": with_label_log_probs("topk"), "vocab_size": vocab_rows, "seed": 0,
+    return AnswerRequest(batch, {"transport": "topk", "with_label_log_probs": True, "vocab_size": vocab_rows, "seed": 0,
                                  "topk": k, "topk_tail_samples": 0, "topk_encoding": "exact", "temperature": 1.0,
                                  "ignore_index": -100, "hidden_layers": [], "cross_tokenizer_loss": None})
 

@@ -196,7 +196,9 @@ class TeacherService:
             share = shares[self.replica]
             batch = {key: value[share[0] : share[-1] + 1].to(self.device) for key, value in work["batch"].items()}
             try:
-                answer = self._forward(work["settings"])(TeacherRequest(batch, work["settings"]["transport"]))
+                settings = work["settings"]
+                answer = self._forward(settings)(TeacherRequest(
+                    batch, settings["transport"], with_label_log_probs=settings["with_label_log_probs"]))
             except Exception as error:  # noqa: BLE001 - the requests are answered with it; the server goes on
                 answer = {"error": f"the teacher failed on this batch: {error}"}
             if answer is not None:
@@ -214,7 +216,8 @@ class TeacherService:
         return answers if self.is_server else None
 
     def _forward(self, settings: dict) -> TeacherForward:
-        key = json.dumps({name: value for name, value in settings.items() if name != "transport"}, sort_keys=True)
+        key = json.dumps({name: value for name, value in settings.items()
+                          if name not in ("transport", "with_label_log_probs")}, sort_keys=True)
         if key not in self._forwards:
             self._forwards[key] = TeacherForward(self.runner, vocab_size=settings["vocab_size"],
                                                  kd=answer_kd(self.config.kd, settings), seed=settings["seed"],

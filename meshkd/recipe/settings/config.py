@@ -98,10 +98,10 @@ class KDConfig:
     temperature: float = 1.0  # both distributions at temperature T, the divergence scaled by T^2
     ignore_index: int = -100  # the label of tokens no loss counts
     chunk_size: int | None = None  # tokens per loss chunk; None: one chunk
-    logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.core.logits_codec)
+    logits_transport: str = "full"  # full | full_bf16 | topk: how teacher logits travel (meshkd.core.answers)
     topk: int = 64  # entries per token with logits_transport: topk
     topk_tail_samples: int = 32  # sampled tail tokens per token with topk; 0: one rest bucket for the tail
-    topk_encoding: str = "exact"  # exact | compact: top-k answers packed (meshkd.core.encodings.compact)
+    topk_encoding: str = "exact"  # exact | compact: top-k answers packed (meshkd.core.answers.compact)
     fused_output_loss: bool = True  # the output layer applied inside the loss, chunk by chunk: no whole logits
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from meshkd.core.answers import choices
 from meshkd.core.combinations import COMBINATIONS, combination_named
 from meshkd.recipe.records import format_named
 from meshkd.recipe.records.chat_template import TRAIN_ON
@@ -192,6 +193,13 @@ def check_teachers(config: KDRecipeConfig) -> None:
             raise ValueError(f"dataset.teacher_key routes rows to their teachers: it needs a kd.combine that does "
                              f"({routing}), not {kd.combine}")
         combination.check(config)
+        whole = choices("logits_transport", whole_distribution=True)
+        for teacher in config.teachers if combination.whole_distributions else ():
+            transport = teacher.logits_transport or kd.logits_transport
+            if transport not in whole:
+                raise ValueError(f"kd.combine {kd.combine} mixes the teachers' whole distributions: "
+                                 f"teachers.{teacher.name}.logits_transport (or kd.logits_transport) must be "
+                                 f"{' or '.join(whole)}, got {transport!r}")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if kd.teacher_cache is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from meshkd.core.encodings import choices, selected
+from meshkd.core.answers import choices, selected
 from meshkd.core.loss import check_divergence
 from meshkd.recipe.settings.config import DistributedConfig, KDConfig, KDRecipeConfig, ModelConfig
 from meshkd.recipe.settings.typed_yaml import ConfigError

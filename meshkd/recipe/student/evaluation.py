@@ -15,7 +15,7 @@
 - With the teacher asked and one vocabulary on both sides, what distillation optimizes: `val_kl`, the
   forward KL(teacher || student) per valid label in nats at `kd.temperature` (the training's forward-KL
   `kd_loss` is T^2 times it), against the teacher's answer in the run's `kd.logits_transport`: exact for
-  full and full_bf16, for topk the same top-k estimate the training uses (`meshkd.core.logits_codec`:
+  full and full_bf16, for topk the same top-k estimate the training uses (`meshkd.core.answers.topk`:
   with a rest bucket a lower bound of the full KL, with sampled tail tokens an unbiased estimate); and
   `val_top1_agreement`, the share of valid labels where the student's likeliest token is the teacher's
   (the teacher's from its full logits, or the first of its top-k). Both over the vocabulary the two
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import gather_values, group_device
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, with_label_log_probs
+from meshkd.core.answers import LABEL_LOG_PROBS, LossContext
 from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.stage_broadcast import broadcast_tensors_from_last_stage
 from meshkd.core.teacher_protocol import TeacherSource
@@ -65,7 +65,7 @@ from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig
 from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.on_policy import StudentCompletions
 from meshkd.recipe.student.train_step import shard_micro_batch, student_logits, sum_over_ranks
-from meshkd.recipe.teacher.teacher_answers import ANSWERS, Cut, Distribution, TeacherAnswer, answer_of
+from meshkd.recipe.teacher.teacher_answers import ANSWERS, Cut, Distribution, TeacherAnswer, answer_of, selected_kind
 
 
 def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]:
@@ -73,7 +73,7 @@ def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]
     teacher's per byte as they are (the teacher does not train); of several teachers each one's too, as
     KEY_before/NAME or KEY/NAME. Figures an evaluation did not report (an older run's step 0 read back, or
     KL and top-1 from a teacher cache) are left out."""
-    student = ("val_nats_per_byte", "val_bits_per_byte", "val_kl", "val_top1_agreement")
+    student = ("val_nats_per_byte", "val_bits_per_byte", "val_kl", "val_top1_agreement", "val_acceptance")
     teacher = ("teacher_val_loss", "teacher_val_nats_per_byte", "teacher_val_bits_per_byte")
     result = {}
     for key, value in figures.items():
@@ -87,7 +87,7 @@ def before_and_after(figures: dict[str, float], suffix: str) -> dict[str, float]
 
 # Slots of the held-out sums, added over batches and ranks.
 (_STUDENT_CE, _TEACHER_CE, _TOKENS, _TEACHER_TOKENS, _STUDENT_NLL, _TEACHER_NLL, _STUDENT_BYTES, _TEACHER_BYTES, _KL,
- _TOP1) = range(10)
+ _TOP1, _ACCEPTANCE, _INDEX_ERRORS) = range(12)
 
 
 class Evaluation:
@@ -127,6 +127,8 @@ class Evaluation:
         self.teacher_byte_lengths = (self.byte_lengths if teacher_byte_lengths is None
                                      else teacher_byte_lengths.to(device))
         self.dp_rank, self.fused_head = setup.dp_mesh.get_local_rank(), fused_head
+        self.answer_kind = selected_kind(kd)
+        """The kind of distribution the teacher answers held-out rows with (where it answers one)."""
         self.without_distribution = None
         """Why `val_kl` and `val_top1_agreement` are left out of evaluations with the teacher (None: they are not)."""
         if validation_answer is not None and not issubclass(ANSWERS.named(validation_answer), Distribution):
@@ -144,10 +146,11 @@ class Evaluation:
                 return
             yield batch
 
-    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS, *,
-                        host_batch: dict | None = None) -> TeacherAnswer | None:
+    def _teacher_answer(self, batch: dict, transport: str = LABEL_LOG_PROBS, *, host_batch: dict | None = None,
+                        with_label_log_probs: bool = False) -> TeacherAnswer | None:
         with self.watch("the teacher request", self.teacher_role):
-            return answer_of(self.teacher.request(batch, transport, host_batch=host_batch))
+            return answer_of(self.teacher.request(batch, transport, host_batch=host_batch,
+                                                  with_label_log_probs=with_label_log_probs))
 
     @torch.no_grad()
     def held_out(self, *, with_teacher: bool = False) -> dict[str, float]:
@@ -156,12 +159,19 @@ class Evaluation:
         with_distribution = with_teacher and self.without_distribution is None
         if with_teacher and self.without_distribution is not None:
             warn0(f"the evaluations report no val_kl or val_top1_agreement: {self.without_distribution}")
-        transport = with_label_log_probs(kd.logits_transport) if with_distribution else LABEL_LOG_PROBS
-        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
+        transport = kd.logits_transport if with_distribution else LABEL_LOG_PROBS
+        sums = torch.zeros(12, dtype=torch.float64, device=self.device)
+        # Each answer's index check, read with the sums (no host sync a batch, none a chunk).
+        checks = LossContext(kd, index_checks=[])
         self.model.eval()
         for batch in self._batches(self.val_set):
             micro_batch = {key: to_device(value, self.device) for key, value in batch.items()}
-            answer = self._teacher_answer(micro_batch, transport, host_batch=batch) if with_teacher else None
+            answer = self._teacher_answer(micro_batch, transport, host_batch=batch,
+                                          with_label_log_probs=with_distribution) if with_teacher else None
+            if with_distribution and answer is not None:
+                answer.check_indices(checks, self.vocab_size)
+                sums[_INDEX_ERRORS] += torch.stack(checks.index_checks).sum() if checks.index_checks else 0
+                checks.index_checks.clear()
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None
             labels = micro_batch["labels"]
@@ -175,8 +185,12 @@ class Evaluation:
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
             sums = broadcast_tensors_from_last_stage(last, pp_group=self.setup.pp_group)["sums"]
-        return self._figures(sum_over_ranks(sums, self.setup, device=self.device, and_cp=True),
-                             with_teacher=with_teacher, with_distribution=with_distribution)
+        summed = sum_over_ranks(sums, self.setup, device=self.device, and_cp=True)
+        if summed[_INDEX_ERRORS]:
+            raise ValueError(f"a teacher answer to a held-out batch is malformed: "
+                             f"{self.answer_kind.index_message(self.vocab_size)}")
+        return self._figures(summed, with_teacher=with_teacher, with_distribution=with_distribution,
+                             with_acceptance=with_distribution and self.answer_kind.whole_distribution)
 
     def _add_student(self, sums: torch.Tensor, micro_batch: dict, text_labels: torch.Tensor,
                      answer: TeacherAnswer | None, *, with_distribution: bool) -> bool:
@@ -215,6 +229,8 @@ class Evaluation:
         kd_logits = logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
         sums[_KL] += answer.kl(kd_logits, labels, kd, cut)
         sums[_TOP1] += answer.top1_agreements(kd_logits, labels, ignore_index=ignore, cut=cut)
+        if answer.whole_distribution:
+            sums[_ACCEPTANCE] += answer.acceptance(kd_logits, labels, kd, cut)
 
     def _add_batch(self, sums: torch.Tensor, labels: torch.Tensor, label_bytes: torch.Tensor,
                    answer: TeacherAnswer | None, teacher_labels: torch.Tensor) -> None:
@@ -235,7 +251,8 @@ class Evaluation:
         sums[_TEACHER_BYTES] += teacher_bytes.sum()
 
     @staticmethod
-    def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool) -> dict[str, float]:
+    def _figures(sums: list[float], *, with_teacher: bool, with_distribution: bool,
+                 with_acceptance: bool = False) -> dict[str, float]:
         tokens = max(sums[_TOKENS], 1.0)
         loss = sums[_STUDENT_CE] / tokens
         result = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
@@ -250,6 +267,8 @@ class Evaluation:
         if with_distribution:
             result["val_kl"] = sums[_KL] / tokens
             result["val_top1_agreement"] = sums[_TOP1] / tokens
+        if with_acceptance:
+            result["val_acceptance"] = sums[_ACCEPTANCE] / tokens
         return result
 
     @torch.no_grad()
@@ -306,7 +325,7 @@ class TeachersEvaluation:
     student each time.
     """
 
-    _TEACHER_KEYS = ("teacher_", "val_kl", "val_top1_agreement")
+    _TEACHER_KEYS = ("teacher_", "val_kl", "val_top1_agreement", "val_acceptance")
 
     def __init__(self, members: dict[str, Evaluation], *, weights: dict[str, float]) -> None:
         self.members, self.weights = members, weights

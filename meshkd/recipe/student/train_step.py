@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshkd.core.answers.topk import TopK
 from meshkd.core.cross_tokenizer_loss import VocabularyMap
-from meshkd.core.logits_codec import topk_index_message
 from meshkd.core.loss import cross_entropy_loss, kd_objective
 from meshkd.core.stage_broadcast import broadcast_loss_metrics_from_last_stage
 from meshkd.core.topology import DistributedSetup
@@ -323,8 +323,7 @@ class TrainStep:
         else:
             loss, values = self._objective(output, micro_batch, answer, norm)
         if hidden is not None:
-            term = answer.hidden_state_loss(hidden, micro_batch, self.answer_context, norm=norm,
-                                            projections=self.hidden_states.projections)
+            term = self.hidden_states.loss(hidden, answer, micro_batch, self.kd, norm=norm)
             loss = loss + self.hidden_states.weight * term
             values["hidden_state_loss"] = term.detach()
         if router is not None:
@@ -378,7 +377,7 @@ class TrainStep:
         self.stop_agreed = stops > 0
         if index_errors:  # the loss read only the indices in range; no update is taken from it
             raise ValueError(f"step {self.scheduler.last_epoch + 1}: a top-k teacher answer is malformed: "
-                             f"{topk_index_message(self.vocab_size)}")
+                             f"{TopK.index_message(self.vocab_size)}")
         finite = all(math.isfinite(value) for value in (*summed, grad_norm))
         if finite:
             self.optimizer.step()

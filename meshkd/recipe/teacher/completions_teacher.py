@@ -10,7 +10,7 @@ tokens before it (the first is null), holding the top k (ranks 1..k) and the pro
 
 A packed row holds several documents (`attention_mask`: each token's document), and each is a prompt of its own,
 so a document's position j gets the entries of its prompt_logprobs[j + 1]. The answer is meshkd's top-k encoding
-(`meshkd.core.logits_codec`) at temperature 1 without tail samples (the tail is one rest bucket, log(1 - the top
+(`meshkd.core.answers.topk`) at temperature 1 without tail samples (the tail is one rest bucket, log(1 - the top
 k's mass)); each label's log-probability is its prompt token's entry. A position that predicts no token of its
 own document (a document's last, padding) gets a placeholder that no loss counts.
 
@@ -28,7 +28,8 @@ import math
 import torch
 
 from meshkd.core import wire
-from meshkd.core.logits_codec import LABEL_LOG_PROBS
+from meshkd.core.answers import LABEL_LOG_PROBS
+from meshkd.core.answers.topk import TopK
 from meshkd.core.teacher_protocol import Encoded, TeacherRequest
 from meshkd.recipe.teacher.served_teacher import ServedTeacher, ServedTeacherError, host_rows
 
@@ -70,14 +71,14 @@ class CompletionsTeacher(ServedTeacher):
                    for first, end in row_spans]
         answer = concurrent.futures.Future()
         if not prompts:
-            answer.set_result(self._decoded([], batch, spans, request.logits_transport))
+            answer.set_result(self._decoded([], batch, spans, request))
             return answer
         body = completions_request(prompts, self.settings["topk"], self.model)
         posted = self._submit(self._post(COMPLETIONS_PATH, json_body=body))
 
         def decode(done: concurrent.futures.Future) -> None:
             try:
-                answer.set_result(self._decoded(self._choices(done.result()), batch, spans, request.logits_transport))
+                answer.set_result(self._decoded(self._choices(done.result()), batch, spans, request))
             except BaseException as error:  # noqa: BLE001 - raised where the answer is read
                 answer.set_exception(error)
 
@@ -96,8 +97,8 @@ class CompletionsTeacher(ServedTeacher):
             raise ServedTeacherError(f"{self.label}: {self.url} answered no completions ({error})") from None
 
     def _decoded(self, choices: list[dict], batch: dict, spans: list[list[tuple[int, int]]],
-                 transport: str) -> Encoded:
-        """The top-k answer (and label log-probabilities, as `transport` asks) of `choices`, one per span of
+                 request: TeacherRequest) -> Encoded:
+        """The top-k answer (and label log-probabilities, as `request` asks) of `choices`, one per span of
         `spans` in order; placeholders elsewhere."""
         k, ignore = self.settings["topk"], self.settings["ignore_index"]
         rows, length = batch["input_ids"].shape
@@ -140,8 +141,8 @@ class CompletionsTeacher(ServedTeacher):
                     log_probs[row, columns] = block[..., 1].float()
                     mass = torch.logsumexp(log_probs[row, columns], -1).clamp(max=0)  # rounding may pass 1
                     tail[row, columns] = torch.log(-torch.expm1(mass))
-        if transport == LABEL_LOG_PROBS:
+        if request.logits_transport == LABEL_LOG_PROBS:
             return {"mode": LABEL_LOG_PROBS, "log_probs": labels}
-        answer = {"mode": "topk", "temperature": 1.0, "log_probs": log_probs, "indices": indices,
+        answer = {"mode": TopK.name, "temperature": 1.0, "log_probs": log_probs, "indices": indices,
                   "tail_log_prob": tail}
-        return answer | ({"label_log_probs": labels} if transport.endswith(LABEL_LOG_PROBS) else {})
+        return answer | ({LABEL_LOG_PROBS: labels} if request.with_label_log_probs else {})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from meshkd.core.answers import LossContext, TeacherAnswer, register
+from meshkd.core.answers import LossContext, TeacherAnswer, choices, register
 from meshkd.core.chunked_loss import token_normalizer
 from meshkd.core.cross_tokenizer_loss import (
     VocabularyMap,
@@ -17,7 +17,6 @@ from meshkd.core.cross_tokenizer_loss import (
     uld_loss,
     uld_terms,
 )
-from meshkd.core.encodings import choices
 from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, group_positions, teacher_side
 
 GROUPS = "groups"
@@ -63,11 +62,11 @@ class GroupDistributions(TeacherAnswer):
     def made_for(cls, transport, kd):
         """Any request for a distribution (`uld` and `gold` take `full`) from a cross-tokenizer teacher whose loss
         compares groups."""
-        return (transport.partition("+")[0] in choices("logits_transport") and kd.cross_tokenizer is not None
+        return (transport in choices("logits_transport") and kd.cross_tokenizer is not None
                 and kd.cross_tokenizer.loss != "projection")
 
     @classmethod
-    def encode(cls, logits, batch, transport, context):
+    def encode(cls, logits, batch, context, *, with_label_log_probs=False):
         """The teacher's chain-rule distribution of each group KD counts (`teacher_group_log_probs`), at
         `kd.temperature`, whatever encoding is asked (`kd.cross_tokenizer.loss` `uld` and `gold` take `full`)."""
         return {"mode": GROUPS, "log_probs": teacher_group_log_probs(

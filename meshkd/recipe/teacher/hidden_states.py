@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshkd.core.answers import HIDDEN_STATES
+from meshkd.core.batch_keys import kd_labels
 from meshkd.parallel.stages import decoder_of, is_pass_through
 from meshkd.recipe.settings.kd_checks import pairs_of
-
-HIDDEN_STATES = "hidden_states"  # the answer's key
 
 
 def paired_layers(config, side: str) -> list[int]:
@@ -129,6 +129,20 @@ class StudentHiddenStates:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.projections.parameters()) if self.projections is not None else []
+
+    def loss(self, student: list[torch.Tensor], answer, micro_batch: dict, kd, *, norm: float) -> torch.Tensor:
+        """`kd.hidden_states`' term of a micro-batch: the student's outputs of the paired layers against the
+        teacher's that its training answer carries beside its distribution ("hidden_states"), at the positions logit
+        KD counts (`hidden_state_loss`).
+
+        Raises:
+            ValueError: the answer holds no hidden states (a teacher cache written without kd.hidden_states)."""
+        if not isinstance(answer.wire.get(HIDDEN_STATES), torch.Tensor):
+            raise ValueError("kd.hidden_states: the teacher's answer holds no hidden states (a teacher cache written "
+                             "without kd.hidden_states?)")
+        counted = kd_labels(micro_batch, kd.ignore_index) != kd.ignore_index
+        return hidden_state_loss(student, answer.wire[HIDDEN_STATES], counted, loss=kd.hidden_states.loss, norm=norm,
+                                 projections=self.projections)
 
     def reduce_gradients(self, groups: list) -> None:
         """Average the projections' gradients over `groups` (the student's dp, then cp), as FSDP2 and DDP average

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from meshkd.core import wire
-from meshkd.core.encodings import choices
-from meshkd.core.logits_codec import TEACHER_ANSWERS
+from meshkd.core.answers import LABEL_LOG_PROBS, choices
 from meshkd.recipe.corpus.rows import BATCH_KEYS, GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_KEYS, TEACHER_POSITIONS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 
@@ -40,8 +39,8 @@ ANSWER_PATH = "/v1/answer"
 TOKEN_VARIABLE = "MESHKD_TEACHER_TOKEN"
 """The environment variable holding the bearer token, on the server and on every student rank."""
 
-SETTINGS_KEYS = ("transport", "vocab_size", "seed", "topk", "topk_tail_samples", "topk_encoding", "temperature",
-                 "ignore_index", "hidden_layers", "cross_tokenizer_loss")
+SETTINGS_KEYS = ("transport", "with_label_log_probs", "vocab_size", "seed", "topk", "topk_tail_samples",
+                 "topk_encoding", "temperature", "ignore_index", "hidden_layers", "cross_tokenizer_loss")
 CROSS_KEYS = (*TEACHER_KEYS, TEACHER_POSITIONS, GROUP_ENDS, TEACHER_GROUP_ENDS)
 """A cross-tokenizer row's teacher side and group columns (`meshkd.recipe.corpus.rows`), sent beside its
 `BATCH_KEYS` when `settings.cross_tokenizer_loss` is uld or gold."""
@@ -56,7 +55,8 @@ def request_keys(batch: dict) -> tuple[str, ...]:
 
 
 def answer_settings(kd: KDConfig, *, seed: int, vocab_size: int, hidden_layers: Sequence[int] = ()) -> dict[str, Any]:
-    """The settings a student's requests carry besides the kind of answer (`transport`, set per request);
+    """The settings a student's requests carry besides the kind of answer (`transport` and `with_label_log_probs`,
+    set per request);
     `hidden_layers`: the teacher layers of `kd.hidden_states`' pairs, whose outputs travel beside a training
     answer ([] for none)."""
     return {"vocab_size": vocab_size, "seed": seed, "topk": kd.topk, "topk_tail_samples": kd.topk_tail_samples,
@@ -165,8 +165,12 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
     if not isinstance(settings, dict) or set(settings) != set(SETTINGS_KEYS):
         given = sorted(settings) if isinstance(settings, dict) else type(settings).__name__
         raise ValueError(f"settings must hold exactly {list(SETTINGS_KEYS)}, got {given}")
-    if settings["transport"] not in TEACHER_ANSWERS:
-        raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(TEACHER_ANSWERS)}")
+    answers = (*choices("logits_transport"), LABEL_LOG_PROBS)
+    if settings["transport"] not in answers:
+        raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(answers)}")
+    if not isinstance(settings["with_label_log_probs"], bool) or (
+            settings["with_label_log_probs"] and settings["transport"] == LABEL_LOG_PROBS):
+        raise ValueError("settings.with_label_log_probs must be a bool, true only beside an encoding of the logits")
     if settings["topk_encoding"] not in choices("topk_encoding"):
         raise ValueError(f"settings.topk_encoding must be {' or '.join(choices('topk_encoding'))}, got "
                          f"{settings['topk_encoding']!r}")

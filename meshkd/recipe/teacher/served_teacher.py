@@ -104,17 +104,19 @@ class ServedTeacher:
     def _submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded | None:
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded | None:
         if not self.receives:
             return None
-        return self._answer(self._ask(TeacherRequest(batch, logits_transport, host_batch)))
+        return self._answer(self._ask(TeacherRequest(batch, logits_transport, host_batch, with_label_log_probs)))
 
     def _ask(self, request: TeacherRequest) -> concurrent.futures.Future:
         """The future of the answer's body (what `_answer` reads). The rows are sent from the host copy the caller
         has, where it has one (no copy back from the device per micro-batch)."""
         rows = host_rows(request)
         body = AnswerRequest({key: rows[key] for key in request_keys(rows)},
-                             {"transport": request.logits_transport, **self.settings}).to_bytes()
+                             {"transport": request.logits_transport,
+                              "with_label_log_probs": request.with_label_log_probs, **self.settings}).to_bytes()
         return self._submit(self._post(ANSWER_PATH, body))
 
     async def _post(self, path: str, body: bytes | None = None, *, json_body: dict | None = None) -> bytes:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from meshkd.core.logits_codec import LABEL_LOG_PROBS
+from meshkd.core.answers import LABEL_LOG_PROBS, answer_settings
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
 from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.corpus import documents
@@ -58,7 +58,6 @@ from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.teacher.hidden_states import paired_layers
-from meshkd.recipe.teacher.teacher_answers import Distribution
 
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
@@ -93,7 +92,7 @@ def cache_key(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer, *, voca
         "kd.ignore_index": kd.ignore_index,
         "kd.logits_transport": kd.logits_transport,
     }
-    key.update(Distribution.settings(kd))
+    key.update(answer_settings(kd))
     if kd.hidden_states is not None:  # the teacher layers whose outputs the answers hold, in order
         key["kd.hidden_states.pairs (teacher layers)"] = paired_layers(config, "teacher")
     if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
@@ -331,8 +330,12 @@ class CachedTeacher:
                 self._open[number] = (handle, json.loads(handle.metadata()["answer"]), list(handle.keys()))
             return self._open[number]
 
-    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None) -> Encoded:
-        """The cached answers for every row of `batch`, as the live teacher would send them."""
+    def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
+                with_label_log_probs: bool = False) -> Encoded:
+        """The cached answers for every row of `batch`, as the live teacher would send them (a split's rows hold one
+        kind of answer: no label log-probabilities beside a distribution)."""
+        if with_label_log_probs:
+            raise ValueError("kd.teacher_cache holds no label log-probabilities beside the teacher's distributions")
         rows: list[dict[str, torch.Tensor]] = []
         fields: dict[str, Any] = {"mode": logits_transport}
         for index, key in enumerate(row_hashes(batch)):

@@ -69,7 +69,8 @@ class TeacherForward:
                 hidden = self.paired_outputs(batch)
         if logits is None or not self.encodes:
             return None
-        return self.encode(logits, batch, request.logits_transport, hidden)
+        return self.encode(logits, batch, request.logits_transport, hidden,
+                           with_label_log_probs=request.with_label_log_probs)
 
     def paired_outputs(self, batch: dict) -> list[torch.Tensor] | None:
         """The teacher's outputs of the paired layers [rows, sequence, width], whole, in the pairs' order, on the
@@ -96,16 +97,17 @@ class TeacherForward:
                 outputs.append(held[index])
         return outputs if runner.is_last else None
 
-    def encode(self, logits: torch.Tensor, batch: dict, transport: str,
-               hidden: list[torch.Tensor] | None = None) -> Encoded:
-        """The answer on the wire to a request for `transport` (`TeacherRequest.logits_transport`), from the
-        teacher's logits [rows, its sequence, its vocab] of `batch`: with one tokenizer cut to the vocabulary
-        both share, then made by the kind of answer asked (`answer_type`: its `encode`); with the paired
-        layers' outputs `hidden` where it is a training answer (`with_hidden_states`)."""
+    def encode(self, logits: torch.Tensor, batch: dict, transport: str, hidden: list[torch.Tensor] | None = None, *,
+               with_label_log_probs: bool = False) -> Encoded:
+        """The answer on the wire to a request for `transport` (`TeacherRequest.logits_transport`, and
+        `with_label_log_probs`), from the teacher's logits [rows, its sequence, its vocab] of `batch`: with one
+        tokenizer cut to the vocabulary both share, then made by the kind of answer asked (`answer_type`: its
+        `encode`); with the paired layers' outputs `hidden` where it is a training answer (`with_hidden_states`)."""
         if self.context.kd.cross_tokenizer is None:
             logits = logits[..., : self.context.vocab_size]
-        wire = answer_type(transport, self.context.kd).encode(logits, batch, transport, self.context)
-        return with_hidden_states(wire, hidden, transport)
+        wire = answer_type(transport, self.context.kd).encode(logits, batch, self.context,
+                                                              with_label_log_probs=with_label_log_probs)
+        return with_hidden_states(wire, hidden, transport, with_label_log_probs=with_label_log_probs)
 
 
 def teacher_vocabulary_map(config: KDRecipeConfig, checked, *, losses: tuple[str, ...]) -> VocabularyMap | None:

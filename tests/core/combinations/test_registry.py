@@ -5,8 +5,8 @@ checks and the student's loss with no other change."""
 import pytest
 import torch
 
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.combinations import COMBINATIONS, Combination, combination_named, register
-from meshkd.core.logits_codec import encode_teacher_logits
 from meshkd.core.loss import kd_loss
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
 from meshkd.recipe.settings.config import ConfigError, KDConfig

@@ -219,8 +219,8 @@ def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> Answe
     ids = torch.randint(0, 262, (rows, length))
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
              "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
-    settings = {"transport": transport, "vocab_size": 262, "seed": 0, "topk": 8, "topk_tail_samples": 4,
-                "topk_encoding": "exact", "temperature": 2.0, "ignore_index": -100, "hidden_layers": [],
+    settings = {"transport": transport, "with_label_log_probs": False, "vocab_size": 262, "seed": 0, "topk": 8,
+                "topk_tail_samples": 4, "topk_encoding": "exact", "temperature": 2.0, "ignore_index": -100, "hidden_layers": [],
                 "cross_tokenizer_loss": None}
     return AnswerRequest(batch, settings)
 
@@ -487,8 +487,8 @@ def test_the_completions_client_on_the_servers_subset_equals_the_native_top_k(se
     native = ServedTeacher(served["url"], settings=settings, device=torch.device("cpu"))
     client = CompletionsTeacher(served["url"], settings=settings, device=torch.device("cpu"))
     try:
-        expected = native.request(batch, "topk+label_log_probs")
-        answer = client.request(batch, "topk+label_log_probs")
+        expected = native.request(batch, "topk", with_label_log_probs=True)
+        answer = client.request(batch, "topk", with_label_log_probs=True)
     finally:
         native.close(), client.close()
     counted = batch["labels"] != -100

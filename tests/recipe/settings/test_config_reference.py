@@ -105,7 +105,7 @@ def test_each_row_gives_the_real_defaults(cell, defaults):
 
 @pytest.mark.parametrize("key", ["logits_transport", "topk_encoding"])
 def test_the_reference_names_every_value_a_registered_answer_encoding_takes(key):
-    from meshkd.core.encodings import choices
+    from meshkd.core.answers import choices
 
     text = REFERENCE.read_text()
     row = next(line for line in text.splitlines() if line.startswith(f"| `kd.{key}`"))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshkd.core.logits_codec import encode_teacher_logits
+from meshkd.core.answers import encode_teacher_logits
 from meshkd.core.loss import cross_entropy_loss
 from meshkd.core.topology import create_kd_distributed_setups
 from meshkd.parallel.data_parallel import gather_full_state_dict, parallelize_student

@@ -81,10 +81,10 @@ def rows(count: int, length: int = 8, *, padding: bool = False) -> dict[str, tor
 
 
 @pytest.mark.parametrize("batch", [rows(0), rows(2, padding=True)], ids=["no rows", "padding only"])
-@pytest.mark.parametrize("transport", ["topk+label_log_probs", "label_log_probs"])
+@pytest.mark.parametrize("transport", ["topk", "label_log_probs"])
 def test_a_micro_batch_with_no_prompt_is_answered_without_a_request(vllm, batch, transport):
     server, teacher = vllm
-    answer = teacher.request(batch, transport)
+    answer = teacher.request(batch, transport, with_label_log_probs=transport == "topk")
     assert server.posts == 0
     shape = tuple(batch["input_ids"].shape)
     if transport == "label_log_probs":
@@ -97,7 +97,7 @@ def test_a_micro_batch_with_no_prompt_is_answered_without_a_request(vllm, batch,
 def test_a_micro_batch_with_prompts_is_asked_once_and_read(vllm):
     server, teacher = vllm
     batch = rows(2)
-    answer = teacher.request(batch, "topk+label_log_probs")
+    answer = teacher.request(batch, "topk", with_label_log_probs=True)
     assert server.posts == 1
     counted = batch["labels"] != -100
     assert torch.equal(answer["indices"][counted], torch.arange(K, dtype=torch.int32).expand(int(counted.sum()), K))

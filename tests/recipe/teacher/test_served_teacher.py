@@ -69,7 +69,7 @@ def test_rows_go_from_the_host_copy_with_the_same_bytes_and_the_answer_arrives_e
     finally:
         teacher.close()
         server.close()
-    expected = AnswerRequest(host, {"transport": "topk", **SETTINGS}).to_bytes()
+    expected = AnswerRequest(host, {"transport": "topk", "with_label_log_probs": False, **SETTINGS}).to_bytes()
     assert server.bodies == [expected, expected]
     for got in (answer, from_rows):
         assert got.keys() == ANSWER.keys() and got["mode"] == "topk"

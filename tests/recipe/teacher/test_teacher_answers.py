@@ -6,20 +6,19 @@ test_cross_tokenizer.py) show the curves they train."""
 import pytest
 import torch
 
-from meshkd.core.logits_codec import LABEL_LOG_PROBS, encode_teacher_logits, label_log_probs, with_label_log_probs
+from meshkd.core.answers import LABEL_LOG_PROBS, encode_teacher_logits, label_log_probs
+from meshkd.core.answers.ensemble import Ensemble
+from meshkd.core.answers.full import Bfloat16Logits, FullLogits
+from meshkd.core.answers.labels import LabelLogProbs
+from meshkd.core.answers.topk import TopK
 from meshkd.core.loss import kd_loss
 from meshkd.core.teacher_ensemble import TEACHERS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 from meshkd.recipe.teacher.teacher_answers import (
-    Bfloat16Answer,
     Distribution,
     EncodeContext,
-    Ensemble,
-    FullAnswer,
     GroupDistributions,
-    LabelLogProbs,
     LossContext,
-    TopKAnswer,
     answer_of,
     answer_type,
 )
@@ -39,7 +38,7 @@ def logits(seed: int) -> torch.Tensor:
 
 def test_each_answer_is_read_by_its_mode_and_an_unknown_one_is_named():
     assert answer_of(None) is None
-    assert type(answer_of(encode_teacher_logits(logits(0), "full_bf16"))) is Bfloat16Answer
+    assert type(answer_of(encode_teacher_logits(logits(0), "full_bf16"))) is Bfloat16Logits
     assert type(answer_of({"mode": TEACHERS, "answers": {}})) is Ensemble
     with pytest.raises(ValueError, match=r"a teacher answer of mode 'logits'"):
         answer_of({"mode": "logits"})
@@ -81,15 +80,15 @@ def test_the_teacher_makes_the_kind_of_answer_asked_and_the_student_reads_it_bac
     context = EncodeContext(kd, seed=7, vocab_size=VOCAB)
     batch = {"input_ids": torch.zeros(ROWS, LENGTH, dtype=torch.long), **micro_batch()}
     assert answer_type(LABEL_LOG_PROBS, kd) is LabelLogProbs
-    assert answer_type(with_label_log_probs("topk"), kd) is answer_type("topk", kd) is TopKAnswer
+    assert answer_type("topk", kd) is TopK
     assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="uld"))) is GroupDistributions
-    assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="projection"))) is FullAnswer
+    assert answer_type("full", KDConfig(cross_tokenizer=CrossTokenizerConfig(loss="projection"))) is FullLogits
     teacher = logits(5)
     expected = label_log_probs(teacher, batch["labels"])["log_probs"]
-    answer = answer_of(LabelLogProbs.encode(teacher, batch, LABEL_LOG_PROBS, context))
+    answer = answer_of(LabelLogProbs.encode(teacher, batch, context))
     assert type(answer) is LabelLogProbs
     torch.testing.assert_close(answer.label_log_probs(), expected, rtol=0, atol=0)
-    both = answer_of(TopKAnswer.encode(teacher, batch, with_label_log_probs("topk"), context))
+    both = answer_of(TopK.encode(teacher, batch, context, with_label_log_probs=True))
     torch.testing.assert_close(both.label_log_probs(), expected, rtol=0, atol=0)
     assert "label_log_probs" not in both.encoding and set(both.encoding) < set(both.wire)
     with pytest.raises(ValueError, match="asked with_label_log_probs must hold a label_log_probs tensor"):

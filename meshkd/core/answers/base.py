@@ -3,9 +3,9 @@
 A teacher answers a micro-batch with a plain dict on the wire, told apart by its "mode", as the bridge, the
 prefetcher, the teacher cache and a served teacher pass it on. Each mode is one `TeacherAnswer` subclass,
 registered once under it (`@register`), that makes its wire dict on the teacher's side and reads it on the
-student's (`meshkd.recipe.teacher.teacher_answers` holds the kinds and lists them):
+student's (`meshkd.core.answers` lists the kinds):
 
-    answer_type(transport, kd).encode(logits, batch, transport, context)   the teacher's logits -> the wire dict
+    answer_type(transport, kd).encode(logits, batch, context)   the teacher's logits -> the wire dict
     answer_of(wire)                                       the wire dict -> its type, where the student takes it
     answer.shard(setup)                                   this cp rank's share, cut as the student's batch is
     answer.kd_loss(logits, micro_batch, context, norm=n)  (the KD term, figures for the step's metrics)
@@ -58,7 +58,7 @@ class LossContext:
     counted once over the cp ranks' sum).
 
     `index_checks`: None, each top-k answer's index values are checked where its loss is computed (a host sync
-    each); a list, each top-k answer's check (`AnswerEncoding.index_errors`, a device flag) is appended to it
+    each); a list, each top-k answer's check (`Distribution.index_errors`, a device flag) is appended to it
     instead, for the caller to read with the step's other figures (`meshkd.recipe.student.train_step.TrainStep`)."""
 
     kd: KDConfig
@@ -86,10 +86,11 @@ class TeacherAnswer:
         return False
 
     @classmethod
-    def encode(cls, logits: torch.Tensor, batch: dict, transport: str, context: EncodeContext) -> dict[str, Any]:
-        """The wire dict of this kind of answer to a request for `transport`, made by the teacher from its logits
-        [rows, its sequence, vocab] of the request's `batch` (over the common vocabulary with one tokenizer,
-        its own with `kd.cross_tokenizer`)."""
+    def encode(cls, logits: torch.Tensor, batch: dict, context: EncodeContext, *,
+               with_label_log_probs: bool = False) -> dict[str, Any]:
+        """The wire dict of this kind of answer, made by the teacher from its logits [rows, its sequence, vocab] of
+        the request's `batch` (over the common vocabulary with one tokenizer, its own with `kd.cross_tokenizer`);
+        `with_label_log_probs`: each label's log-probability beside it (`TeacherRequest.with_label_log_probs`)."""
         raise ValueError(f"a teacher answer of mode {cls.name!r} is not made by one teacher")
 
     @property
@@ -128,11 +129,6 @@ class TeacherAnswer:
         """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab], and its figures'
         shares: the chunks' add up to them (`meshkd.recipe.student.fused_head`)."""
         raise ValueError(f"a teacher answer of mode {self.name!r} has no loss by chunks of positions")
-
-    def hidden_state_loss(self, student: list[torch.Tensor], micro_batch: dict, context: LossContext, *,
-                          norm: float, projections: Any = None) -> torch.Tensor:
-        """`kd.hidden_states`' term against the student's outputs of the paired layers."""
-        raise ValueError(f"kd.hidden_states: a teacher answer of mode {self.name!r} holds no hidden states")
 
     def label_log_probs(self) -> torch.Tensor:
         """[rows, sequence] float32: the teacher's log-probability of each label of its own tokenization, 0 at

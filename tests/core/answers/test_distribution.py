@@ -1,6 +1,7 @@
-"""Teacher-logits encodings: what each mode carries, how many bytes, and the validation of a received one.
+"""The kinds of distribution a teacher answers in (`meshkd.core.answers`): what each carries, how many bytes, and the
+checks of a received one.
 
-Pure functions, no process group. The KD losses on the encodings are tested in tests/core/test_loss.py, their
+Pure functions, no process group. The KD losses of the kinds are tested in tests/core/test_loss.py, their
 transport in tests/core/test_bridge.py.
 """
 
@@ -9,17 +10,18 @@ import math
 import pytest
 import torch
 
-from meshkd.core.logits_codec import (
-    LABEL_LOG_PROBS,
-    TEACHER_ANSWERS,
-    check_encoded_logits,
-    decode_teacher_logits,
-    encode_teacher_logits,
-    encoded_nbytes,
-    label_log_probs,
-    split_label_log_probs,
-    with_label_log_probs,
-)
+from meshkd.core.answers import LABEL_LOG_PROBS, LossContext, answer_of, encode_teacher_logits, label_log_probs
+from meshkd.core.wire import payload_nbytes as encoded_nbytes
+from meshkd.recipe.settings.config import KDConfig
+
+
+def check_encoded_logits(encoded, shape) -> str:
+    """The checks a student makes of a received answer: its kind (by mode), its fields against the student's logits
+    of `shape`, its index values (at once here); the kind's name."""
+    answer = answer_of(encoded)
+    answer.check(answer.encoding, tuple(shape))
+    answer.check_indices(LossContext(KDConfig()), shape[-1])
+    return answer.name
 
 
 def teacher_logits(shape=(2, 3, 40), seed=0, dtype=torch.float32):
@@ -34,8 +36,7 @@ def test_full_modes_carry_the_logits():
     half = encode_teacher_logits(logits, "full_bf16")
     assert half["logits"].dtype == torch.bfloat16 and torch.equal(half["logits"], logits.to(torch.bfloat16))
     assert encoded_nbytes(full) == 2 * 3 * 40 * 4 and encoded_nbytes(half) == encoded_nbytes(full) // 2
-    assert decode_teacher_logits(full) is full["logits"]
-    assert decode_teacher_logits(half) is half["logits"]
+    assert answer_of(full).wire["logits"] is full["logits"] and answer_of(half).wire["logits"] is half["logits"]
     # `full` keeps the teacher's dtype: a bfloat16 teacher's logits travel as bfloat16, 2 bytes each.
     bf16 = encode_teacher_logits(logits.to(torch.bfloat16), "full")
     assert bf16["logits"].dtype == torch.bfloat16 and encoded_nbytes(bf16) == encoded_nbytes(half)
@@ -109,24 +110,23 @@ def test_label_log_probs_are_minus_the_per_token_cross_entropy():
         label_log_probs(logits, labels[:, :4])
 
 
-def test_an_answer_with_label_log_probs_parts_into_the_encoding_and_them():
-    assert with_label_log_probs("topk") == "topk+label_log_probs" and "topk+label_log_probs" in TEACHER_ANSWERS
+def test_an_answer_with_label_log_probs_carries_them_beside_its_distribution():
     logits, labels = teacher_logits(), torch.tensor([[1, 2, -100], [0, 3, 4]])
     encoded = encode_teacher_logits(logits, "topk", k=3)
     log_probs = label_log_probs(logits, labels)["log_probs"]
-    parted, got = split_label_log_probs({**encoded, "label_log_probs": log_probs})
-    assert parted == encoded and got is log_probs
-    assert check_encoded_logits(parted, logits.shape) == "topk"
-    with pytest.raises(ValueError, match="logits mode must be one of"):
-        with_label_log_probs(LABEL_LOG_PROBS)
+    answer = answer_of({**encoded, LABEL_LOG_PROBS: log_probs})
+    assert answer.encoding == encoded and answer.label_log_probs() is log_probs
+    assert check_encoded_logits({**encoded, LABEL_LOG_PROBS: log_probs}, logits.shape) == "topk"
     with pytest.raises(ValueError, match="must hold a label_log_probs tensor"):
-        split_label_log_probs(encoded)
+        answer_of(encoded).label_log_probs()
 
 
 def test_encode_rejects_bad_arguments():
     logits = teacher_logits()
-    with pytest.raises(ValueError, match="logits mode must be one of"):
+    with pytest.raises(ValueError, match="a teacher answer of mode 'top_k': the student knows"):
         encode_teacher_logits(logits, "top_k")
+    with pytest.raises(ValueError, match="'label_log_probs' is no encoding of the teacher's logits"):
+        encode_teacher_logits(logits, LABEL_LOG_PROBS)
     with pytest.raises(ValueError, match=r"1 <= k <= vocab \(40\)"):
         encode_teacher_logits(logits, "topk", k=41)
     with pytest.raises(ValueError, match=r"1 <= k <= vocab"):
@@ -137,8 +137,6 @@ def test_encode_rejects_bad_arguments():
         encode_teacher_logits(logits, "topk", k=3, tail_samples=-1)
     with pytest.raises(ValueError, match="floating-point"):
         encode_teacher_logits(torch.ones(2, 3, dtype=torch.int64), "full")
-    with pytest.raises(ValueError, match="only full and full_bf16"):
-        decode_teacher_logits(encode_teacher_logits(logits, "topk", k=3))
 
 
 def test_check_accepts_what_encode_makes():
@@ -160,8 +158,8 @@ def corrupt(**changes):
 @pytest.mark.parametrize(
     "encoded, message",
     [
-        (torch.zeros(2, 3, 40), "need a mode"),
-        ({"mode": "sparse"}, "need a mode"),
+        (torch.zeros(2, 3, 40), "a teacher answer is a dict with a mode, got Tensor"),
+        ({"mode": "sparse"}, "a teacher answer of mode 'sparse'"),
         ({"mode": "full", "logits": torch.zeros(2, 3, 39)}, r"are \(2, 3, 39\), the student's are \(2, 3, 40\)"),
         ({"mode": "full", "logits": torch.zeros(2, 3, 40), "extra": 1}, "need fields"),
         (corrupt(tail_log_prob=None), "need fields"),

@@ -1,4 +1,4 @@
-"""Compact top-k answers, "topk_compact": a "topk" answer (`meshkd.core.encodings.topk`) packed into bytes a token,
+"""Compact top-k answers, "topk_compact": a "topk" answer (`meshkd.core.answers.topk`) packed into bytes a token,
 for the wire, the teacher cache and a served teacher (`kd.topk_encoding: compact`).
 
 Design. Every token takes the same number of bytes, so a batch's answer stays one tensor, [..., nbytes] uint8,
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshkd.core.encodings.base import ENCODINGS, AnswerEncoding, register
-from meshkd.core.encodings.topk import TopK
+from meshkd.core.answers.base import register
+from meshkd.core.answers.topk import TopK
 
 COMPACT = "topk_compact"
 TOP_STEP = 16.0
@@ -159,55 +159,47 @@ def _indices_of(index_bytes: Tensor, k: int, m: int, vocab: int) -> tuple[Tensor
 
 
 @register
-class CompactTopK(AnswerEncoding):
+class CompactTopK(TopK):
+    """A top-k answer packed (the module docstring), unpacked where the student takes it: the loss, its checks
+    and an evaluation's figures are the exact top-k answer's of the unpacked fields."""
+
     name = COMPACT
     selected_by = {"logits_transport": "topk", "topk_encoding": "compact"}
     settings_keys = (*TopK.settings_keys, "topk_encoding")
-    has_indices = True
     layout = "elias-fano indices"
 
-    @property
-    def exact(self) -> TopK:
-        return ENCODINGS[TopK.name]
+    def _decoded(self, wire):
+        """The "topk" answer the wire carries (a decoded one as it is); a bitmap without its n ones is kept as
+        `damaged`, for the index check."""
+        if wire.get("mode") != COMPACT:
+            return wire
+        decoded, whole = self._unpacked(wire)
+        self.damaged = ~whole
+        return decoded
 
-    def encode(self, logits, **options):
-        return pack_topk(self.exact.encode(logits, **options), logits.shape[-1])
+    @classmethod
+    def encode_logits(cls, logits, **options):
+        return pack_topk(TopK.encode_logits(logits, **options), logits.shape[-1])
 
-    def seeded(self, *, tail_samples):
-        return self.exact.seeded(tail_samples=tail_samples)
-
-    def decode(self, answer):
+    @classmethod
+    def decode(cls, wire):
         """The "topk" answer it carries; besides it, fields other than the packing's (an evaluation's label
         log-probabilities, a teacher's hidden states) are kept."""
-        return self._decoded(answer)[0]
-
-    def check(self, answer, shape, *, check_indices):
-        decoded, whole = self._decoded(answer)  # unpacked once for both checks
-        self.exact.check(decoded, shape, check_indices=False)
-        if check_indices and bool(self._errors(decoded, whole, shape[-1])):  # one host sync for every index value
-            raise ValueError(self.index_message(shape[-1]))
-
-    def index_errors(self, answer, vocab):
-        return self._errors(*_unpack(answer), vocab)
-
-    def _errors(self, decoded, whole, vocab):
-        """The exact encoding's index check of the decoded answer, or a bitmap without its n ones."""
-        return self.exact.index_errors(decoded, vocab) | ~whole
+        return cls._unpacked(wire)[0]
 
     @staticmethod
-    def _decoded(answer):
+    def _unpacked(wire):
         packing = ("k", "tail_samples", "vocab", "packed")
-        encoded, whole = _unpack(answer)
-        return {**{key: value for key, value in answer.items() if key not in packing}, **encoded}, whole
+        encoded, whole = _unpack(wire)
+        return {**{key: value for key, value in wire.items() if key not in packing}, **encoded}, whole
 
-    def index_message(self, vocab):
-        return f"{self.exact.index_message(vocab)} (a compact answer's index bitmaps hold k and m ones)"
+    @classmethod
+    def index_message(cls, vocab):
+        return f"{TopK.index_message(vocab)} (a compact answer's index bitmaps hold k and m ones)"
 
-    def nbytes_per_token(self, vocab, *, k, tail_samples, logits_bytes):
+    @classmethod
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
         return nbytes_per_token(k, tail_samples, vocab)
-
-    def loss(self, student_logits, answer, labels, **options):
-        return self.exact.loss(student_logits, self.decode(answer), labels, **options)
 
 
 def _to_bits(values: Tensor, bits: int) -> Tensor:

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshkd.core.encodings.base import AnswerEncoding, register
+from meshkd.core.answers.base import register
+from meshkd.core.answers.distribution import Distribution
 from meshkd.core.loss import kd_loss_topk
 
 _FIELDS = {"mode", "temperature", "log_probs", "indices", "tail_log_prob"}
@@ -44,13 +45,16 @@ _TAIL_SAMPLE_FIELDS = {"tail_indices", "tail_log_probs"}
 
 
 @register
-class TopK(AnswerEncoding):
+class TopK(Distribution):
+    """The teacher's top-k log-probabilities with its tail (the module docstring)."""
+
     name = "topk"
     selected_by = {"logits_transport": "topk", "topk_encoding": "exact"}
     settings_keys = ("topk", "topk_tail_samples", "temperature")
     has_indices = True
 
-    def encode(self, logits, *, k, temperature, tail_samples, seed, chunk_size):
+    @classmethod
+    def encode_logits(cls, logits, *, k, temperature, tail_samples, seed, chunk_size):
         """{"mode", "temperature", "log_probs": [..., k] float32, "indices": [..., k] int32, "tail_log_prob": [...]
         float32} and, with tail samples, "tail_indices": [..., m] int32 and "tail_log_probs": [..., m] float32.
         log_probs are sorted in decreasing order; tail_log_prob is the log of 1 - sum(exp(log_probs)), computed
@@ -86,7 +90,7 @@ class TopK(AnswerEncoding):
                 )
         lead = logits.shape[:-1]
         encoded = {
-            "mode": self.name,
+            "mode": cls.name,
             "temperature": float(temperature),
             "log_probs": log_probs.view(*lead, k),
             "indices": indices.view(*lead, k),
@@ -97,10 +101,12 @@ class TopK(AnswerEncoding):
             encoded["tail_log_probs"] = tail_log_probs.view(*lead, tail_samples)
         return encoded
 
-    def seeded(self, *, tail_samples):
+    @classmethod
+    def seeded(cls, *, tail_samples):
         return tail_samples > 0
 
-    def check(self, answer: dict[str, Any], shape, *, check_indices: bool) -> None:
+    @classmethod
+    def check(cls, answer: dict[str, Any], shape) -> None:
         fields = set(answer)
         if fields >= _TAIL_SAMPLE_FIELDS:
             fields -= _TAIL_SAMPLE_FIELDS
@@ -143,10 +149,9 @@ class TopK(AnswerEncoding):
                 )
             if samples.dtype not in (torch.int32, torch.int64) or not sample_log_probs.is_floating_point():
                 raise ValueError("encoded topk tail_indices must be int32 or int64 and tail_log_probs floating point")
-        if check_indices and bool(self.index_errors(answer, vocab)):  # one host sync for every index value
-            raise ValueError(self.index_message(vocab))
 
-    def index_errors(self, answer, vocab):
+    @classmethod
+    def index_errors(cls, answer, vocab):
         """Nothing is read back: the caller decides when to wait for the flag."""
         indices = answer["indices"]
         bad = torch.zeros((), dtype=torch.bool, device=indices.device)
@@ -160,15 +165,19 @@ class TopK(AnswerEncoding):
             bad = bad | (samples.amin() < 0) | (samples.amax() >= vocab)
         return bad
 
-    def index_message(self, vocab):
+    @classmethod
+    def index_message(cls, vocab):
         return f"encoded topk indices must be distinct per token and lie in [0, {vocab}), tail indices too"
 
-    def nbytes_per_token(self, vocab, *, k, tail_samples, logits_bytes):
+    @classmethod
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
         return 8 * k + 4 + 8 * tail_samples
 
-    def loss(self, student_logits, answer, labels, *, divergence="forward_kl", jsd_beta=0.5, skew_alpha=0.1,
-             **options):
-        return kd_loss_topk(student_logits, answer, labels, **options)
+    @classmethod
+    def kernel(cls, student_logits, decoded, labels, kd, *, norm, chunk_size, divergence=None):
+        cls.checked(decoded, student_logits, kd, divergence or kd.divergence)
+        return kd_loss_topk(student_logits, decoded, labels, temperature=kd.temperature, ignore_index=kd.ignore_index,
+                            num_valid_tokens=norm, chunk_size=chunk_size)
 
 
 def _sample_tail(tail_log_p: Tensor, num_samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""Compact top-k answers (`meshkd.core.encodings.compact`): bytes a token, what decodes exactly, the decoded answer's
+"""Compact top-k answers (`meshkd.core.answers.compact`): bytes a token, what decodes exactly, the decoded answer's
 KL to the exact one within the documented bound, the loss on the decoded answer, and malformed answers refused."""
 
 import math
@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from meshkd.core.encodings import encoding_named
-from meshkd.core.encodings.compact import COMPACT, elias_fano_bits, nbytes_per_token, pack_topk, unpack_topk
-from meshkd.core.logits_codec import check_encoded_logits, encode_teacher_logits, kd_loss_encoded
+from meshkd.core.answers import LossContext, answer_of, encode_teacher_logits
+from meshkd.core.answers.compact import COMPACT, elias_fano_bits, nbytes_per_token, pack_topk, unpack_topk
+from meshkd.recipe.settings.config import KDConfig
+from tests.received import kd_loss_of, received
 
 BOUND = (1 / 32) ** 2 / 2  # the module docstring's second-order bound, nats a token
 
@@ -34,7 +35,7 @@ def test_indices_and_tail_mass_decode_exactly_and_the_values_within_the_bound(vo
     assert compact["mode"] == COMPACT and compact["packed"].dtype == torch.uint8
     assert tuple(compact["packed"].shape) == (2, 40, nbytes_per_token(k, m, vocab))
     decoded = unpack_topk(compact)
-    assert check_encoded_logits(decoded, (2, 40, vocab)) == "topk"
+    assert received(decoded, (2, 40, vocab)) == "topk"
     assert set(decoded) == set(exact) and decoded["temperature"] == temperature
     for key in ("tail_log_prob", *(("tail_indices",) if m else ())):
         assert torch.equal(decoded[key], exact[key]), key
@@ -67,7 +68,7 @@ def test_the_loss_on_the_decoded_answer_is_close_to_the_exact_ones():
     for packed in (False, True):
         encoded = encode_teacher_logits(teacher, "topk", k=64, tail_samples=0)
         encoded = unpack_topk(pack_topk(encoded, vocab)) if packed else encoded
-        loss = kd_loss_encoded(student, encoded, labels, temperature=1.0)
+        loss = kd_loss_of(student, encoded, labels, temperature=1.0)
         (grad,) = torch.autograd.grad(loss, student)
         losses.append(loss.item())
         grads.append(grad)
@@ -86,9 +87,13 @@ def test_a_malformed_compact_answer_is_refused_naming_what_does_not_fit():
     with pytest.raises(ValueError, match=r"got torch.int32"):
         unpack_topk({**compact, "packed": compact["packed"].int()})
     # A damaged index bitmap (a one more or less: bit 50 lies in the top indices' bitmap, after 8 x 4 low bits),
-    # or every index bit set: the index check refuses the answer.
-    encoding = encoding_named(COMPACT)
-    assert elias_fano_bits(8, 262) == (4, 57) and not encoding.index_errors(compact, 262)
+    # or every index bit set: the index check refuses the answer (once a micro-batch, its flag deferred).
+    def index_errors(answer) -> bool:
+        checks = LossContext(KDConfig(), index_checks=[])
+        answer_of(answer).check_indices(checks, 262)
+        return bool(checks.index_checks[0])
+
+    assert elias_fano_bits(8, 262) == (4, 57) and not index_errors(compact)
     index_bytes = math.ceil((57 + elias_fano_bits(4, 262)[1] + 3) / 8)
     for damage in ("flip", "fill"):
         bad = compact["packed"].clone()
@@ -96,7 +101,7 @@ def test_a_malformed_compact_answer_is_refused_naming_what_does_not_fit():
             bad[0, 0, 50 // 8] ^= 1 << 50 % 8
         else:
             bad[0, 0, :index_bytes] = 255
-        assert encoding.index_errors({**compact, "packed": bad}, 262), damage
+        assert index_errors({**compact, "packed": bad}), damage
     with pytest.raises(ValueError, match=r"indices must be distinct per token and lie in \[0, 262\).*bitmaps hold"):
-        encoding.check({**compact, "packed": bad}, (1, 4, 262), check_indices=True)
+        received({**compact, "packed": bad}, (1, 4, 262))
     assert math.isfinite(unpack_topk(compact)["log_probs"].sum().item())
