@@ -220,8 +220,8 @@ def a_request(rows: int = 2, length: int = 16, transport: str = "topk") -> Answe
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(length).repeat(rows, 1),
              "attention_mask": torch.ones(rows, length, dtype=torch.int64)}
     settings = {"transport": transport, "with_label_log_probs": False, "vocab_size": 262, "seed": 0, "topk": 8,
-                "topk_tail_samples": 4, "topk_encoding": "exact", "temperature": 2.0, "ignore_index": -100, "hidden_layers": [],
-                "cross_tokenizer_loss": None}
+                "topk_tail_samples": 4, "topk_encoding": "exact", "temperature": 2.0, "ignore_index": -100,
+                "hidden_layers": [], "cross_tokenizer_loss": None}
     return AnswerRequest(batch, settings)
 
 
