@@ -62,6 +62,7 @@ def _settings(quick: bool) -> dict:
             "overlap": [(0.2, 0.2)], "overlap_micro_batches": 5, "overlap_repeats": 2,
             "memory_vocabs": [49152, 131072], "memory_sequence": 512, "memory_repeats": 1,
             "memory_chunk_sizes": [128, 1024], "output_tokens": [2048], "output_whole_up_to": 2048,
+            "output_bfloat16_tokens": [2048],
         }  # fmt: skip
     return {
         "sizes_mib": [1, 4, 16, 64, 256], "bandwidth_repeats": 9, "latency_calls": 300, "latency_repeats": 7,
@@ -70,6 +71,7 @@ def _settings(quick: bool) -> dict:
         "overlap": [(0.2, 0.2), (0.1, 0.2), (0.2, 0.1)], "overlap_micro_batches": 8, "overlap_repeats": 3,
         "memory_vocabs": [49152, 131072], "memory_sequence": 2048, "memory_repeats": 3,
         "memory_chunk_sizes": [128, 1024], "output_tokens": [2048, 8192, 32768], "output_whole_up_to": 8192,
+        "output_bfloat16_tokens": [2048, 8192, 32768],
     }  # fmt: skip
 
 
@@ -429,10 +431,11 @@ def _report(results: dict) -> str:
         parts.append(_table(
             "(f) one micro-batch's output layer + CE + KD (top-64 + 32 tail), forward + backward, vocabulary 151936, "
             "width 896: peak MiB above the inputs, whole logits (hidden @ W^T, then the chunked losses) against the "
-            "output layer fused with the loss (chunks of 1024 tokens); whole logits only where they fit",
-            ["tokens", "logits MiB", "whole MiB", "fused MiB", "ratio", "whole s", "fused s", "time ratio",
+            "output layer fused with the loss (chunks of 1024 tokens), the output layer's matmuls in float32 or "
+            "bfloat16; whole logits only where they fit",
+            ["dtype", "tokens", "logits MiB", "whole MiB", "fused MiB", "ratio", "whole s", "fused s", "time ratio",
              "value diff"],
-            [[r["tokens"], r["logits_mib"], r.get("whole_mib", "-"), r["fused_mib"], r.get("ratio", "-"),
+            [[r["dtype"], r["tokens"], r["logits_mib"], r.get("whole_mib", "-"), r["fused_mib"], r.get("ratio", "-"),
               r.get("whole_s", "-"), r["fused_s"], r.get("time_ratio", "-"), r.get("value_difference", "-")]
              for r in results["output_layer"]],
         ))  # fmt: skip
@@ -458,6 +461,9 @@ def run(sections: list[str], quick: bool) -> dict:
         results["memory"] = memory.measure(settings)
         results["output_layer"] = memory.output_layer(settings["output_tokens"],
                                                       whole_up_to=settings["output_whole_up_to"])
+        # A bfloat16 student's fused path beside float32's; the whole logits' peak is the float32 rows'.
+        results["output_layer"] += memory.output_layer(settings["output_bfloat16_tokens"], whole_up_to=0,
+                                                       dtype="bfloat16")
     return results
 
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -169,7 +170,8 @@ def student_weighted_chunk(
     - reverse KL(q || p): h = log q - log p;
     - JSD_beta (`mix` = beta), m = beta p + (1 - beta) q: h = (1 - beta) (log q - log m);
     - skew forward KL(p || m) (`mix` = alpha), m = alpha p + (1 - alpha) q: h = -(1 - alpha) p / m;
-    - skew reverse KL(q || m) (`mix` = alpha), m = (1 - alpha) p + alpha q: h = log q - log m - alpha q / m;
+    - skew reverse KL(q || m) (`mix` = alpha), m = (1 - alpha) p + alpha q: h = log q - log m - alpha q / m,
+      computed less its constants, as -log(1 + (1 - alpha) p / (alpha q)) - alpha (1 - alpha) (q - p) / m;
     - total variation 1/2 sum |p - q|: h = sign(q - p) / 2 (0 where they are equal).
     E_q[h] needs the whole vocabulary: one SUM all-reduce per chunk on a vocab shard. Reverse KL is infinite
     where the teacher gives a token probability 0 that the student does not.
@@ -192,7 +194,11 @@ def student_weighted_chunk(
         terms = torch.where(p > 0, p * (log_p - log_m), 0.0)
     elif divergence == "skew_reverse_kl":
         log_m = torch.logaddexp(log_p + math.log1p(-mix), log_q + math.log(mix))
-        h = log_q - log_m - mix * (log_q - log_m).exp()
+        # h less its constants, which h - E_q[h] would cancel, losing in float32 what is left as alpha nears 1:
+        # log q - log m = -log alpha - log(1 + (1 - alpha) p / (alpha q)), alpha q / m = alpha + alpha (1 - alpha)
+        # (q - p) / m.
+        h = (-F.softplus(log_p - log_q + math.log((1 - mix) / mix))
+             - mix * (1 - mix) * (q - log_p.exp()) * (-log_m).exp())
         terms = torch.where(q > 0, q * (log_q - log_m), 0.0)
     else:  # total variation distance
         p = log_p.exp()

@@ -111,10 +111,11 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
         objective: (logits [c, V] float32, the chunk's token slice of the flattened positions) -> that chunk's
             share of the loss, a differentiable scalar.
         chunk_size: tokens at a time (bounds the [chunk, V] temporaries).
-        compute_dtype: the dtype of the matmuls (None: float32), as autocast would run the output layer: each
-            chunk's logits are made in it and handed to `objective` as float32, the gradients with respect to
-            the hidden states and the weight are made in it from the logits' gradient rounded to it, and the
-            weight's are summed over the chunks in float32. Autocast itself is off inside.
+        compute_dtype: the dtype of the logits' and hidden states' matmuls (None: float32), as autocast would
+            run the output layer: each chunk's logits are made in it and handed to `objective` as float32, the
+            gradients with respect to the hidden states and the weight are made from the logits' gradient rounded
+            to it (the hidden states' in it; the weight's from those rounded values, accumulated over the chunks
+            in float32, without a [V, H] temporary). Autocast itself is off inside.
         reverse: the chunks last to first (an objective whose chunks depend on later ones').
 
     Returns:
@@ -164,10 +165,10 @@ def fused_output_loss(hidden: Tensor, weight: Tensor, objective: Objective, *, c
             if grad_hidden is not None:
                 grad_hidden[tokens] = (grad_logits @ w).to(rows.dtype)
             if grad_weight is not None:
-                if dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.T, chunk)
-                else:
-                    grad_weight += grad_logits.T @ chunk
+                # Accumulated in place in float32: in a lower dtype, `grad_weight += grad_logits.T @ chunk` would
+                # make a [V, H] product every chunk. The casts here are [c, V] and [c, H], and the products of
+                # bfloat16 values are exact in float32. (torch has no CPU kernel for an `out_dtype` matmul.)
+                grad_weight.addmm_(grad_logits.T.float(), chunk.float())
             del logits, grad_logits
     if not needs_grad:
         return total

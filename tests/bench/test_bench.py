@@ -154,11 +154,14 @@ def test_the_lora_section_counts_what_trains_against_the_whole_student():
 
 def test_the_output_layer_rows_measure_both_paths_on_the_same_loss():
     """`memory.output_layer` (the memory section's fused-output rows): each path in a process of its own, the same
-    loss value, both peaks and times; whole logits left out beyond `whole_up_to`."""
+    loss value, both peaks and times; whole logits left out beyond `whole_up_to`; a bfloat16 row too."""
     both, fused_only = memory.output_layer([64, 128], whole_up_to=64, chunk_size=16)
     assert both["value_difference"] < 1e-5 and both["fused_mib"] > 0 and both["whole_mib"] > 0
     assert both["ratio"] == both["fused_mib"] / both["whole_mib"] and both["time_ratio"] > 0
     assert "whole_mib" not in fused_only and fused_only["fused_mib"] > 0
+    (bfloat16,) = memory.output_layer([64], whole_up_to=0, chunk_size=16, dtype="bfloat16")  # the bf16 rows
+    assert bfloat16["dtype"] == "bfloat16" and bfloat16["fused_mib"] > 0
+    assert bfloat16["fused_value"] == pytest.approx(both["fused_value"], rel=1e-2)
 
 
 def test_the_training_step_rows_measure_the_trainers_fused_head_against_whole_logits():

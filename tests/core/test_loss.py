@@ -438,6 +438,19 @@ def test_divergences_match_the_written_out_formula_and_its_gradient(divergence, 
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-9, atol=1e-13)
 
 
+@pytest.mark.parametrize("alpha", [0.9, 0.99])
+def test_the_chunked_skew_reverse_kl_gradient_keeps_float32_precision_as_alpha_nears_one(alpha):
+    """In float32 the chunked gradient stays within 5e-6 (relative norm) of float64's: h less its constants
+    measured 1.8e-6 / 1.4e-6 at alpha 0.9 / 0.99, h = log q - log m - alpha q / m as written 1.5e-5 / 1.1e-4,
+    plain float32 autograd 7.1e-6 / 4.0e-5."""
+    student, teacher, labels = _inputs((8, 64, 1000), ignored=())
+    _, want = _value_and_grad(kd_loss, student, teacher, labels, divergence="skew_reverse_kl", skew_alpha=alpha)
+    student32 = student.detach().float().requires_grad_()
+    _, got = _value_and_grad(kd_loss, student32, teacher.float(), labels, chunk_size=64,
+                             divergence="skew_reverse_kl", skew_alpha=alpha)
+    assert (got.double() - want).norm() / want.norm() < 5e-6
+
+
 def test_divergences_are_zero_at_the_teacher_and_order_as_expected():
     student, teacher, labels = _inputs()
     for divergence in ("reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"):
