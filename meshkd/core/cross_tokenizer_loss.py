@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from meshkd.core.chunked_loss import result_dtype, token_normalizer
 from meshkd.core.loss import kd_loss
@@ -192,13 +193,14 @@ def gold_loss(
 def gold_terms(log_q: Tensor, log_p: Tensor, vocabulary_map: VocabularyMap, *, divergence: str = "forward_kl",
                matched_weight: float | None = None, unmatched_weight: float | None = None) -> Tensor:
     """`gold_loss`' term of each group, before T^2 and the normaliser: [groups], of the student's and teacher's
-    group log-probabilities (`group_log_probs`) [groups, each one's vocabulary] (arguments as there)."""
+    group log-probabilities (`group_log_probs`) [groups, each one's vocabulary] (arguments as there).
+
+    The map's entries are read once per pair of widths and device (`_gold_entries`), so that a loss called chunk by
+    chunk neither checks nor copies them again."""
     if divergence not in ("forward_kl", "reverse_kl"):
         raise ValueError(f"divergence must be 'forward_kl' or 'reverse_kl', got {divergence!r}")
-    student_ids, teacher_ids = vocabulary_map.exact_student_ids, vocabulary_map.exact_teacher_ids
-    _check_ids(student_ids, log_q.shape[-1], "student")
-    _check_ids(teacher_ids, log_p.shape[-1], "teacher")
-    student_ids, teacher_ids = student_ids.to(log_q.device), teacher_ids.to(log_q.device)
+    student_ids, teacher_ids, student_rest, teacher_rest = _gold_entries(vocabulary_map, log_q.shape[-1],
+                                                                         log_p.shape[-1], log_q.device)
     if matched_weight is None:
         matched_weight = len(teacher_ids) / max(1, vocabulary_map.teacher_vocab_size)
     if unmatched_weight is None:
@@ -209,14 +211,33 @@ def gold_terms(log_q: Tensor, log_p: Tensor, vocabulary_map: VocabularyMap, *, d
     else:
         matched = _generalized_kl(matched_q, matched_p)
     terms = matched_weight * matched
-    if unmatched_weight != 0:
-        student_rest = torch.ones(log_q.shape[-1], dtype=torch.bool, device=log_q.device)
-        teacher_rest = torch.ones(log_p.shape[-1], dtype=torch.bool, device=log_q.device)
-        student_rest[student_ids] = False
-        teacher_rest[teacher_ids] = False
-        if bool(student_rest.any()) or bool(teacher_rest.any()):
-            terms = terms + unmatched_weight * _sorted_l1(log_q[:, student_rest].exp(), log_p[:, teacher_rest].exp())
+    if unmatched_weight != 0 and (len(student_rest) or len(teacher_rest)):
+        terms = terms + unmatched_weight * _sorted_l1(log_q[:, student_rest].exp(), log_p[:, teacher_rest].exp())
     return terms
+
+
+# vocabulary map -> {(student width, teacher width, device): its `_gold_entries`}; held no longer than the map.
+_GOLD_ENTRIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _gold_entries(vocabulary_map: VocabularyMap, student_width: int, teacher_width: int,
+                  device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The exact pairs' student and teacher ids and the ids of each side's other entries (ascending), on `device`,
+    checked against the widths: made once per map, widths and device (the ids live on the host, and reading or
+    copying them for every chunk of a loss would make the host wait each time)."""
+    key = (student_width, teacher_width, torch.device(device))
+    made = _GOLD_ENTRIES.setdefault(vocabulary_map, {})
+    if key not in made:
+        student_ids, teacher_ids = vocabulary_map.exact_student_ids, vocabulary_map.exact_teacher_ids
+        _check_ids(student_ids, student_width, "student")
+        _check_ids(teacher_ids, teacher_width, "teacher")
+        entries = []
+        for ids, width in ((student_ids, student_width), (teacher_ids, teacher_width)):
+            rest = torch.ones(width, dtype=torch.bool, device=ids.device)
+            rest[ids] = False
+            entries.append(rest.nonzero()[:, 0])
+        made[key] = tuple(ids.to(device) for ids in (student_ids, teacher_ids, *entries))
+    return made[key]
 
 
 def project_teacher_logits(

@@ -4,10 +4,14 @@ tensor is `meshkd.recipe.corpus.data`'s module docstring's. A cross-tokenizer ro
 (`meshkd.recipe.corpus.aligned_data`) carries its teacher side beside it under `teacher_` names (`teacher_side`)
 and its groups' columns (`TEACHER_POSITIONS`, `GROUP_ENDS`, `TEACHER_GROUP_ENDS`); KD counts its aligned
 positions only (`kd_labels`, `group_positions`). Those keys are `meshkd.core.batch_keys`', which the teacher's
-answers read too.
+answers read too. Where its groups lie in a micro-batch is read once on the host (`group_layout`) and travels
+beside the micro-batch under `GROUP_LAYOUT`, so that the losses chunk it without reading the device back.
 """
 
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
 
 import torch
 
@@ -134,3 +138,62 @@ def first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node //= 2
     return rows, offsets
+
+
+GROUP_LAYOUT = "group_layout"
+"""Beside a cross-tokenizer micro-batch's tensors on its way to the loss (never in a teacher request): its
+`GroupLayout`, read from its rows on the host."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where the groups KD counts lie in a micro-batch (`group_positions`' order), read on the host once so that the
+    fused output layer cuts them into chunks with Python ints (`meshkd.recipe.teacher.group_answers`).
+
+    Groups are disjoint runs of student positions in row-major order, so their last positions ascend and the groups
+    that end in a run of positions are a contiguous range (`ending`)."""
+
+    ends: tuple[int, ...]
+    """Each group's last flat position (row * length + column), ascending."""
+    last: torch.Tensor
+    """The same, int64 [groups] on the host."""
+    group_of: torch.Tensor
+    """int64 [rows * length] on the host: at each of a group's positions before its last, the group's index;
+    `num_groups` elsewhere."""
+    malformed: bool
+    """Whether a target inside a group (before its last position) is no token id."""
+
+    @property
+    def num_groups(self) -> int:
+        """The groups KD counts."""
+        return len(self.ends)
+
+    def ending(self, start: int, end: int) -> tuple[int, int]:
+        """The range [first, stop) of the groups whose last position lies in [start, end)."""
+        return bisect.bisect_left(self.ends, start), bisect.bisect_left(self.ends, end)
+
+
+def group_layout(batch: dict, *, ignore_index: int) -> GroupLayout:
+    """The `GroupLayout` of a cross-tokenizer batch (on a device: one copy to the host, which waits for it)."""
+    keys = ("labels", TEACHER_POSITIONS, GROUP_ENDS)
+    host = dict(zip(keys, torch.stack([batch[key] for key in keys]).cpu()))
+    length = host["labels"].shape[1]
+    first = group_positions(host, None, length, ignore_index)
+    last = group_positions(host, GROUP_ENDS, length, ignore_index)
+    assert bool((first <= last).all()) and bool((first[1:] > last[:-1]).all()), "aligned groups overlap"
+    lengths = last - first
+    group_of = torch.full((host["labels"].numel(),), len(first), dtype=torch.int64)
+    # Each group's positions before its last: first, first + 1, ..., last - 1.
+    earlier = first.repeat_interleave(lengths) + torch.arange(int(lengths.sum())) - (
+        (lengths.cumsum(0) - lengths).repeat_interleave(lengths))
+    group_of[earlier] = torch.arange(len(first)).repeat_interleave(lengths)
+    malformed = bool((host["labels"].reshape(-1)[earlier] < 0).any())
+    return GroupLayout(ends=tuple(last.tolist()), last=last, group_of=group_of, malformed=malformed)
+
+
+def with_group_layout(batch: dict, host_batch: dict | None, *, ignore_index: int) -> dict:
+    """`batch` with its `GroupLayout` under `GROUP_LAYOUT` (read from `host_batch`, the same rows on the host, when
+    given) if it is a cross-tokenizer batch whose groups a loss merges (`GROUP_ENDS`); else `batch` itself."""
+    if GROUP_ENDS not in batch or GROUP_LAYOUT in batch:
+        return batch
+    return batch | {GROUP_LAYOUT: group_layout(batch if host_batch is None else host_batch, ignore_index=ignore_index)}

@@ -19,7 +19,9 @@ fused output layer, the router and hidden-state terms), the objective (`Objectiv
 
 An item is `{"micro_batch": ..., "step_valid": ...}`: the micro-batch on the device and the local number of
 valid tokens of its whole step (all its micro-batches on this rank, a tensor on the device), known before its
-first backward.
+first backward; and where the data has them, its rows on the host (`"host_batch"`), from which a
+cross-tokenizer micro-batch whose groups the loss merges gets its `GroupLayout` (`with_group_layout`; without
+them, as on-policy rows, it is copied to the host once).
 
 Loss normalization: each micro-batch loss is a sum over its valid tokens divided by the global number of
 valid tokens of the optimizer step (all micro-batches, all data-parallel ranks). Data-parallel wrappers
@@ -30,7 +32,8 @@ batch.
 Host syncs. Everything the step computes stays on the device until its end: the global valid-token count
 (summed over the dp ranks before the first backward, and divided by as a tensor), the loss values, the
 gradient norm (`clip_grad_norm` clips on the device too), the top-k index checks of the teacher's answers
-(`LossContext.index_checks`). One all-reduce over the student ranks then sums the loss values with the stop
+(`LossContext.index_checks`), the chunks of a cross-tokenizer teacher's groups (cut by their `GroupLayout`, read on
+the host). One all-reduce over the student ranks then sums the loss values with the stop
 requests (`stop_requested`: SIGINT, SIGTERM, the stop file) and the index errors, and one `.tolist()` reads
 it all back, which the non-finite rule, the optimizer step and the metrics need: with the teacher on its own
 ranks the step's only host sync on the training thread (counted by `tests/gpu/test_train_nccl.py`'s
@@ -62,10 +65,12 @@ from meshkd.parallel.stages import HeadTransformError
 from meshkd.parallel.student_pipeline import StudentPipeline
 from meshkd.recipe.common.metrics import warn0
 from meshkd.recipe.corpus.batches import to_device
+from meshkd.recipe.corpus.rows import with_group_layout
 from meshkd.recipe.modeling.adapters import trainable_parameters
 from meshkd.recipe.settings.config import ConfigError, KDConfig
 from meshkd.recipe.student.fused_head import FusedHead
 from meshkd.recipe.student.router_loss import RouterLoss
+from meshkd.recipe.teacher.group_answers import merges_groups
 from meshkd.recipe.teacher.hidden_states import StudentHiddenStates
 from meshkd.recipe.teacher.teacher_answers import LossContext, TeacherAnswer, answer_of
 
@@ -431,7 +436,10 @@ class _StepPairs:
             answer = answer_of(answer)
             for name, wait in (answer.wait_s if answer is not None else {}).items():
                 self.teacher_waits[name] = self.teacher_waits.get(name, 0.0) + wait
-            yield (shard_micro_batch(item["micro_batch"], step.setup, ignore_index=step.kd.ignore_index),
+            micro_batch = item["micro_batch"]
+            if merges_groups(step.kd):  # where its groups lie, read from its host rows: no chunk waits for it
+                micro_batch = with_group_layout(micro_batch, item.get("host_batch"), ignore_index=step.kd.ignore_index)
+            yield (shard_micro_batch(micro_batch, step.setup, ignore_index=step.kd.ignore_index),
                    answer.shard(step.setup) if answer is not None else None)
 
 

@@ -1,7 +1,8 @@
 """A cross-tokenizer teacher's answer per aligned group ("groups", `kd.cross_tokenizer.loss` `uld` or `gold`): the
 teacher's chain-rule distribution of each group over its own vocabulary, against the student's groups
 (`meshkd.recipe.corpus.aligned_data`; the losses are `meshkd.core.cross_tokenizer_loss`'s), of whole logits or
-chunk by chunk (the fused output layer)."""
+chunk by chunk (the fused output layer: the chunks cut by the micro-batch's `GroupLayout`, read on the host, so that
+none waits for the device)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,24 @@ from meshkd.core.cross_tokenizer_loss import (
     uld_loss,
     uld_terms,
 )
-from meshkd.recipe.corpus.rows import GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_POSITIONS, group_positions, teacher_side
+from meshkd.recipe.corpus.batches import to_device
+from meshkd.recipe.corpus.rows import (
+    GROUP_ENDS,
+    GROUP_LAYOUT,
+    TEACHER_GROUP_ENDS,
+    TEACHER_POSITIONS,
+    group_layout,
+    group_positions,
+    teacher_side,
+)
 
 GROUPS = "groups"
 """The mode of a `uld` / `gold` teacher answer: {"mode": GROUPS, "log_probs": [groups, teacher vocab]}."""
+
+
+def merges_groups(kd) -> bool:
+    """Whether `kd` distills a cross-tokenizer teacher group by group (`kd.cross_tokenizer.loss` `uld` or `gold`)."""
+    return kd.cross_tokenizer is not None and kd.cross_tokenizer.loss != "projection"
 
 
 def teacher_group_log_probs(logits: torch.Tensor, batch: dict, *, temperature: float,
@@ -62,8 +77,7 @@ class GroupDistributions(TeacherAnswer):
     def made_for(cls, transport, kd):
         """Any request for a distribution (`uld` and `gold` take `full`) from a cross-tokenizer teacher whose loss
         compares groups."""
-        return (transport in choices("logits_transport") and kd.cross_tokenizer is not None
-                and kd.cross_tokenizer.loss != "projection")
+        return transport in choices("logits_transport") and merges_groups(kd)
 
     @classmethod
     def encode(cls, logits, batch, context, *, with_label_log_probs=False):
@@ -76,8 +90,6 @@ class GroupDistributions(TeacherAnswer):
         return group_kd_loss(logits, micro_batch, self.wire["log_probs"], context.kd, num_valid_tokens=norm,
                              vocabulary_map=context.vocabulary_map), {}
 
-    chunks_reversed = True
-
     def check_indices(self, context: LossContext, vocab_size: int) -> None:
         """Nothing to check: a group's distribution is over the teacher's whole vocabulary, no indices."""
 
@@ -87,53 +99,67 @@ class GroupDistributions(TeacherAnswer):
 
         A group's distribution is its last position's plus the log-probabilities of its earlier positions' labels
         (`group_log_probs`), which may lie in earlier chunks: those enter with these values, and their gradient is
-        carried back to their chunk as the group's derivative with respect to them (`pending`), known by then."""
-        ignore, length = context.kd.ignore_index, micro_batch["input_ids"].shape[1]
-        first = group_positions(micro_batch, None, length, ignore)
-        last = group_positions(micro_batch, GROUP_ENDS, length, ignore)
-        lengths = last - first
-        earlier = first.repeat_interleave(lengths) + torch.arange(int(lengths.sum()), device=first.device) - (
-            (lengths.cumsum(0) - lengths).repeat_interleave(lengths))  # each group's positions before its last
-        group_of = torch.full_like(label_log_probs, -1, dtype=torch.long)
-        group_of[earlier] = torch.arange(len(first), device=first.device).repeat_interleave(lengths)
-        if bool((micro_batch["labels"].reshape(-1)[earlier] < 0).any()):
+        carried back to their chunk as the group's derivative with respect to them (`pending`), known by then.
+
+        Where the groups lie is the micro-batch's `GroupLayout`, read on the host (`GROUP_LAYOUT`, which the step
+        adds from its host rows; without it the micro-batch is copied to the host here, one wait per
+        micro-batch), so that neither this nor a chunk waits for the device.
+
+        Raises:
+            ValueError: a target inside a group (before its last position) is no token id, or the answer holds
+                another number of groups than the micro-batch."""
+        kd = context.kd
+        layout = micro_batch.get(GROUP_LAYOUT)
+        if layout is None:
+            layout = group_layout(micro_batch, ignore_index=kd.ignore_index)
+        if layout.malformed:
             raise ValueError("a target inside a group (before its last position) is not a token id: groups must lie "
                              "within documents, where every position but the last has a target")
-        prefix = label_log_probs.new_zeros(len(first)).index_add(0, group_of[earlier], label_log_probs[earlier])
-        self._chunks = {"last": last, "group_of": group_of, "prefix": prefix, "label_log_probs": label_log_probs,
-                        "pending": torch.zeros_like(prefix)}
+        if len(self.wire["log_probs"]) != layout.num_groups:
+            raise ValueError(f"the teacher answered {len(self.wire['log_probs'])} groups, the micro-batch has "
+                             f"{layout.num_groups}")
+        device, num_groups = label_log_probs.device, layout.num_groups
+        group_of = to_device(layout.group_of, device)
+        # One slot past the groups takes the positions of none, so that no mask has to be counted on the host.
+        prefix = label_log_probs.new_zeros(num_groups + 1).index_add(0, group_of, label_log_probs)[:num_groups]
+        self._chunks = {"layout": layout, "last": to_device(layout.last, device), "group_of": group_of,
+                        "prefix": prefix, "label_log_probs": label_log_probs,
+                        "pending": label_log_probs.new_zeros(num_groups + 1)}
 
     def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
         """`kd_loss`' share of the flattened positions `tokens` given their logits [c, vocab]: the groups that end
         there, and the gradient of those that end in a later chunk through their labels here (no value). The
-        chunks run last to first after `prepare_chunks`."""
+        chunks run last to first after `prepare_chunks`; the groups that end in a chunk are a range known on the
+        host (`GroupLayout.ending`), so a chunk only slices."""
         state, kd = self._chunks, context.kd
         start = tokens.start
         end = start + logits.shape[0]
+        first, stop = state["layout"].ending(start, end)
+        count = stop - first
         scaled = logits.float() / kd.temperature
         log_z = scaled.logsumexp(-1)
         labels = micro_batch["labels"].reshape(-1)[start:end]
         live = scaled.gather(-1, labels.clamp(min=0)[:, None])[:, 0] - log_z  # each label's log-probability
+        # A group's earlier position here belongs to a group that ends at or after `start`: one that ends in
+        # this chunk (index below `stop`), one that ends later, or none (`num_groups`).
         owner = state["group_of"][start:end]
-        inside = owner >= 0
-        ends_here = inside & (state["last"][owner.clamp(min=0)] < end)
-        ending = ((state["last"] >= start) & (state["last"] < end)).nonzero()[:, 0]
-        here = owner[ends_here]
-        live_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(0, here, live[ends_here])
-        known_sum = state["prefix"].new_zeros(len(state["prefix"])).index_add(
-            0, here, state["label_log_probs"][start:end][ends_here])
+        slot = (owner - first).clamp(max=count)  # slot `count`: the positions of a group that ends later, or none
+        live_sum = live.new_zeros(count + 1).index_add(0, slot, live)[:count]
+        known_sum = live.new_zeros(count + 1).index_add(0, slot, state["label_log_probs"][start:end])[:count]
         # The earlier chunks' share of each group's prefix, as a leaf: its gradient is what they are owed.
-        outside = (state["prefix"][ending] - known_sum[ending]).detach().requires_grad_()
-        rows = state["last"][ending] - start
-        log_q = scaled[rows] - log_z[rows, None] + (live_sum[ending] + outside)[:, None]
-        teacher = self.wire["log_probs"][ending].detach().to(log_q.dtype)
+        outside = (state["prefix"][first:stop] - known_sum).detach().requires_grad_()
+        rows = state["last"][first:stop] - start
+        log_q = scaled[rows] - log_z[rows, None] + (live_sum + outside)[:, None]
+        teacher = self.wire["log_probs"][first:stop].detach().to(log_q.dtype)
         if kd.cross_tokenizer.loss == "uld":
             terms = uld_terms(log_q, teacher)
         else:
             terms = gold_terms(log_q, teacher, context.vocabulary_map, divergence=kd.divergence)
+        inside = owner < state["layout"].num_groups
         loss = terms.sum() * kd.temperature**2 / token_normalizer(norm, inside, log_q.dtype)
-        if len(ending) and loss.requires_grad:
-            (state["pending"][ending],) = torch.autograd.grad(loss, outside, retain_graph=True)
-        later = inside & ~ends_here
-        carried = (live[later] * state["pending"][owner[later]]).sum()
+        if count and loss.requires_grad:
+            (state["pending"][first:stop],) = torch.autograd.grad(loss, outside, retain_graph=True)
+        # The positions of groups that end in a later chunk carry those groups' gradient (`pending`, which is 0 at
+        # the slot of none); a group that ends here has had its gradient through `loss` already.
+        carried = torch.where(owner >= stop, live * state["pending"][owner], 0.0).sum()
         return loss + (carried - carried.detach()), {}
