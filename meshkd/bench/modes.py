@@ -5,7 +5,8 @@ On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library s
 those holding indices at each top-k size of the settings) wire bytes per token and the relative error of its KD
 loss, of d loss / d logits and of the output-head weight gradient, against full float32; for an encoding that
 travels packed (compact top-k answers, `kd.topk_encoding: compact`) also the decoded answer's KL to the answer it
-packs (nats a token, mean and largest). See `meshkd.bench.transport` for the whole bench.
+packs (nats a token, mean and largest); and the teacher cache's forms of top-k answers, entropy coded among them
+(`meshkd.bench.cache_coding`). See `meshkd.bench.transport` for the whole bench.
 """
 
 from __future__ import annotations
@@ -108,8 +109,11 @@ def measure(settings: dict) -> dict:
             **({"decode_kl_mean": statistics.fmean(e["decode_kl_mean"] for e in entries),
                 "decode_kl_max": max(e["decode_kl_max"] for e in entries)} if "decode_kl_mean" in entries[0] else {}),
         })  # fmt: skip
+    from meshkd.bench import cache_coding  # it reads this module's token rows
+
     return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows,
-            "hidden_states": _hidden_state_bytes(teacher, inputs, tokens)}
+            "hidden_states": _hidden_state_bytes(teacher, inputs, tokens),
+            "cache_coding": cache_coding.measure(teacher, tokenizer)}
 
 
 def _hidden_state_bytes(teacher, inputs: torch.Tensor, tokens: int) -> list[dict]:
