@@ -16,6 +16,21 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
+
+def stdlib_token_rows(tokenizer, rows: int, sequence: int, samples: int) -> list[torch.Tensor]:
+    """`samples` batches [rows, sequence + 1] of token ids from standard-library sources, in file order."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    needed = samples * rows * (sequence + 1)
+    stream: list[int] = []
+    for path in files:
+        stream.extend(tokenizer(path.read_text(errors="replace"))["input_ids"])
+        if len(stream) >= needed:
+            break
+    ids = torch.tensor(stream[:needed]).view(samples, rows, sequence + 1)
+    return list(ids)
+
 
 def stdlib_chat_rows(*, max_rows: int | None = None, max_answer_chars: int = 1200,
                      modules: str = "*.py") -> Iterator[dict]:

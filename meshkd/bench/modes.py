@@ -5,36 +5,19 @@ On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library s
 those holding indices at each top-k size of the settings) wire bytes per token and the relative error of its KD
 loss, of d loss / d logits and of the output-head weight gradient, against full float32; for an encoding that
 travels packed (compact top-k answers, `kd.topk_encoding: compact`) also the decoded answer's KL to the answer it
-packs (nats a token, mean and largest). See `meshkd.bench.transport` for the whole bench.
+packs (nats a token, mean and largest); and the teacher cache's forms of top-k answers, entropy coded among them
+(`meshkd.bench.cache_coding`). See `meshkd.bench.transport` for the whole bench.
 """
 
 from __future__ import annotations
 
 import copy
-import glob
-import os
 import statistics
-import sysconfig
-from pathlib import Path
 
 import torch
 
+from meshkd.bench.corpora import stdlib_token_rows
 from meshkd.parallel.pruning import prune_layers
-
-
-def _stdlib_token_rows(tokenizer, rows: int, sequence: int, samples: int) -> list[torch.Tensor]:
-    """`samples` batches [rows, sequence + 1] of token ids from standard-library sources, in file order."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
-    needed = samples * rows * (sequence + 1)
-    stream: list[int] = []
-    for path in files:
-        stream.extend(tokenizer(Path(path).read_text(errors="replace"))["input_ids"])
-        if len(stream) >= needed:
-            break
-    ids = torch.tensor(stream[:needed]).view(samples, rows, sequence + 1)
-    return list(ids)
-
 
 # Two students: the demo's (8 of the teacher's 30 layers, before distillation: far from the teacher) and a
 # near one (26 of 30 layers), standing in for a student late in distillation.
@@ -52,7 +35,7 @@ def measure(settings: dict) -> dict:
     tokenizer = models.load_tokenizer(**source)
     teacher = models.load_causal_lm(**source)
     students = {name: prune_layers(copy.deepcopy(teacher), keep).eval() for name, keep in _STUDENTS.items()}
-    samples = _stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
+    samples = stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
     sizes = [(k, 0) for k in settings["topk"]] + list(settings["topk_sampled"])
     variants = [(kind.name, k, m) for kind in distributions() for k, m in (sizes if kind.has_indices else [(None, 0)])]
     per_sample: dict[tuple, list[dict]] = {}
@@ -110,8 +93,11 @@ def measure(settings: dict) -> dict:
             **({"decode_kl_mean": statistics.fmean(e["decode_kl_mean"] for e in entries),
                 "decode_kl_max": max(e["decode_kl_max"] for e in entries)} if "decode_kl_mean" in entries[0] else {}),
         })  # fmt: skip
+    from meshkd.bench import cache_coding
+
     return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows,
-            "hidden_states": _hidden_state_bytes(teacher, inputs, tokens)}
+            "hidden_states": _hidden_state_bytes(teacher, inputs, tokens),
+            "cache_coding": cache_coding.measure(teacher, tokenizer)}
 
 
 def _hidden_state_bytes(teacher, inputs: torch.Tensor, tokens: int) -> list[dict]:

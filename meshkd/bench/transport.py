@@ -406,6 +406,16 @@ def _report(results: dict) -> str:
             [[r["student"], r["mode"], r["temperature"], r["bytes_per_token"], r["decode_kl_mean"],
               r["decode_kl_max"]] for r in m["rows"] if "decode_kl_mean" in r],
         ))  # fmt: skip
+        c = m["cache_coding"]
+        parts.append(_table(
+            f"(c''') the teacher cache's top-k answers on {c['tokens']} tokens (coding tables fitted on "
+            f"{c['fit_tokens']} others): shard bytes a token, the decoded answer's KL to the exact top-k (nats "
+            "a token, mean, largest), write and read tokens/s on one thread; DistillKit's budget setting (quoted): "
+            "114 bytes a token at k = 50, KL 4.7e-2 mean / 2.58 largest",
+            ["k", "tail", "form", "bytes/token", "KL mean", "KL max", "write tok/s", "read tok/s", "= fixed"],
+            [[r["k"], r["tail_samples"], r["form"], r["bytes_per_token"], r.get("kl_mean", 0.0), r.get("kl_max", 0.0),
+              r["write_tokens_per_s"], r["read_tokens_per_s"], r.get("same_as_fixed", "")] for r in c["rows"]],
+        ))  # fmt: skip
         parts.append(_table(
             "(c') kd.hidden_states beside the logits: wire bytes per token of the teacher's paired layers' outputs",
             ["pairs", "dtype", "width", "bytes/token"],

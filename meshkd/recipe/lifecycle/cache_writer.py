@@ -10,7 +10,10 @@ teacher's data-parallel replicas: in round r replica t computes the (r * dp + t)
 micro-batch (`step_scheduler.local_batch_size` rows, as training asks), and its output rank writes it.
 After every round the world agrees on failures, so a full disk on one output rank stops every rank with
 that rank's message, and on stop requests (SIGINT, SIGTERM, `meshkd`'s stop file: a rerun continues).
-Once every shard is written, rank 0 writes the manifest: the cache is complete.
+Entropy-coded compact answers (`kd.teacher_cache_coding: entropy`) need their coding tables before any
+training shard is written: the first training shard is computed in a round of its own, its output rank fits
+the tables on it and writes them (`coding.json`), and every rank reads them after the round. Once every shard
+is written, rank 0 writes the manifest (the tables in it too): the cache is complete.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from meshkd.core.agreement import gather_values
-from meshkd.core.answers import LABEL_LOG_PROBS, answer_bytes
+from meshkd.core.answers import LABEL_LOG_PROBS, answer_bytes, selected_kind
+from meshkd.core.answers.compact import CompactTopK
+from meshkd.core.cache_coding import LAYOUT, CodingTables
 from meshkd.core.teacher_protocol import TeacherRequest
 from meshkd.core.topology import create_kd_distributed_setups, model_replicas
 from meshkd.recipe.common.faults import FaultWatch, StopRequest, about
@@ -84,9 +89,11 @@ def plan_shards(rows: dict[str, list[int]], shard_rows: dict[str, int]) -> list[
             for index, first in enumerate(range(0, len(rows[split]), shard_rows[split]))]
 
 
-def _shard_record(shard: Shard, plan_key: str, hashes: dict[str, list[str]]) -> dict:
-    return {"split": shard.split, "first": shard.first, "count": len(shard.rows), "plan": plan_key,
-            "rows_digest": cache.rows_digest(hashes[shard.split][row] for row in shard.rows)}
+def _shard_record(shard: Shard, plan_key: str, hashes: dict[str, list[str]], coding: str | None = None) -> dict:
+    """A shard's sidecar record; `coding`: the sha256 of the coding tables its training answers are coded with."""
+    record = {"split": shard.split, "first": shard.first, "count": len(shard.rows), "plan": plan_key,
+              "rows_digest": cache.rows_digest(hashes[shard.split][row] for row in shard.rows)}
+    return {**record, "coding": coding} if coding is not None and shard.split == "train" else record
 
 
 def _complete(directory: Path, shard: Shard, expected: dict) -> dict | None:
@@ -119,6 +126,9 @@ class CacheWriter:
         self.directory = Path(teacher.cache)
         self.shard_rows = shard_rows
         self.stop = StopRequest()
+        self.coded = self.kd.teacher_cache_coding == "entropy" and selected_kind(self.kd) is CompactTopK
+        self.tables: CodingTables | None = None  # fitted on the first training shard (coded caches)
+        self.coding_sha: str | None = None
 
     def run(self) -> dict:
         """Write the cache (every rank of the world calls); returns its summary on every rank."""
@@ -143,6 +153,8 @@ class CacheWriter:
                 len(rows[split]), row_bytes[split], setups.student.dp_size) for split in cache.SPLITS})
             state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
         state = gather_values(state, device=self.device)[0]  # rank 0's: the plan key and the shards kept
+        if state["coding"] is not None:  # tables a killed run fitted, its coded shards kept
+            self._read_coding()
         todo = [shard for shard in plan if shard.name not in state["done"]]
         tokens = {split: datasets[split].tokens_per_row() for split in cache.SPLITS}
         started = time.perf_counter()
@@ -170,9 +182,17 @@ class CacheWriter:
         plan_key = hashlib.sha256(json.dumps([key, identity], sort_keys=True).encode()).hexdigest()
         (directory / cache.MANIFEST).unlink(missing_ok=True)  # incomplete until every shard is written
         done, keep = [], set()
+        coding = directory / cache.CODING
+        try:
+            kept_coding = json.loads(coding.read_text()).get("plan") == plan_key if self.coded else False
+        except (OSError, ValueError, AttributeError):
+            kept_coding = False
+        coding_sha = file_sha256(coding) if kept_coding else None
+        if kept_coding:
+            keep.add(coding.name)
         for shard in plan:
-            record = _complete(directory, shard, _shard_record(shard, plan_key, hashes))
-            if record is not None:
+            record = _complete(directory, shard, _shard_record(shard, plan_key, hashes, coding_sha))
+            if record is not None and (shard.split != "train" or not self.coded or coding_sha is not None):
                 done.append(shard.name)
                 keep.update({shard.name, Path(shard.name).with_suffix(".json").name})
         for path in directory.iterdir():
@@ -187,7 +207,7 @@ class CacheWriter:
         if needed > free:
             raise OSError(f"kd.teacher_cache: {directory} needs {needed / MIB:.1f} MiB more, its filesystem has "
                           f"{free / MIB:.1f} MiB free")
-        return {"plan": plan_key, "key": key, "identity": identity, "done": done}
+        return {"plan": plan_key, "key": key, "identity": identity, "done": done, "coding": coding_sha}
 
     def _compute(self, todo: list[Shard], setup, faults: FaultWatch, datasets: dict, plan_key: str, hashes: dict,
                  vocab_size: int, tokens: dict, checked) -> bool:
@@ -205,16 +225,26 @@ class CacheWriter:
             progress = tqdm(total=sum(len(shard.rows) for shard in todo), unit="row", desc="cache-teacher",
                             dynamic_ncols=True)
         started, computed = time.perf_counter(), 0
-        for first in range(0, len(todo), len(replicas)):
+        # The first training shard alone when the coding tables are still to be fitted on it.
+        fit_first = self.coded and self.tables is None and todo[0].split == "train"
+        rounds = [todo[:1]] if fit_first else []
+        rest = todo[1:] if fit_first else todo
+        rounds += [rest[first : first + len(replicas)] for first in range(0, len(rest), len(replicas))]
+        written = 0
+        for shards in rounds:
             if self.stop.agreed(None, device=self.device):  # all stop after the same round
-                print0(f"meshkd cache-teacher: stopped on {self.stop.reason()} with {first} of {len(todo)} shards "
+                print0(f"meshkd cache-teacher: stopped on {self.stop.reason()} with {written} of {len(todo)} shards "
                        "written; run it again to continue")
                 return False
-            shards = todo[first : first + len(replicas)]
+            written += len(shards)
             with faults.watch("computing the teacher cache", "teacher"), \
                     faults.on_every_rank(f"while computing shards {', '.join(shard.name for shard in shards)}"):
                 if mine < len(shards):
                     self._write(shards[mine], forward, output, datasets, plan_key, hashes)
+            # The output rank that fitted the tables wrote them: every other rank reads them.
+            if self.coded and self.tables is None and shards[0].split == "train":
+                with faults.on_every_rank("while reading the cache's coding tables"):
+                    self._read_coding()
             computed += sum(tokens[shard.split][row] for shard in shards for row in shard.rows)
             if progress is not None:
                 progress.update(sum(len(shard.rows) for shard in shards))
@@ -256,14 +286,36 @@ class CacheWriter:
                        for key, value in answers[0].items() if isinstance(value, torch.Tensor)}
             fields = {key: value for key, value in answers[0].items() if not isinstance(value, torch.Tensor)}
             with about("kd.teacher_cache"):
-                cache.write_shard(self.directory / shard.name, tensors, fields, _shard_record(shard, plan_key, hashes))
+                if self.coded and fields.get("mode") == CompactTopK.name:
+                    if self.tables is None:  # the first training shard: the tables are fitted on it
+                        self._write_coding(CodingTables.fit({**fields, "packed": tensors["packed"]}), plan_key)
+                    tensors = {**{key: value for key, value in tensors.items() if key != "packed"},
+                               **cache.coded_tensors(tensors.pop("packed"), fields, self.tables)}
+                    fields = {**fields, "coding": LAYOUT}
+                cache.write_shard(self.directory / shard.name, tensors, fields,
+                                  _shard_record(shard, plan_key, hashes, self.coding_sha))
+
+    def _write_coding(self, tables: CodingTables, plan_key: str) -> None:
+        write_atomically(self.directory / cache.CODING,
+                         json.dumps({"plan": plan_key, "layout": LAYOUT, "tables": tables.to_json()}).encode())
+        self._read_coding()
+
+    def _read_coding(self) -> None:
+        """The coding tables of this cache (`coding.json`, written by the rank that fitted them)."""
+        path = self.directory / cache.CODING
+        try:
+            self.tables = CodingTables.from_json(json.loads(path.read_text())["tables"])
+        except (OSError, ValueError, KeyError) as error:
+            raise OSError(f"kd.teacher_cache: {path} is not readable after it was written ({error}; is the "
+                          "directory one shared by every rank?)") from None
+        self.coding_sha = file_sha256(path)
 
     def _finish(self, plan: list[Shard], rows: dict, hashes: dict, tokens: dict, state: dict, checked, *,
                 computed_tokens: int, seconds: float) -> dict:
         """On rank 0: gather the sidecars into the manifest, written last; the summary."""
         records = []
         for shard in plan:
-            record = _complete(self.directory, shard, _shard_record(shard, state["plan"], hashes))
+            record = _complete(self.directory, shard, _shard_record(shard, state["plan"], hashes, self.coding_sha))
             if record is None:
                 raise OSError(f"kd.teacher_cache: shard {self.directory / shard.name} is missing or incomplete after "
                               "it was written (is the directory one shared by every rank?)")
@@ -285,6 +337,8 @@ class CacheWriter:
         manifest = {"format": cache.FORMAT, "version": cache.VERSION, "key": state["key"],
                     "teacher": state["identity"], "teacher_vocab_rows": checked.teacher_vocab_rows,
                     "seed": self.config.seed, "splits": splits, "shards": records, "summary": summary}
+        if self.tables is not None:  # what a reader decodes the training shards with
+            manifest["coding"] = {"layout": LAYOUT, "sha256": self.coding_sha, "tables": self.tables.to_json()}
         if self.config.kd.hidden_states is not None:  # the width of its hidden states (a student's projection's)
             manifest["teacher_hidden_size"] = checked.teacher_width
         if self.config.kd.cross_tokenizer is not None:  # a training run reads its rows' teacher side with it

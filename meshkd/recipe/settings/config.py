@@ -105,6 +105,7 @@ class KDConfig:
     fused_output_loss: bool = True  # the output layer applied inside the loss, chunk by chunk: no whole logits
     overlap_teacher: bool = True  # separate meshes: fetch the next micro-batch's teacher logits while training
     teacher_cache: str | None = None  # a directory `meshkd cache-teacher` writes; train reads it: no teacher ranks
+    teacher_cache_coding: str = "entropy"  # entropy | fixed: compact answers in the cache (meshkd.core.cache_coding)
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (the run fails) | skip_step (no update)
     max_skipped_steps: int = 10  # with skip_step: the run fails at the next non-finite step after this many
     mode: str = "off_policy"  # off_policy: dataset text | on_policy: also the student's own completions

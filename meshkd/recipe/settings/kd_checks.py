@@ -32,6 +32,8 @@ def check_kd(config: KDRecipeConfig, kd: KDConfig) -> None:
     if kd.topk_encoding == "compact" and kd.logits_transport != "topk":
         raise ConfigError(f"kd.topk_encoding: compact packs top-k answers; set kd.logits_transport: topk (got "
                           f"{kd.logits_transport!r})")
+    if kd.teacher_cache_coding not in ("entropy", "fixed"):
+        raise ConfigError(f"kd.teacher_cache_coding must be entropy or fixed, got {kd.teacher_cache_coding!r}")
     if kd.on_nonfinite not in ("stop", "skip_step"):
         raise ConfigError(f"kd.on_nonfinite must be stop or skip_step, got {kd.on_nonfinite!r}")
     if kd.max_skipped_steps < 0:

@@ -13,6 +13,12 @@ A cache directory holds:
   `kd.logits_transport` encoding for training rows, each label's log-probability for validation rows.
   Each has a sidecar `.json` (its rows and checksum), renamed into place after the shard: a shard that
   looks complete is complete.
+- with compact top-k answers (`kd.topk_encoding: compact`) and `kd.teacher_cache_coding: entropy` (the
+  default), the training shards hold them entropy coded (`meshkd.core.cache_coding`): a variable number of
+  bytes a token, found through an offset index per shard (`coded_tensors`), read back as the very compact
+  answers the live teacher sends. The coding tables are fitted on the first training shard, kept in
+  `coding.json` while the cache is written (a killed run continues with them) and in the manifest; the key
+  records the coded layout (`kd.teacher_cache_coding`), so a cache of another layout is refused naming it.
 
 With `kd.cross_tokenizer` the teacher's answers are already projected onto the student's vocabulary, the
 key also holds the alignment settings, the teacher's tokenizer and the temperature (the projection applies
@@ -45,7 +51,10 @@ from typing import Any
 
 import torch
 
-from meshkd.core.answers import LABEL_LOG_PROBS, answer_settings
+from meshkd.core import cache_coding
+from meshkd.core.answers import LABEL_LOG_PROBS, answer_settings, selected_kind
+from meshkd.core.answers.compact import CompactTopK
+from meshkd.core.cache_coding import CodedAnswers, CodingTables
 from meshkd.core.teacher_protocol import Batch, Encoded, TeacherFeed, TeacherRequest
 from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.corpus import documents
@@ -64,6 +73,9 @@ FORMAT, VERSION = "meshkd-teacher-cache", 1
 SPLITS = ("train", "validation")
 TEACHER_TOKENIZER = "teacher_tokenizer"  # the cache's subdirectory with a cross-tokenizer teacher's tokenizer
 TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "seed", "attn_implementation")
+CODING = "coding.json"  # the coding tables of an entropy-coded cache while it is written
+CODED = ("coded", "lengths", "long_lengths", "row_offsets", "long_offsets", "rest_high", "tail_mean")
+"""The tensors of a shard of entropy-coded compact answers, in place of "packed" (`coded_tensors`)."""
 
 
 # ------------------------------------------------------------------------------------------- identity
@@ -93,6 +105,8 @@ def cache_key(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer, *, voca
         "kd.logits_transport": kd.logits_transport,
     }
     key.update(answer_settings(kd))
+    if selected_kind(kd) is CompactTopK:  # how the cache holds them: one layout a coding
+        key["kd.teacher_cache_coding"] = coded_layout(kd)
     if kd.hidden_states is not None:  # the teacher layers whose outputs the answers hold, in order
         key["kd.hidden_states.pairs (teacher layers)"] = paired_layers(config, "teacher")
     if kd.cross_tokenizer is not None:  # projected answers depend on the temperature too
@@ -103,6 +117,51 @@ def cache_key(config: KDRecipeConfig, teacher: TeacherConfig, tokenizer, *, voca
         if row_format.rendered:  # the teacher renders the rows with its own template
             key["teacher_model.tokenizer.chat_template"] = teacher_tokenizer.chat_template
     return key
+
+
+def coded_layout(kd) -> str:
+    """What `kd.teacher_cache_coding` records in the key of a cache of compact answers: the coded layout's version
+    (`meshkd.core.cache_coding.LAYOUT`), or "fixed"."""
+    return f"entropy ({cache_coding.LAYOUT})" if kd.teacher_cache_coding == "entropy" else "fixed"
+
+
+def coded_tensors(packed: torch.Tensor, fields: dict[str, Any], tables: CodingTables) -> dict[str, torch.Tensor]:
+    """A shard's compact answers, "packed" [rows, sequence, nbytes], entropy coded: "coded" [bytes] the tokens'
+    streams, row after row; "lengths" [rows, sequence] uint8 each stream's bytes (255: in "long_lengths" [n]
+    int32, in order); the offset index "row_offsets" and "long_offsets" [rows + 1] int64, where each row's part
+    of "coded" and "long_lengths" starts; "rest_high" [rows, sequence] uint8 and "tail_mean" [rows, sequence]
+    float32 (empty without tail samples), what each token keeps beside its stream."""
+    rows, sequence = packed.shape[:2]
+    coded = cache_coding.encode({**fields, "packed": packed}, tables)
+    short, long = coded.length_bytes()
+    short = short.view(rows, sequence)
+    long_counts = (short == cache_coding.LENGTH_ESCAPE).sum(-1)
+    zero = torch.zeros(1, dtype=torch.int64)
+    return {"coded": coded.data, "lengths": short, "long_lengths": long,
+            "row_offsets": torch.cat([zero, coded.lengths.view(rows, sequence).sum(-1).cumsum(0)]),
+            "long_offsets": torch.cat([zero, long_counts.cumsum(0)]), "rest_high": coded.rest_high.view(rows, sequence),
+            "tail_mean": coded.tail_mean.view(rows, sequence) if fields["tail_samples"] else coded.tail_mean}
+
+
+def _check_offsets(handle, path: Path) -> None:
+    """ValueError naming the shard unless its offset index fits its coded answers."""
+    tensors = {name: handle.get_tensor(name) for name in CODED}
+    offsets, long_offsets, short = tensors["row_offsets"], tensors["long_offsets"], tensors["lengths"]
+    problem = None
+    if len(offsets) != len(short) + 1 or len(long_offsets) != len(short) + 1:
+        problem = f"{len(offsets)} row offsets for {len(short)} rows"
+    elif int(offsets[0]) != 0 or bool((offsets.diff() < 0).any()) or int(offsets[-1]) != tensors["coded"].numel():
+        problem = f"row offsets from {int(offsets[0])} to {int(offsets[-1])}, {tensors['coded'].numel()} coded bytes"
+    elif not torch.equal(long_offsets.diff(), (short == cache_coding.LENGTH_ESCAPE).sum(-1)) \
+            or int(long_offsets[-1]) != tensors["long_lengths"].numel():
+        problem = "long-stream offsets that do not count the long streams"
+    else:
+        lengths = CodedAnswers.lengths_of(short, tensors["long_lengths"]).view(short.shape)
+        if not torch.equal(lengths.sum(-1), offsets.diff()):
+            problem = "row offsets that do not add up the rows' stream lengths"
+    if problem is not None:
+        raise ValueError(f"kd.teacher_cache: shard {path} is damaged: its offset index does not fit its coded "
+                         f"answers ({problem}); rerun `meshkd cache-teacher` to rewrite it")
 
 
 def model_identity(section, label: str, keys: tuple[str, ...] = TEACHER_KEYS) -> dict[str, Any]:
@@ -279,6 +338,8 @@ class CachedTeacher:
         self.directory = Path(directory)
         self.device = device
         self._shards = manifest["shards"]
+        coding = manifest.get("coding")
+        self._tables = None if coding is None else CodingTables.from_json(coding["tables"])
         self._open: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._answer_modes = {split: manifest["splits"][split]["answer"] for split in SPLITS}
@@ -327,8 +388,52 @@ class CachedTeacher:
                     raise ValueError(f"kd.teacher_cache: shard {path} is corrupted (its sha256 differs from the "
                                      "manifest's); rerun `meshkd cache-teacher` to rewrite it")
                 handle = safe_open(str(path), framework="pt")
-                self._open[number] = (handle, json.loads(handle.metadata()["answer"]), list(handle.keys()))
+                fields = json.loads(handle.metadata()["answer"])
+                if "coding" in fields:
+                    if fields["coding"] != cache_coding.LAYOUT or self._tables is None:
+                        raise ValueError(f"kd.teacher_cache: shard {path} is coded as {fields['coding']!r}, the "
+                                         f"manifest's coding is {cache_coding.LAYOUT if self._tables else None!r}")
+                    _check_offsets(handle, path)
+                self._open[number] = (handle, fields, list(handle.keys()))
             return self._open[number]
+
+    def _row(self, number: int, offset: int) -> dict[str, Any]:
+        """One row's tensors [1, ...] of shard `number`: a coded row as its coded parts (`_decoded` packs them)."""
+        handle, fields, names = self._shard(number)
+        if "coding" not in fields:
+            return {name: handle.get_slice(name)[offset : offset + 1] for name in names}
+        row = {name: handle.get_slice(name)[offset : offset + 1] for name in names if name not in CODED}
+        start, end = handle.get_slice("row_offsets")[offset : offset + 2].tolist()
+        long_start, long_end = handle.get_slice("long_offsets")[offset : offset + 2].tolist()
+        tail = handle.get_slice("tail_mean")[offset : offset + 1] if fields["tail_samples"] else torch.zeros(1, 0)
+        parts = CodedAnswers(handle.get_slice("coded")[start:end],
+                             CodedAnswers.lengths_of(handle.get_slice("lengths")[offset : offset + 1],
+                                                     handle.get_slice("long_lengths")[long_start:long_end]),
+                             handle.get_slice("rest_high")[offset].flatten(), tail.flatten())
+        return {**row, "coded": (number, parts)}
+
+    def _decoded(self, rows: list[dict[str, Any]], fields: dict[str, Any]) -> list[dict[str, Any]]:
+        """`rows` with their coded parts decoded into "packed" [1, sequence, nbytes], a shard's rows at a time (a
+        stream that does not decode names its shard)."""
+        by_shard: dict[int, list[int]] = {}
+        for index, row in enumerate(rows):
+            if "coded" in row:
+                by_shard.setdefault(row["coded"][0], []).append(index)
+        for number, indices in by_shard.items():
+            parts = [rows[index]["coded"][1] for index in indices]
+            joined = CodedAnswers(*(torch.cat([getattr(part, name) for part in parts])
+                                    for name in ("data", "lengths", "rest_high", "tail_mean")))
+            try:
+                packed = cache_coding.decode(joined, self._tables, k=fields["k"], tail_samples=fields["tail_samples"],
+                                             vocab=fields["vocab"], temperature=fields["temperature"])["packed"]
+            except ValueError as error:
+                path = self.directory / self._shards[number]["file"]
+                raise ValueError(f"kd.teacher_cache: shard {path} is damaged: {error}; rerun `meshkd cache-teacher` "
+                                 "to rewrite it") from None
+            for index, row in zip(indices, packed.view(len(indices), -1, packed.shape[-1])):
+                rows[index] = {**{key: value for key, value in rows[index].items() if key != "coded"},
+                               "packed": row[None]}
+        return rows
 
     def request(self, batch: Batch, logits_transport: str, *, host_batch: Batch | None = None,
                 with_label_log_probs: bool = False) -> Encoded:
@@ -349,8 +454,10 @@ class CachedTeacher:
             if self._answer_modes[split] != logits_transport:
                 raise ValueError(f"kd.teacher_cache holds {self._answer_modes[split]!r} answers for {split} rows, "
                                  f"the run asks for {logits_transport!r}")
-            handle, fields, names = self._shard(number)
-            rows.append({name: handle.get_slice(name)[offset : offset + 1] for name in names})
+            fields = self._shard(number)[1]
+            rows.append(self._row(number, offset))
+        fields = {key: value for key, value in fields.items() if key != "coding"}
+        rows = self._decoded(rows, fields)
         answer = {name: to_device(torch.cat([row[name] for row in rows]), self.device) for name in rows[0]}
         return {**fields, **answer}
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from meshkd.recipe.common.files import write_atomically
+from meshkd.recipe.common.files import file_sha256, write_atomically
 from meshkd.recipe.common.metrics import read_metrics
 from meshkd.recipe.corpus import data
 from meshkd.recipe.corpus.batches import training_rows
@@ -35,7 +35,8 @@ from tests.tiny import base_config, tiny_llama, with_layout
 from tests.world import run_world
 
 TOPK = {"logits_transport": "topk", "topk": 8, "topk_tail_samples": 4}
-COMPACT = {**TOPK, "topk_encoding": "compact"}
+COMPACT = {**TOPK, "topk_encoding": "compact", "teacher_cache_coding": "fixed"}
+CODED = {**COMPACT, "teacher_cache_coding": "entropy"}
 
 
 class WriteCache:
@@ -101,14 +102,16 @@ def run_all(world_size: int, runs: dict[str, dict]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
-    """One rank: caches written by a dp 1 teacher (top-k with tail samples, exact and compact, and full_bf16), live
-    and cached runs."""
+    """One rank: caches written by a dp 1 teacher (top-k with tail samples: exact, compact, compact entropy coded;
+    and full_bf16), live and cached runs."""
     tmp = tmp_path_factory.mktemp("one_rank")
     base = base_config(tmp)
     runs = {}
-    for mode, kd in (("topk", TOPK), ("compact", COMPACT), ("bf16", {"logits_transport": "full_bf16"})):
+    modes = (("topk", TOPK), ("compact", COMPACT), ("coded", CODED), ("bf16", {"logits_transport": "full_bf16"}))
+    for mode, kd in modes:
         cache = str(tmp / f"cache_{mode}")
-        runs[f"live_{mode}"] = variant(base, tmp, f"live_{mode}", student={"dp_size": 1}, kd=kd)
+        if mode != "coded":  # the live run of compact answers is the coded cache's too
+            runs[f"live_{mode}"] = variant(base, tmp, f"live_{mode}", student={"dp_size": 1}, kd=kd)
         runs[f"write_{mode}"] = variant(base, tmp, f"write_{mode}", student={"dp_size": 1}, kd=kd, cache=cache)
         runs[f"cached_{mode}"] = variant(base, tmp, f"cached_{mode}", student={"dp_size": 1}, kd=kd, cache=cache)
     return run_all(1, runs)
@@ -132,9 +135,9 @@ def two_ranks(tmp_path_factory) -> dict:
 pytestmark = pytest.mark.world
 
 
-@pytest.mark.parametrize("mode", ["topk", "compact", "bf16"])
+@pytest.mark.parametrize("mode", ["topk", "compact", "coded", "bf16"])
 def test_a_run_from_the_cache_follows_the_live_teacher(one_rank, mode):
-    live = train_records(one_rank[f"live_{mode}"])
+    live = train_records(one_rank[f"live_{'compact' if mode == 'coded' else mode}"])
     assert_same_curve(train_records(one_rank[f"cached_{mode}"]), live)
     assert any(record.get("kd_loss", 0) > 0 for record in live)
     assert "teacher_val_loss" in live[0] and "teacher_val_bits_per_byte" in live[0]
@@ -227,6 +230,73 @@ def test_a_compact_cache_of_another_layout_is_refused_naming_it(one_rank, tmp_pa
     manifest["key"]["topk_compact layout"] = "ceil(log2 V)-bit indices"
     (tmp_path / "cache" / MANIFEST).write_text(json.dumps(manifest))
     assert "does not fit this run: topk_compact layout:" in refused(config)
+
+
+def copied_coded(one_rank: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """The coded cache's run config on a copy of its cache, and the copy's manifest."""
+    config = copy.deepcopy(one_rank["cached_coded"])
+    shutil.copytree(config["kd"]["teacher_cache"], tmp_path / "cache")
+    config["kd"]["teacher_cache"] = str(tmp_path / "cache")
+    return config, json.loads((tmp_path / "cache" / MANIFEST).read_text())
+
+
+def test_a_coded_cache_is_refused_by_a_run_of_another_layout_naming_the_field(one_rank, tmp_path):
+    config, manifest = copied_coded(one_rank, tmp_path)
+    assert manifest["key"]["kd.teacher_cache_coding"].startswith("entropy (rans-22 v1")
+    assert "coding" in manifest and all("coding" in shard for shard in manifest["shards"] if shard["split"] == "train")
+    fixed = copy.deepcopy(config)
+    fixed["kd"]["teacher_cache_coding"] = "fixed"
+    assert "does not fit this run: kd.teacher_cache_coding: the cache was written with 'entropy (" in refused(fixed)
+    manifest["key"]["kd.teacher_cache_coding"] = "entropy (rans-16 v0)"
+    (tmp_path / "cache" / MANIFEST).write_text(json.dumps(manifest))
+    assert "does not fit this run: kd.teacher_cache_coding: the cache was written with 'entropy (rans-16" \
+        in refused(config)
+
+
+def test_the_coded_cache_answers_as_the_fixed_width_compact_cache(one_rank):
+    coded, train = cached_teacher(one_rank["cached_coded"])
+    fixed, _ = cached_teacher(one_rank["cached_compact"])
+    sizes = {name: json.loads(Path(one_rank[f"cached_{name}"]["kd"]["teacher_cache"], MANIFEST).read_text())["summary"]
+             for name in ("coded", "compact")}
+    assert sizes["coded"]["rows"] == sizes["compact"]["rows"]
+    held = json.loads(Path(one_rank["cached_coded"]["kd"]["teacher_cache"], MANIFEST).read_text())["splits"]["train"]
+    for rows in (held["rows"][:1], held["rows"][1:4], held["rows"][::3]):  # rows of one shard and of several
+        batch = train[torch.tensor(rows)]
+        answer, expected = coded.request(batch, "topk"), fixed.request(batch, "topk")
+        assert set(answer) == set(expected) and answer["mode"] == "topk_compact"
+        for key, value in expected.items():
+            assert torch.equal(answer[key], value) if isinstance(value, torch.Tensor) else answer[key] == value, key
+
+
+def _rewrite_shard(directory: Path, manifest: dict, number: int, change) -> Path:
+    """Shard `number` with `change` applied to its tensors, its size and sha256 in the manifest updated (so that
+    only the reader's own checks can find the damage)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = directory / manifest["shards"][number]["file"]
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+    manifest["shards"][number].update(bytes=path.stat().st_size, sha256=file_sha256(path))
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t["row_offsets"].__setitem__(1, t["row_offsets"][1] + 1), "offset index does not fit"),
+    (lambda t: t["long_offsets"].__setitem__(-1, 5), "offset index does not fit"),
+    (lambda t: t["lengths"].__setitem__((0, 0), t["lengths"][0, 0] + 1), "offset index does not fit"),
+    (lambda t: t["coded"].__setitem__(slice(0, 4), 0), "is damaged: .* coded streams do not decode"),
+], ids=["row_offsets", "long_offsets", "lengths", "streams"])
+def test_a_damaged_coded_shard_or_offset_index_is_refused_naming_the_file(one_rank, tmp_path, damage, message):
+    config, manifest = copied_coded(one_rank, tmp_path)
+    path = _rewrite_shard(tmp_path / "cache", manifest, 0, damage)
+    teacher, train = cached_teacher(config)
+    with pytest.raises(ValueError, match=f"shard {path} {'is damaged' if 'offset' in message else ''}.*{message}"):
+        teacher.request(train[manifest["splits"]["train"]["rows"][:1]], "topk")
 
 
 def test_a_teacher_left_out_of_the_config_is_the_caches(one_rank, tmp_path):
