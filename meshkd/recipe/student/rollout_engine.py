@@ -270,3 +270,47 @@ def _results(futures: dict[int, list[concurrent.futures.Future]]) -> tuple[dict[
                  for index, row in futures.items()}, None)
     except RolloutEngineError as error:
         return {}, str(error)
+
+
+def check_server(engine, *, architecture: str, vocab_rows: int, sequence_length: int) -> None:
+    """Preflight of `kd.generation.engine`: the server answers, serves a model of the student's `architecture` and
+    `vocab_rows` token ids with room for `sequence_length` tokens, and has its reload endpoint (dev mode).
+
+    The architecture is read from the config.json of the directory the server serves, where this machine can read
+    it (the server reads the weights this run writes, so it usually can); the vocabulary is probed: the last id
+    taken, the next refused. Raises RolloutEngineError naming the key and the address."""
+    server = VLLMServer(engine.url, model=engine.served_model, timeout_s=min(engine.timeout_s, 60.0))
+    where = f"{URL_KEY}: the vLLM server at {server.url}"
+    models = server.models()
+    served = {entry["id"]: entry for entry in models}
+    if engine.served_model is not None and engine.served_model not in served:
+        raise RolloutEngineError(f"{where} serves {sorted(served)}, not kd.generation.engine.served_model "
+                                 f"{engine.served_model!r}")
+    entry = served[server.model]
+    if entry.get("max_model_len") is not None and entry["max_model_len"] < sequence_length:
+        raise RolloutEngineError(f"{where} takes {entry['max_model_len']} tokens a sequence (--max-model-len), fewer "
+                                 f"than step_scheduler.sequence_length {sequence_length}")
+    try:
+        info = server.call("/server_info?config_format=json")
+    except RolloutEngineError as error:
+        if "HTTP 404" not in str(error):
+            raise
+        raise RolloutEngineError(f"{where} has no /server_info nor /collective_rpc: start it with "
+                                 f"VLLM_SERVER_DEV_MODE=1 so that it can reload the student's weights") from None
+    root = Path(str(info["vllm_config"]["model_config"]["model"]))
+    if (root / "config.json").is_file():
+        served_config = json.loads((root / "config.json").read_text())
+        if architecture not in (served_config.get("architectures") or [architecture]):
+            raise RolloutEngineError(f"{where} serves {served_config.get('architectures')} ({root}), not the "
+                                     f"student's {architecture}")
+    for token, taken in ((vocab_rows - 1, True), (vocab_rows, False)):
+        try:
+            server.call(COMPLETIONS_PATH, {"model": server.model, "prompt": [token], "max_tokens": 1})
+            answered = True
+        except RolloutEngineError as error:
+            if "HTTP 400" not in str(error):
+                raise
+            answered = False
+        if answered != taken:
+            raise RolloutEngineError(f"{where} {'refuses' if taken else 'takes'} token id {token}: its vocabulary "
+                                     f"is not the student's {vocab_rows} rows")
