@@ -33,9 +33,6 @@ STUDENT = {"random_init": {"model_type": "llama", "hidden_size": 64, "intermedia
            "tokenizer": "byte", "seed": 1}
 TEXT = [ord(c) for c in "def add(a, b):\n    return a + b\n"]  # a fixed text the server and the student score
 
-pytestmark = pytest.mark.world
-
-
 def _free_port() -> int:
     import socket
 
@@ -91,6 +88,7 @@ def _log_probs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
+@pytest.mark.world
 def test_after_each_sync_the_server_scores_a_text_as_the_student_does(vllm, tmp_path):
     """Step k's sync: the server's prompt log-probabilities equal the student's at step k, and differ from k - 1's."""
     from transformers import AutoModelForCausalLM
@@ -142,6 +140,7 @@ def _train_records(config: dict) -> list[dict]:
     return [record for record in map(json.loads, lines) if record["kind"] == "train"]
 
 
+@pytest.mark.world
 def test_an_on_policy_run_with_the_engine_trains_one_step_ahead_and_resumes(vllm, tmp_path):
     config = _engine_config(tmp_path, vllm["url"], max_staleness=1)
     run = _train(config, tmp_path / "run.yaml")
@@ -163,6 +162,7 @@ def test_an_on_policy_run_with_the_engine_trains_one_step_ahead_and_resumes(vllm
     assert [record["rollout_staleness"] for record in resumed] == [0, 1]  # the resumed process syncs first
 
 
+@pytest.mark.world
 def test_a_server_killed_mid_run_ends_the_student_in_one_line_naming_its_address(vllm, tmp_path):
     config = _engine_config(tmp_path, vllm["url"])
     config["step_scheduler"].update(max_steps=400, ckpt_every_steps=1)
@@ -182,3 +182,52 @@ def test_a_server_killed_mid_run_ends_the_student_in_one_line_naming_its_address
     assert any(f"kd.generation.engine.url: the vLLM server at {vllm['url']}" in line for line in errors), output
     assert "Traceback" not in output, output
     assert list(checkpoints.glob("step_*"))
+
+
+class _Sampler:
+    """Completes each prompt with [step, the server's weights' step]: what the schedule sent, and from which weights."""
+
+    def __init__(self, state: dict) -> None:
+        self.state, self.sent = state, []
+
+    def submit(self, prompts, seeds):
+        import concurrent.futures
+
+        self.sent.append(seeds[0])
+        done = concurrent.futures.Future()
+        done.set_result([seeds[0], self.state["weights"]])
+        return [done]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("sync_every", "ahead", "staleness", "syncs"),
+                         [(1, False, [0, 0, 0, 0], [0, 1, 2, 3]), (1, True, [0, 1, 1, 1], [0, 1, 2, 3]),
+                          (2, True, [0, 1, 2, 1], [0, 2])])
+def test_the_schedule_syncs_every_sync_every_steps_and_draws_one_step_ahead(sync_every, ahead, staleness, syncs):
+    """No server: the order of syncs and draws, and the staleness each step reports (the first step syncs)."""
+    from meshkd.recipe.student.rollout_engine import Rollouts
+
+    state, synced = {"weights": None, "step": 0}, []
+
+    def sync():
+        state["weights"] = state["step"]
+        synced.append(state["step"])
+
+    sampler = _Sampler(state)
+    rollouts = Rollouts(sampler, sync, sync_every=sync_every, ahead=ahead, group=None)
+    reported = []
+    for step in range(4):
+        state["step"] = step
+        rows = {0: ([torch.tensor([1])], [step])}
+
+        def upcoming(step=step):
+            return {0: ([torch.tensor([1])], [step + 1])} if step + 1 < 4 else None
+
+        drawn = rollouts.draw(step, rows, upcoming)
+        assert drawn.completions[0][0][0] == step  # each step gets its own rows' completions
+        assert step - int(drawn.completions[0][0][1]) == drawn.staleness
+        reported.append(drawn.staleness)
+    assert reported == staleness and synced == syncs
+    assert sampler.sent == [0, 1, 2, 3]  # nothing drawn past the last step
