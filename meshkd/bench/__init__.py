@@ -3,11 +3,12 @@
     meshkd bench [--quick] [--json OUT] [--only SECTION,...]
 
 Sections (`transport`: bandwidth, latency, overlap, modes, memory; `cache`; `loading`; `precision`;
-`step`; `cross_tokenizer`; `teachers`; `served`; `data`; `lora`), in that order. The JSON file is rewritten
+`step`; `cross_tokenizer`; `teachers`; `served`; `data`; `lora`; `rollouts`), in that order. The JSON file is rewritten
 after each section, so an interrupted run keeps what it measured. A section whose prerequisites are missing
 (the demo teacher for `modes`, `step` and `cross_tokenizer`, Linux's peak-memory counters for `memory`,
-`loading`, `precision` and `lora` on the CPU, transformers for `modes`, `cache`, `precision`, `step`,
-`cross_tokenizer`, `teachers`, `served`, `data` and `lora`) is skipped with a note saying what to install; a
+`loading`, `precision` and `lora` on the CPU, a vLLM environment named by MESHKD_VLLM_PYTHON for `rollouts`,
+transformers for `modes`, `cache`, `precision`, `step`,
+`cross_tokenizer`, `teachers`, `served`, `data`, `lora` and `rollouts`) is skipped with a note saying what to install; a
 section that fails is recorded with its error and the others still run
 (the exit status is then 1).
 """
@@ -25,16 +26,16 @@ from pathlib import Path
 import torch
 
 SECTIONS = ("bandwidth", "latency", "overlap", "modes", "memory", "cache", "loading", "precision", "step",
-            "cross_tokenizer", "teachers", "served", "data", "lora")
+            "cross_tokenizer", "teachers", "served", "data", "lora", "rollouts")
 # Sections measured together: the three world sections share one world.
 _GROUPS = (("bandwidth", "latency", "overlap"), ("modes",), ("memory",), ("cache",), ("loading",), ("precision",),
-           ("step",), ("cross_tokenizer",), ("teachers",), ("served",), ("data",), ("lora",))
+           ("step",), ("cross_tokenizer",), ("teachers",), ("served",), ("data",), ("lora",), ("rollouts",))
 
 
 def missing_prerequisite(section: str) -> str | None:
     """Why `section` cannot run on this machine, or None."""
     needs_transformers = ("modes", "cache", "precision", "step", "cross_tokenizer", "teachers", "served", "data",
-                          "lora")
+                          "lora", "rollouts")
     if section in needs_transformers and importlib.util.find_spec("transformers") is None:
         return "needs transformers: pip install 'meshkd[recipe]'"
     if section in ("modes", "step", "cross_tokenizer"):
@@ -44,6 +45,10 @@ def missing_prerequisite(section: str) -> str | None:
             models.demo_teacher_source()
         except ImportError as error:
             return f"needs the demo teacher ({error})"
+    if section == "rollouts":
+        from meshkd.bench import rollouts
+
+        return rollouts.missing()
     on_cpu = section in ("precision", "lora") and not torch.cuda.is_available()
     if (section in ("memory", "loading") or on_cpu) and not Path("/proc/self/clear_refs").exists():
         return "needs Linux's per-process peak-memory counter (/proc/self/clear_refs)"
@@ -83,6 +88,10 @@ def _run_group(names: list[str], quick: bool) -> dict:
         from meshkd.bench import served
 
         return served.run_section(quick)
+    if names == ["rollouts"]:
+        from meshkd.bench import rollouts
+
+        return rollouts.run_section(quick)
     if names == ["step"]:
         from meshkd.bench import step
 

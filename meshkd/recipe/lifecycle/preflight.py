@@ -30,6 +30,7 @@ from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.config import ConfigError, KDRecipeConfig, TeacherConfig
 from meshkd.recipe.settings.config_loading import expand_path
 from meshkd.recipe.settings.kd_checks import pairs_of
+from meshkd.recipe.student.rollout_engine import check_server
 from meshkd.recipe.teacher.hidden_states import check_pairs
 from meshkd.recipe.teacher.sources import SourceKind, TeacherCheck, kind_of
 
@@ -100,7 +101,9 @@ def preflight(config: KDRecipeConfig, teacher: TeacherConfig | None = None, *, w
     an aligned group, a warning when the teacher's length leaves a side's rows under-filled). Training from
     `kd.teacher_cache` checks the cache against the run instead of the teacher
     (`meshkd.recipe.teacher.teacher_cache.check_cache`), and the teacher's identity when `teacher_model` is given;
-    `writing_cache` (`meshkd cache-teacher`) checks the teacher. `check_data` False skips reading the corpus
+    `writing_cache` (`meshkd cache-teacher`) checks the teacher. With `kd.generation.engine`, the vLLM server
+    (`meshkd.recipe.student.rollout_engine.check_server`: reachable, the student's architecture and vocabulary, its
+    reload endpoint). `check_data` False skips reading the corpus
     (`preflight_teachers`: read for the first teacher only); `teachers`: the names routed rows may give.
 
     Raises:
@@ -127,6 +130,9 @@ def preflight(config: KDRecipeConfig, teacher: TeacherConfig | None = None, *, w
     with about("model"):
         student = load_section_skeleton(config.model, "model")
     _warn_if_checkpoints_may_not_fit(config, student)
+    if config.kd.generation.engine is not None:  # the vLLM server that draws the completions
+        check_server(config.kd.generation.engine, architecture=type(student).__name__,
+                     vocab_rows=_embedding_rows(student), sequence_length=config.step_scheduler.sequence_length)
     # The teacher, as its source knows it: a skeleton, a cache's manifest, a server's health.
     found_teacher = kind.check(config, teacher, tokenizer, student_rows=_embedding_rows(student))
     teacher_tokenizer = found_teacher.tokenizer

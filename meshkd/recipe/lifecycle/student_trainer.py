@@ -7,7 +7,8 @@ with the teacher source's answers (`meshkd.core.teacher_protocol`; from `kd.teac
 `meshkd.recipe.teacher.teacher_cache.CachedTeacher`), fetched ahead with `kd.overlap_teacher` so the teacher's
 forward, or the cache's read, overlaps the student's step; `meshkd.recipe.student.train_step.TrainStep` trains on a
 step's pairs. With `kd.mode: on_policy` each step's micro-batches are first completed by the student itself
-(`meshkd.recipe.student.on_policy.OnPolicyStep`). Evaluations: `meshkd.recipe.student.evaluation`. Several teachers
+(`meshkd.recipe.student.on_policy.OnPolicyStep`), or with `kd.generation.engine` by a vLLM server holding its weights
+(`meshkd.recipe.student.rollout_engine`). Evaluations: `meshkd.recipe.student.evaluation`. Several teachers
 (`teachers`) are one source, `meshkd.core.teacher_ensemble.TeacherEnsemble`, over each teacher's own.
 """
 
@@ -40,7 +41,8 @@ from meshkd.recipe.modeling import checkpoint as ckpt
 from meshkd.recipe.settings.config import KDRecipeConfig
 from meshkd.recipe.student.evaluation import Evaluation, TeachersEvaluation, before_and_after
 from meshkd.recipe.student.fused_head import FusedHead
-from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions
+from meshkd.recipe.student.on_policy import OnPolicyStep, StudentCompletions, sampling_settings
+from meshkd.recipe.student.rollout_engine import Rollouts, ServerSampler, VLLMServer, WeightSync
 from meshkd.recipe.student.step_data import StepData, run_datasets
 from meshkd.recipe.student.student_model import export_student, lay_out_student, load_student, student_hidden_states
 from meshkd.recipe.student.train_step import (
@@ -149,8 +151,10 @@ class StudentTrainer:
                                     max_grad_norm=config.optimizer.max_grad_norm)
         self.step = TrainStep(student, objective, optimization, StepRanks(self.setup, self.device, self.student_group),
                               watch=self.faults.watch, stop_requested=self._stop.requested)
+        self.rollouts = self._rollouts()
         self.on_policy_step = OnPolicyStep(config, train_step=self.step, teacher=self.teacher,
-                                           completions=self._completions) if config.kd.mode == "on_policy" else None
+                                           completions=self._completions,
+                                           rollouts=self.rollouts) if config.kd.mode == "on_policy" else None
         # The same for every teacher: each vocabulary entry's bytes, counted once.
         byte_lengths = token_byte_lengths(self.tokenizer, size=self.vocab_size)
         teacher_byte_lengths = token_byte_lengths(self.teacher_tokenizer) if config.kd.cross_tokenizer else None
@@ -195,6 +199,20 @@ class StudentTrainer:
         return StudentCompletions(getattr(self.model, "module", self.model), self.config, self.tokenizer,
                                   pad_token_id=self.train_set.pad_token_id, device=self.device, greedy=greedy,
                                   teacher_side=self._completion_aligner)
+
+    def _rollouts(self) -> Rollouts | None:
+        """With `kd.generation.engine`: the vLLM server that draws the training completions, its weights the
+        student's (written to `weights_dir`, default RUN_DIR/rollout_weights)."""
+        engine = self.config.kd.generation.engine
+        if engine is None:
+            return None
+        server = VLLMServer(engine.url, model=engine.served_model, timeout_s=engine.timeout_s)
+        sampler = ServerSampler(server, sampling_settings(self.config, self.tokenizer),
+                                max_concurrent_requests=engine.max_concurrent_requests)
+        weights_dir = Path(engine.weights_dir) if engine.weights_dir else self.run_dir / "rollout_weights"
+        sync = WeightSync(self.model, self.config, server, weights_dir=weights_dir, group=self.student_group)
+        return Rollouts(sampler, sync, sync_every=engine.sync_every, ahead=engine.max_staleness > 0,
+                        group=self.student_group)
 
     @property
     def student_group(self) -> dist.ProcessGroup | None:
@@ -348,5 +366,7 @@ class StudentTrainer:
         return exported
 
     def close(self) -> None:
+        if getattr(self, "rollouts", None) is not None:
+            self.rollouts.close()
         if self.metrics is not None:
             self.metrics.close()

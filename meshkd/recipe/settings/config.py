@@ -52,6 +52,20 @@ class DistributedConfig:
 
 
 @dataclass
+class RolloutEngineConfig:
+    """A running vLLM server that draws the on-policy completions, its weights following the student's
+    (meshkd.recipe.student.rollout_engine)."""
+    url: str = ""  # http(s)://host:port of vLLM's OpenAI-compatible server, started with VLLM_SERVER_DEV_MODE=1
+    served_model: str | None = None  # the `model` its requests name; None: the server's only model
+    weights_dir: str | None = None  # the student's weights for the server to reload; None: RUN_DIR/rollout_weights
+    dtype: str | None = None  # the weights written: float32 | bfloat16 (the server's --dtype); None: model.dtype
+    sync_every: int = 1  # optimizer steps between two weight syncs
+    max_staleness: int = 0  # optimizer steps the sampling weights may lag; 0: synchronous, >= 1: one step ahead
+    max_concurrent_requests: int = 64  # requests in flight from one rank (one request a row)
+    timeout_s: float = 600.0  # one request's limit (a reload's too)
+
+
+@dataclass
 class GenerationSettingsConfig:
     """How the student completes prompts with kd.mode: on_policy (meshkd.recipe.student.on_policy)."""
     max_new_tokens: int = 32  # tokens the student generates after each prompt at most
@@ -61,6 +75,7 @@ class GenerationSettingsConfig:
     prompt_tokens: int = 32  # without dataset.prompt_key: each row's first document, cut to this many tokens
     seed: int = 0  # seeds each row's sampling and which micro-batches are on-policy
     evaluate: bool | None = None  # teacher_nll_of_samples at the first and last evaluation; None: on-policy runs
+    engine: RolloutEngineConfig | None = None  # training completions from a vLLM server; None: the student's generate
 
 
 @dataclass

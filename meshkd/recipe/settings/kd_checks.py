@@ -77,6 +77,7 @@ def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
                           if not config.dataset.whole_prompts else
                           f"kd.generation.max_new_tokens ({generation.max_new_tokens}) leaves no room for a prompt "
                           f"in step_scheduler.sequence_length ({sequence_length})")
+    check_rollout_engine(kd)
     if kd.mode != "on_policy" and not generation.evaluate:
         return
     if kd.teacher_cache is not None:
@@ -90,6 +91,36 @@ def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
         raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
                           f"model on each rank's own prompts, which pipeline and context parallel students do not "
                           f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+
+
+def check_rollout_engine(kd: KDConfig) -> None:
+    """`kd.generation.engine`: a server address, how often its weights follow the student's and how stale they may be.
+
+    With max_staleness 0 every completion comes from the current weights, so the weights go every step; with
+    max_staleness s >= 1 the next step's completions are drawn while a step trains (one step behind), and a sync
+    every `sync_every` steps adds up to sync_every - 1 more: sync_every <= s."""
+    engine = kd.generation.engine
+    if engine is None:
+        return
+    if kd.mode != "on_policy":
+        raise ConfigError(f"kd.generation.engine draws the training completions of kd.mode on_policy; got kd.mode "
+                          f"{kd.mode!r} (evaluations use the student's own generate)")
+    if not engine.url.startswith(("http://", "https://")):
+        raise ConfigError(f"kd.generation.engine.url must be http(s)://host:port of a vLLM server, got {engine.url!r}")
+    if engine.sync_every < 1 or engine.max_staleness < 0:
+        raise ConfigError(f"kd.generation.engine.sync_every must be >= 1 and max_staleness >= 0, got "
+                          f"{engine.sync_every}, {engine.max_staleness}")
+    lag = engine.sync_every - 1 + (1 if engine.max_staleness > 0 else 0)
+    if lag > engine.max_staleness:
+        raise ConfigError(f"kd.generation.engine.sync_every {engine.sync_every} lets the sampling weights lag "
+                          f"{lag} step(s), more than max_staleness {engine.max_staleness} (with max_staleness 0: "
+                          f"sync_every 1; else sync_every <= max_staleness)")
+    if engine.dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ConfigError(f"kd.generation.engine.dtype must be float32, bfloat16, float16 or null, got "
+                          f"{engine.dtype!r}")
+    if engine.max_concurrent_requests < 1 or not engine.timeout_s > 0:
+        raise ConfigError(f"kd.generation.engine.max_concurrent_requests must be >= 1 and timeout_s > 0, got "
+                          f"{engine.max_concurrent_requests}, {engine.timeout_s}")
 
 
 def check_cross_tokenizer(kd: KDConfig, student: DistributedConfig) -> None:

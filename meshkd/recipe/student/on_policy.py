@@ -22,8 +22,10 @@ Why every generation runs exactly `max_new_tokens` steps, cut at the first stop 
 ranks of an FSDP2 or tensor-parallel student meet in collectives at every forward, so they must run the
 same number of forwards whatever their samples.
 
-The seam for a faster engine (vLLM on GPUs, its weights refreshed from the student every N steps): any
-object with `Sampler.sample`; the trainer asks it for completions and knows nothing else of it.
+Another engine: any object with `Sampler.sample`. With `kd.generation.engine` a running vLLM server draws the
+training completions, its weights following the student's, synchronously or one step ahead
+(`meshkd.recipe.student.rollout_engine.Rollouts`); the step then asks it for all of the step's completions at once
+and makes the rows from them (evaluations keep `generate`).
 """
 
 from __future__ import annotations
@@ -227,6 +229,17 @@ def _cut_at_stop(tokens: torch.Tensor, stop_tokens: tuple[int, ...]) -> torch.Te
     return tokens
 
 
+def sampling_settings(config, tokenizer, *, greedy: bool = False) -> SamplingSettings:
+    """`kd.generation`'s settings; stop tokens by default the tokenizer's EOS; `greedy`: temperature 0."""
+    generation = config.kd.generation
+    stops = generation.stop_tokens
+    if stops is None:
+        stops = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return SamplingSettings(max_new_tokens=generation.max_new_tokens,
+                            temperature=0.0 if greedy else generation.temperature,
+                            top_p=generation.top_p, stop_tokens=tuple(stops))
+
+
 class StudentCompletions:
     """A recipe's prompts completed by its student: `rows(batch, seeds)` for training and evaluation.
 
@@ -241,16 +254,10 @@ class StudentCompletions:
 
     def __init__(self, model: torch.nn.Module, config, tokenizer, *, pad_token_id: int, device: torch.device,
                  greedy: bool = False, teacher_side: Callable[[dict], dict] | None = None) -> None:
-        generation = config.kd.generation
         self.eos = tokenizer.eos_token_id
-        stops = generation.stop_tokens
-        if stops is None:
-            stops = [] if self.eos is None else [self.eos]
-        settings = SamplingSettings(max_new_tokens=generation.max_new_tokens,
-                                    temperature=0.0 if greedy else generation.temperature,
-                                    top_p=generation.top_p, stop_tokens=tuple(stops))
+        settings = sampling_settings(config, tokenizer, greedy=greedy)
         self.sampler: Sampler = ModelGenerate(model, settings, pad_token_id=pad_token_id, device=device)
-        self.limit = None if config.dataset.whole_prompts else generation.prompt_tokens
+        self.limit = None if config.dataset.whole_prompts else config.kd.generation.prompt_tokens
         self.sequence_length = config.step_scheduler.sequence_length
         self.pad_token_id, self.device, self.teacher_side = pad_token_id, device, teacher_side
 
@@ -259,9 +266,19 @@ class StudentCompletions:
 
         A padding row (no prompt) is completed from one pad token, so every rank runs the same forwards, and
         is then left empty."""
-        prompts = prompts_of(batch, limit=self.limit, eos_token_id=self.eos)
+        prompts = self.prompts(batch)
         pad = torch.tensor([self.pad_token_id])
         completions = self.sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
+        return self.rows_of(prompts, completions)
+
+    def prompts(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+        """`batch`'s prompts on the host (`prompts_of`), None for a padding row."""
+        return [None if prompt is None else prompt.cpu()
+                for prompt in prompts_of(batch, limit=self.limit, eos_token_id=self.eos)]
+
+    def rows_of(self, prompts: list[torch.Tensor | None],
+                completions: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, int]:
+        """(the rows prompt + completion on the device, tokens generated, prompts completed), as `rows`."""
         rows = completion_batch(prompts, completions, sequence_length=self.sequence_length,
                                 pad_token_id=self.pad_token_id)
         if self.teacher_side is not None:
@@ -282,16 +299,36 @@ class OnPolicyStep:
         train_step: the step that trains on the pairs (`meshkd.recipe.student.train_step.TrainStep`).
         teacher: the run's teacher source.
         completions: makes the student's `StudentCompletions` with its current weights.
+        rollouts: with `kd.generation.engine`, the server that draws the completions
+            (`meshkd.recipe.student.rollout_engine.Rollouts`); None: the student's `generate`.
     """
 
     def __init__(self, config, *, train_step: TrainStep, teacher: TeacherSource,
-                 completions: Callable[[], StudentCompletions]) -> None:
+                 completions: Callable[[], StudentCompletions], rollouts=None) -> None:
         self.kd, self.train_step, self.teacher, self.completions = config.kd, train_step, teacher, completions
-        self.setup = train_step.setup
+        self.setup, self.rollouts = train_step.setup, rollouts
 
-    def __call__(self, text: list[dict], prompts: list[dict], *, step: int, skipped_steps: int) -> dict[str, float]:
+    def plan(self, completer: StudentCompletions, prompts: list[dict], *,
+             step: int) -> dict[int, tuple[list[torch.Tensor], list[int]]]:
+        """Micro-batch index -> (its prompts, a pad token for a padding row; its rows' seeds), for the on-policy
+        micro-batches of step `step`."""
+        kd, count = self.kd, len(prompts)
+        dp_rank, planned = self.setup.dp_mesh.get_local_rank(), {}
+        pad = torch.tensor([completer.pad_token_id])
+        for index, batch in enumerate(prompts):
+            if is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
+                size = batch["input_ids"].shape[0]
+                first = (dp_rank * count + index) * size  # the rows' place in the global batch
+                planned[index] = ([pad if prompt is None else prompt for prompt in completer.prompts(batch)],
+                                  [row_seed(kd.generation.seed, step, first + row) for row in range(size)])
+        return planned
+
+    def __call__(self, text: list[dict], prompts: list[dict], *, step: int, skipped_steps: int,
+                 upcoming: Callable[[], list[dict] | None] | None = None) -> dict[str, float]:
         """Train step `step` (0-based) of the micro-batches `text`, each on-policy one replaced by the student's
-        completions of the same place's `prompts` micro-batch; the step's metrics with the generation's."""
+        completions of the same place's `prompts` micro-batch; the step's metrics with the generation's.
+        `upcoming`: the next step's prompt micro-batches (None after the last step), which a server drawing one
+        step ahead completes while this step trains."""
         kd, count = self.kd, len(text)
         dp_rank = self.setup.dp_mesh.get_local_rank()
         made: queue.SimpleQueue = queue.SimpleQueue()
@@ -304,13 +341,23 @@ class OnPolicyStep:
                 yield micro_batch
 
         completer, rows, figures = self.completions(), [], [0.0, 0.0, 0.0]  # tokens, completions, on-policy
+        drawn = None
+        if self.rollouts is not None:
+            started = time.perf_counter()
+            following = None if upcoming is None else lambda: (
+                None if (batches := upcoming()) is None else self.plan(completer, batches, step=step + 1))
+            drawn = self.rollouts.draw(step, self.plan(completer, prompts, step=step), following)
         feed = self.teacher.prefetch(requests(), depth=count,
                                      batch_fn=lambda micro_batch: TeacherRequest(micro_batch, kd.logits_transport))
         with feed:
-            started = time.perf_counter()
+            started = started if drawn is not None else time.perf_counter()
             try:
                 for index, micro_batch in enumerate(text):
-                    if is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
+                    if drawn is not None and index in drawn.completions:
+                        micro_batch, tokens, completed = completer.rows_of(completer.prompts(prompts[index]),
+                                                                           drawn.completions[index])
+                        figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
+                    elif drawn is None and is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
                         size = prompts[index]["input_ids"].shape[0]
                         first = (dp_rank * count + index) * size  # the rows' place in the global batch
                         seeds = [row_seed(kd.generation.seed, step, first + row) for row in range(size)]
@@ -329,6 +376,9 @@ class OnPolicyStep:
         metrics.update(generated_tokens=tokens, mean_completion_length=tokens / max(completions, 1.0),
                        on_policy_share=figures[2] / count, generation_s=generation_s,
                        generation_tokens_per_s=tokens / generation_s if figures[2] else 0.0)
+        if drawn is not None:
+            metrics.update(rollout_staleness=float(drawn.staleness), rollout_wait_s=drawn.wait_s,
+                           weight_sync_s=drawn.sync_s)
         return metrics
 
 

@@ -54,6 +54,7 @@ class StepData:
         # With kd.cross_tokenizer each step's metrics also hold the rows' row_fill and teacher_row_fill
         # (`meshkd.recipe.corpus.aligned_data.row_fill`: the same every step).
         self._fill = row_fill(train_set)
+        self._next: list[tuple[list[dict], list[dict]]] = []  # a step read ahead for its prompts (on-policy)
         self.feed = TeacherFeed(()) if on_policy_step is not None else self.teacher_feed(
             teacher, self.items(self._text),
             pipeline_depth=train_step.num_micro_batches if train_step.pipeline is not None else 0)
@@ -96,7 +97,20 @@ class StepData:
         """Train the next step (`skipped_steps`: the non-finite steps skipped so far); its metrics."""
         if self.on_policy_step is None:
             return self.train_step(self.feed, skipped_steps=skipped_steps) | self._fill
+        step = self.train_step.scheduler.last_epoch
+        text, prompts = self._next.pop() if self._next else self._read()
+
+        def upcoming() -> list[dict] | None:  # the next step's prompts (drawn ahead), None after the last step
+            if step + 1 >= self.config.step_scheduler.max_steps:
+                return None
+            if not self._next:
+                self._next.append(self._read())
+            return self._next[0][1]
+
+        return self.on_policy_step(text, prompts, step=step, skipped_steps=skipped_steps,
+                                   upcoming=upcoming) | self._fill
+
+    def _read(self) -> tuple[list[dict], list[dict]]:
+        """The next step's (text micro-batches, prompt micro-batches) of an on-policy run."""
         text = self.micro_batches(next(self._text))
-        prompts = text if self._prompts is None else self.micro_batches(next(self._prompts))
-        return self.on_policy_step(text, prompts, step=self.train_step.scheduler.last_epoch,
-                                   skipped_steps=skipped_steps) | self._fill
+        return text, text if self._prompts is None else self.micro_batches(next(self._prompts))

