@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from meshkd.core.answers.labels import SAMPLED_REVERSE_KL
+from meshkd.core.teacher_protocol import LABEL_LOG_PROBS
 from meshkd.recipe.records import format_named
 from meshkd.recipe.settings.typed_yaml import ConfigError, apply_override
 
@@ -125,7 +127,9 @@ class KDConfig:
     max_skipped_steps: int = 10  # with skip_step: the run fails at the next non-finite step after this many
     mode: str = "off_policy"  # off_policy: dataset text | on_policy: also the student's own completions
     on_policy_fraction: float = 1.0  # with on_policy: the share of micro-batches the student completes
-    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | skew_forward_kl | skew_reverse_kl | tvd
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | skew_forward_kl | skew_reverse_kl | tvd |
+    # sampled_reverse_kl (on-policy: the reverse KL estimated on the student's sampled tokens, `sampled_estimator`)
+    sampled_estimator: str = "k1"  # k1 | k3: sampled_reverse_kl's estimator of each token (meshkd.core.answers.labels)
     jsd_beta: float = 0.5  # beta of jsd, in (0, 1)
     skew_alpha: float = 0.1  # alpha of skew_forward_kl and skew_reverse_kl, in (0, 1)
     router_aux_loss_coef: float | None = None  # MoE student's load-balancing loss weight; None: its config's
@@ -133,6 +137,17 @@ class KDConfig:
     cross_tokenizer: CrossTokenizerConfig | None = None  # a teacher with another tokenizer; None: the same one
     combine: str = "sum"  # several teachers: sum of divergences | mixture of distributions | route rows to one
     hidden_states: HiddenStatesConfig | None = None  # intermediate-layer KD; None: the logits alone
+
+    @property
+    def samples_the_divergence(self) -> bool:
+        """Derived: whether the KD term is estimated on the sampled tokens (`divergence: sampled_reverse_kl`)."""
+        return self.divergence == SAMPLED_REVERSE_KL
+
+    @property
+    def training_answer(self) -> str:
+        """Derived: what training requests ask of the teacher: each label's log-probability for a divergence
+        estimated on the sampled tokens, else `logits_transport`'s encoding."""
+        return LABEL_LOG_PROBS if self.samples_the_divergence else self.logits_transport
 
     @property
     def evaluates_samples(self) -> bool:

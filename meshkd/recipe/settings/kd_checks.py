@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from meshkd.core.answers import choices, selected
+from meshkd.core.answers.labels import ESTIMATORS
 from meshkd.core.loss import check_divergence
 from meshkd.recipe.settings.config import DistributedConfig, KDConfig, KDRecipeConfig, ModelConfig
 from meshkd.recipe.settings.typed_yaml import ConfigError
@@ -51,11 +52,15 @@ def check_kd(config: KDRecipeConfig, kd: KDConfig) -> None:
 def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
     """The divergence, `kd.mode` and `kd.generation`: completions that fit a row, a live teacher to score them."""
     generation = kd.generation
-    try:
-        check_divergence(kd.divergence, kd.jsd_beta, skew_alpha=kd.skew_alpha)
-        selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding).check_divergence(kd.divergence)
-    except ValueError as error:
-        raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.skew_alpha / kd.logits_transport: {error}") from None
+    if kd.samples_the_divergence:
+        check_sampled_divergence(config, kd)
+    else:
+        try:
+            check_divergence(kd.divergence, kd.jsd_beta, skew_alpha=kd.skew_alpha)
+            selected(logits_transport=kd.logits_transport, topk_encoding=kd.topk_encoding).check_divergence(
+                kd.divergence)
+        except ValueError as error:
+            raise ConfigError(f"kd.divergence / kd.jsd_beta / kd.skew_alpha / kd.logits_transport: {error}") from None
     if kd.mode not in ("off_policy", "on_policy"):
         raise ConfigError(f"kd.mode must be off_policy or on_policy, got {kd.mode!r}")
     if not 0.0 <= kd.on_policy_fraction <= 1.0:
@@ -91,6 +96,21 @@ def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
         raise ConfigError(f"kd.mode on_policy / kd.generation.evaluate: the student generates with its whole "
                           f"model on each rank's own prompts, which pipeline and context parallel students do not "
                           f"hold; got distributed.pp_size {student.pp_size}, cp_size {student.cp_size} (use dp and tp)")
+
+
+def check_sampled_divergence(config: KDRecipeConfig, kd: KDConfig) -> None:
+    """`kd.divergence: sampled_reverse_kl`: the reverse KL estimated on the student's own sampled tokens, against each
+    label's log-probability, so on-policy rows alone, one teacher of the student's tokenizer."""
+    if kd.mode != "on_policy" or kd.on_policy_fraction < 1.0:
+        raise ConfigError(f"kd.divergence {kd.divergence} estimates the reverse KL on the student's own sampled "
+                          f"tokens: it needs kd.mode on_policy with kd.on_policy_fraction 1 (every micro-batch "
+                          f"sampled), got kd.mode {kd.mode!r}, kd.on_policy_fraction {kd.on_policy_fraction}")
+    if kd.sampled_estimator not in ESTIMATORS:
+        raise ConfigError(f"kd.sampled_estimator must be {' or '.join(ESTIMATORS)}, got {kd.sampled_estimator!r}")
+    if kd.cross_tokenizer is not None or kd.hidden_states is not None or len(config.teacher_list()) > 1:
+        raise ConfigError(f"kd.divergence {kd.divergence} takes one teacher of the student's tokenizer and no "
+                          "kd.hidden_states (its answers are each label's log-probability only); unset "
+                          "kd.cross_tokenizer, kd.hidden_states or teachers")
 
 
 def check_rollout_engine(kd: KDConfig) -> None:

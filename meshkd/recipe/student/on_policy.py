@@ -348,7 +348,7 @@ class OnPolicyStep:
                 None if (batches := upcoming()) is None else self.plan(completer, batches, step=step + 1))
             drawn = self.rollouts.draw(step, self.plan(completer, prompts, step=step), following)
         feed = self.teacher.prefetch(requests(), depth=count,
-                                     batch_fn=lambda micro_batch: TeacherRequest(micro_batch, kd.logits_transport))
+                                     batch_fn=lambda micro_batch: TeacherRequest(micro_batch, kd.training_answer))
         with feed:
             started = started if drawn is not None else time.perf_counter()
             try:

@@ -90,7 +90,7 @@ class StepData:
             return TeacherFeed((item, None) for item in items)
         depth = (pipeline_depth or 1) if kd.overlap_teacher else 0
         return teacher.prefetch(items, depth=depth,
-                                batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.logits_transport,
+                                batch_fn=lambda item: TeacherRequest(item["micro_batch"], kd.training_answer,
                                                                      item.get("host_batch")))
 
     def train_next(self, skipped_steps: int) -> dict[str, float]:

@@ -82,6 +82,11 @@ def engine(**keys) -> dict:
         ({"kd": {"divergence": "reverse_kl", "logits_transport": "topk"}},
          r"kd.divergence .*reverse_kl needs the teacher's whole distribution"),
         ({"kd": {"divergence": "jsd", "jsd_beta": 0.0}}, r"jsd_beta must lie strictly between 0 and 1"),
+        ({"kd": {"divergence": "sampled_reverse_kl"}},
+         r"kd.divergence sampled_reverse_kl estimates the reverse KL on the student's own sampled tokens: it needs "
+         r"kd.mode on_policy with kd.on_policy_fraction 1 .*got kd.mode 'off_policy'"),
+        ({"kd": {"divergence": "sampled_reverse_kl", "mode": "on_policy", "sampled_estimator": "k2"}},
+         r"kd.sampled_estimator must be k1 or k3, got 'k2'"),
         ({"kd": {"divergence": "skew_reverse_kl", "skew_alpha": 1.0}},
          r"kd.divergence / kd.jsd_beta / kd.skew_alpha .*skew_alpha must lie strictly between 0 and 1"),
         ({"kd": {"divergence": "tvd", "logits_transport": "topk"}}, r"divergence tvd needs the teacher's whole"),

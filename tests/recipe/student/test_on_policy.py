@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,10 @@ def on_policy_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
     share = on_policy_config(tmp / "share", on_policy_fraction=0.5, divergence="forward_kl", kd_ratio=0.5,
                              logits_transport="topk", topk=8)
     runs["share_with_topk"] = (with_layout(share, {"dp_size": 1}, {"dp_size": 1}), False)
+    for estimator in ("k1", "k3"):  # the teacher on its own rank answers each label's log-probability only
+        sampled = on_policy_config(tmp / f"sampled_{estimator}", divergence="sampled_reverse_kl",
+                                   sampled_estimator=estimator, logits_transport="topk", topk=8)
+        runs[f"sampled_{estimator}"] = (with_layout(sampled, {"dp_size": 1}, {"dp_size": 1}), False)
     return runs
 
 
@@ -212,6 +217,18 @@ def test_a_share_of_micro_batches_on_policy_with_topk_transport(runs):
         # Text micro-batches count all their targets: more tokens than were generated whenever there are any.
         assert (record["num_tokens"] > record["generated_tokens"]) == (share < 1)
         assert record["ce_loss"] > 0 and record["kd_loss"] > 0
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_reverse_kl_estimated_on_the_sampled_tokens_trains_against_label_log_probs(runs, estimator):
+    train = [r for r in runs.records(f"sampled_{estimator}") if r["kind"] == "train"]
+    assert len(train) == STEPS
+    for record in train:  # the estimate over the generated tokens only, finite, nonnegative in expectation
+        assert record["num_tokens"] == record["generated_tokens"] > 0 and record["ce_loss"] == 0.0
+        assert math.isfinite(record["kd_loss"]) and math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+    if estimator == "k3":
+        assert all(record["kd_loss"] > 0 for record in train)  # r - 1 - log r is never negative
 
 
 @pytest.mark.world

@@ -110,6 +110,24 @@ def test_a_distributions_evaluation_figures_are_the_kl_and_the_top1_agreements()
     assert torch.equal(top.top_tokens(), teacher.argmax(-1))
 
 
+@pytest.mark.parametrize("chunks", [None, 5])
+def test_the_speculative_acceptance_is_the_mass_both_distributions_share(chunks):
+    """sum_v min(p_teacher(v), p_student(v)) at temperature 1 per valid label, summed (= 1 - TVD): the expected rate at
+    which the teacher accepts the student's drafted token; whatever kd.temperature, whole or by chunks."""
+    student, labels, kd = logits(2), micro_batch()["labels"], KDConfig(temperature=2.0, chunk_size=chunks)
+    teacher = logits(3) * 2
+    shared = torch.minimum(teacher.softmax(-1), student.softmax(-1)).sum(-1).double()
+    expected = shared[labels != -100].sum()
+    answer = answer_of(encode_teacher_logits(teacher))
+    torch.testing.assert_close(answer.acceptance(student, labels, kd), expected, rtol=1e-6, atol=1e-6)
+    cut = (slice(3, 9), (ROWS, LENGTH))  # some flattened positions, as the fused output layer hands them
+    flat_student, flat_labels = student.reshape(-1, VOCAB)[3:9], labels.reshape(-1)[3:9]
+    torch.testing.assert_close(answer.acceptance(flat_student, flat_labels, kd, cut),
+                               shared.reshape(-1)[3:9][flat_labels != -100].sum(), rtol=1e-6, atol=1e-6)
+    assert answer_of(encode_teacher_logits(teacher, "full")).acceptance(teacher, labels, kd) == pytest.approx(
+        float((labels != -100).sum()))  # a student equal to its teacher: every draft accepted
+
+
 def test_the_mixture_of_agreeing_teachers_is_that_teacher_and_routed_answers_merge_row_by_row():
     same = {name: answer_of(encode_teacher_logits(logits(3))) for name in ("a", "b")}
     mixed = Distribution.mixture(same, {"a": 0.5, "b": 0.5}, temperature=2.0)
