@@ -50,7 +50,7 @@ def last_hidden_states(model: nn.Module, *, check_head: bool = False, **inputs: 
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     keep = 1 if check_head else torch.empty(0, dtype=torch.long, device=ids.device)
     made: list[torch.Tensor] = []
-    head = model.get_output_embeddings() if check_head else None
+    head = getattr(model, "module", model).get_output_embeddings() if check_head else None  # under DDP, the model's
     handle = head.register_forward_hook(lambda module, args, output: made.append(output)) if check_head else None
     try:
         output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=keep)

@@ -178,7 +178,7 @@ class Distribution(TeacherAnswer):
         A row's encoding then depends on that row alone, not on the rows it was batched with, so an encoding
         computed ahead of time for each row (an offline cache) equals the one computed live for any batch."""
         logits = logits.detach()
-        if seeds is None or not cls.seeded(tail_samples=options.get("tail_samples", 0)):
+        if not seeds or not cls.seeded(tail_samples=options.get("tail_samples", 0)):  # none: an empty routed share
             return cls.encode_logits(logits, seed=0, chunk_size=chunk_size, **options)
         if len(seeds) != logits.shape[0]:
             raise ValueError(f"need one seed per row: {logits.shape[0]} rows, {len(seeds)} seeds")
@@ -232,7 +232,9 @@ class Distribution(TeacherAnswer):
     def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
         """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab] (the index check is
         `check_indices`', once a micro-batch)."""
-        return self.chunk_divergence(logits, tokens, micro_batch, context, norm=norm), {}
+        counted = self._counted(micro_batch, context, None).reshape(-1)[tokens]
+        answer = chunk_answer(self.encoding, tokens, tuple(micro_batch["labels"].shape))
+        return self.kernel(logits, answer, counted, context.kd, norm=norm, chunk_size=logits.shape[0]), {}
 
     def divergence(self, logits: Tensor, micro_batch: dict, context: LossContext, *, norm: float | Tensor,
                    rows: Tensor | None = None) -> Tensor:
