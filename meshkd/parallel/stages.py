@@ -16,7 +16,7 @@ stages before the last. Two hooks join a stage to its neighbours:
   pass-throughs and costs a few element-wise operations.
 The last stage returns the model's logits, i.e. what the model's own head and post-processing produce, or, for a
 loss that applies the output layer itself (`meshkd.core.fused_output`), its last hidden states
-(`last_hidden_states`: the model's forward with its output layer applied to no position).
+(`last_hidden_states`: the model's forward with its output layer applied to the last position only).
 """
 
 from __future__ import annotations
@@ -36,24 +36,23 @@ class HeadTransformError(ValueError):
 
 def last_hidden_states(model: nn.Module, *, check_head: bool = False, **inputs: Any) -> torch.Tensor:
     """[batch, sequence, hidden]: a causal LM's last hidden states (after its final norm: what its output layer
-    takes), from the model's own forward with the output layer applied to no position (`logits_to_keep`) and the
-    hidden states asked for (the last of them is the final norm's output in transformers 5).
+    takes), from the model's own forward with the hidden states asked for (the last of them is the final norm's
+    output in transformers 5) and its output layer applied to the last position only (`logits_to_keep`: one
+    position's logits, [batch, 1, vocab], instead of every position's; none at all would leave a tensor-parallel
+    head an empty DTensor, which its layouts cannot reshape).
 
-    `check_head`: apply the output layer to the last position instead and check that the model returned what the
-    output layer made there (a forward hook reads it), once, before trusting that the logits are the output
-    layer's of these hidden states.
+    `check_head`: check that the model returned what the output layer made at that position (a forward hook reads
+    it), once, before trusting that the logits are the output layer's of these hidden states.
 
     Raises:
         HeadTransformError: with `check_head`, the model changed the output layer's logits (a soft-cap or a scale
             in its forward).
     """
-    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-    keep = 1 if check_head else torch.empty(0, dtype=torch.long, device=ids.device)
     made: list[torch.Tensor] = []
     head = getattr(model, "module", model).get_output_embeddings() if check_head else None  # under DDP, the model's
     handle = head.register_forward_hook(lambda module, args, output: made.append(output)) if check_head else None
     try:
-        output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=keep)
+        output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     finally:
         if handle is not None:
             handle.remove()

@@ -357,6 +357,22 @@ class StudentPipeline:
             return None
         return self._logits(output if self.router_loss is None else output[0])
 
+    @contextlib.contextmanager
+    def gathered(self):
+        """Within it, the stage's own parameters (the last stage's output layer among them) are whole on every rank
+        of its FSDP2 group, as in its forward: a loss computed from the last stage's hidden states after an
+        evaluation's schedule, which reshards them, reads the whole weight. Every rank of the group enters it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.stage_model, FSDPModule):
+            yield
+            return
+        self.stage_model.unshard()
+        try:
+            yield
+        finally:
+            self.stage_model.reshard()
+
     # -- export ----------------------------------------------------------------------------------------
 
     def full_state_dict(self, *, first_rank_only: bool = False) -> dict[str, torch.Tensor]:

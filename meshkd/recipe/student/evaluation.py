@@ -209,7 +209,9 @@ class Evaluation:
             self._add_logits(sums, logits, flat[tokens], text[tokens], answer, with_distribution=with_distribution,
                              cut=(tokens, tuple(labels.shape)))
 
-        self.fused_head.evaluate(self.fused_head.hidden_states(self.model, self.pipeline, micro_batch), on_chunk)
+        hidden = self.fused_head.hidden_states(self.model, self.pipeline, micro_batch)
+        with self.pipeline.gathered() if self.pipeline is not None else contextlib.nullcontext():
+            self.fused_head.evaluate(hidden, on_chunk)
         return True
 
     def _label_bytes(self, labels: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
