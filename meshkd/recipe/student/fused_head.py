@@ -1,8 +1,8 @@
 """The student's output layer fused with its loss (`kd.fused_output_loss`; `meshkd.core.fused_output`).
 
 Design. The step asks the student for its last hidden states (`hidden_states`: the model's own forward, its output
-layer applied to the last position only, `meshkd.parallel.stages.last_hidden_states`) and calls the loss on them with the
-output layer's weight (`loss`): the micro-batch's objective, chunk by chunk (`kd.chunk_size` tokens, 1024 when
+layer applied to the last position only, `meshkd.parallel.stages.last_hidden_states`) and calls the loss on them
+with the output layer's weight (`loss`): the micro-batch's objective, chunk by chunk (`kd.chunk_size` tokens, 1024 when
 unset), the [tokens, vocab] logits never whole, the gradients of the hidden states and of the weight made in
 forward. The weight is the one the model's forward used (under FSDP2 the root's gathered parameter, kept from
 forward to backward; under tp its vocabulary shard, a DTensor), so its gradient reaches the optimizer as a whole
