@@ -7,8 +7,8 @@ unset), the [tokens, vocab] logits never whole, the gradients of the hidden stat
 forward. The weight is the one the model's forward used (under FSDP2 the root's gathered parameter, kept from
 forward to backward; under tp its vocabulary shard, a DTensor), so its gradient reaches the optimizer as a whole
 logits' would. A held-out evaluation hands each chunk's logits to the evaluation instead (`evaluate`). The first
-forward applies the output layer to one position and checks the model returned what it made there: a model that
-changes its logits after its output layer is stopped at its first step, naming the key.
+forward also checks that the model returned what its output layer made at that one position: a model that changes
+its logits after its output layer is stopped at its first step, naming the key.
 
 A pipelined student's last stage hands the schedule its last hidden states (`StudentPipeline.hands_hidden_states`),
 and the schedule's loss function calls `loss` on them.
