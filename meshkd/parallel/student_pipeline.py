@@ -57,17 +57,16 @@ from torch.distributed.tensor import DTensor, Shard
 from meshkd.core.masks import (
     attention_windows,
     gather_documents,
-    layer_masks,
-    mask_dtype,
     positions_and_documents,
     takes_block_masks,
 )
 from meshkd.core.topology import PP_SCHEDULES, DistributedSetup, member_mesh
-from meshkd.parallel.context_parallel import enable_cp_attention, ensure_student_cp_axis, pad_and_shard
+from meshkd.parallel.context_parallel import enable_cp_attention, ensure_student_cp_axis
 from meshkd.parallel.data_parallel import check_experts_over_dp, student_fsdp_mesh
 from meshkd.parallel.mixed_precision import autocast_forward, fsdp_policy, is_mixed
 from meshkd.parallel.pipeline_export import pipeline_state_dict
 from meshkd.parallel.sharded_loading import is_empty
+from meshkd.parallel.stage_module import StageModule
 from meshkd.parallel.stages import ModelStage, decoder_of, is_pass_through, is_tied
 from meshkd.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -75,64 +74,6 @@ __all__ = ["StudentPipeline"]
 
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
 _MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
-
-
-class _StageModule(nn.Module):
-    """One pipeline stage of a causal LM (`meshkd.parallel.stages.ModelStage`), with the HF parameter names.
-
-    The model's children are this module's children, so names stay `model.layers.N...`, `lm_head...`.
-    forward(inputs, position_ids=, documents=): `inputs` is input_ids [rows, seq] on the first stage and the
-    previous stage's hidden state [rows, seq, hidden] elsewhere; the model's own forward runs with the
-    masks built from `documents`. Returns the hidden state, or on the last stage this rank's local logits
-    [rows, seq, local_vocab] as a plain tensor (the stage metadata then needs no DTensor gradient
-    description; `StudentPipeline` rebuilds the DTensor for the loss), or with `hands_hidden_states` the last
-    hidden states [rows, seq, hidden] (the output layer checked on the first forward: `last_hidden_states`).
-    """
-
-    def __init__(
-        self, stage: ModelStage, *, windows: dict[str, int | None], dtype: torch.dtype, logits_dtype: torch.dtype,
-        cp_size: int = 1, cp_rank: int = 0, router_loss=None, block: bool = False,
-    ):
-        super().__init__()
-        for name, child in stage.model.named_children():
-            self.add_module(name, child)
-        self.stage = stage  # a plain object: the model is reached through it, its children are registered above
-        self.config = stage.model.config
-        self.windows = windows
-        self.block = block  # FlexAttention BlockMasks (`meshkd.core.masks.takes_block_masks`)
-        self.dtype, self.logits_dtype = dtype, logits_dtype
-        self.cp_size, self.cp_rank = cp_size, cp_rank
-        self.router_loss = router_loss
-        self.hands_hidden_states = False
-        self._head_checked = False
-
-    def forward(self, inputs: torch.Tensor, statistics: torch.Tensor | None = None, *, position_ids: torch.Tensor,
-                documents: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The stage's output; with a router loss (hidden state or logits, the routers' statistics so far),
-        `statistics` then being the previous stage's (none on the first)."""
-        masks = layer_masks(documents, self.windows, dtype=mask_dtype(self, inputs.device), cp_size=self.cp_size,
-                            cp_rank=self.cp_rank, block=self.block)
-        with self.router_loss.recording() if self.router_loss else contextlib.nullcontext():
-            hidden_states = self.stage.is_last and self.hands_hidden_states
-            check_head = hidden_states and not self._head_checked
-            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids,
-                                    hidden_states=hidden_states, check_head=check_head)
-            self._head_checked |= check_head
-        if not self.stage.is_last or self.hands_hidden_states:
-            # The receiving stage allocated its buffer from the static metadata: same dtype, contiguous.
-            output = output.to(self.dtype).contiguous()
-        else:
-            # The schedule checks the logits against the static metadata too.
-            output = (output.to_local() if isinstance(output, DTensor) else output).to(self.logits_dtype)
-        if self.router_loss is None:
-            return output
-        # The routers saw this rank's tokens: under cp its head-tail share of the whole sequence's documents.
-        real = documents if self.cp_size == 1 else pad_and_shard(documents, cp_size=self.cp_size,
-                                                                 cp_rank=self.cp_rank)
-        own = self.router_loss.statistics(real)
-        if torch.is_grad_enabled() and not own.requires_grad:
-            own.requires_grad_()  # a stage without routers: the schedule expects a gradient for every output
-        return output, own if statistics is None else statistics + own
 
 
 @dataclass
@@ -222,7 +163,7 @@ class StudentPipeline:
             enable_cp_attention(model, self.cp_group)
         self.router_loss = router_loss
         self.logits_dtype = compute_dtype if mixed else self.dtype
-        stage = _StageModule(model_stage, windows=windows, dtype=self.dtype, logits_dtype=self.logits_dtype,
+        stage = StageModule(model_stage, windows=windows, dtype=self.dtype, logits_dtype=self.logits_dtype,
                              cp_size=self.cp_size, cp_rank=self.cp_rank, router_loss=router_loss, block=block)
         if mixed:
             autocast_forward(stage, compute_dtype, self.device)
@@ -439,7 +380,7 @@ class StudentPipeline:
         inputs = meta(rows, length, dtype=torch.int64, grad=False) if self.is_first else hidden
         logits = self.is_last and not self.hands_hidden_states
         outputs = meta(rows, length, self.local_vocab_size, dtype=self.logits_dtype) if logits else hidden
-        if self.router_loss is not None:  # and the routers' statistics (`_StageModule.forward`)
+        if self.router_loss is not None:  # and the routers' statistics (`StageModule.forward`)
             statistics = meta(2, self.router_loss.num_experts + 1, dtype=torch.float32)
             inputs = (inputs,) if self.is_first else (inputs, statistics)
             outputs = (outputs, statistics)
@@ -502,7 +443,7 @@ def _check_settings(model: nn.Module, setup: DistributedSetup, schedule: str, nu
         raise ValueError(f"pp_size({setup.pp_size}) exceeds the number of decoder layers ({num_layers})")
 
 
-def _apply_fsdp(stage: _StageModule, setup: DistributedSetup, mesh, policy: dict) -> None:
+def _apply_fsdp(stage: StageModule, setup: DistributedSetup, mesh, policy: dict) -> None:
     """FSDP2 per decoder layer, then on the stage root, over dp_shard (HSDP with dp_replicate > 1); `policy`:
     `meshkd.parallel.mixed_precision.fsdp_policy`'s."""
     from torch.distributed.fsdp import fully_shard
