@@ -153,8 +153,8 @@ def kd_loss(
 
 
 def check_divergence(divergence: str, jsd_beta: float, *, skew_alpha: float = 0.1) -> None:
-    """ValueError for an unknown divergence, or a JSD beta or skew alpha outside (0, 1). (Which divergences an
-    answer encoding carries: `AnswerEncoding.check_divergence`.)"""
+    """ValueError for an unknown divergence, or a JSD beta or skew alpha outside (0, 1). (Which divergences a
+    kind of answer carries: `Distribution.check_divergence`.)"""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
