@@ -72,13 +72,18 @@ class TeacherRequest:
         if not isinstance(value["logits_transport"], str) or not isinstance(value["with_label_log_probs"], bool):
             raise ValueError("teacher request: logits_transport must be a string (the answer asked for, checked by "
                              "the teacher) and with_label_log_probs a bool")
-        if value["with_label_log_probs"] and value["logits_transport"] == LABEL_LOG_PROBS:
-            raise ValueError(f"teacher request: with_label_log_probs goes beside an encoding of the logits, not "
-                             f"{LABEL_LOG_PROBS}")
+        check_beside(value["logits_transport"], value["with_label_log_probs"], where="teacher request")
         if not isinstance(value["batch"], dict) or not isinstance(value["batch"].get("input_ids"), torch.Tensor):
             raise ValueError("teacher request: batch must be a dict holding an input_ids tensor")
         return cls(batch=value["batch"], logits_transport=value["logits_transport"],
                    with_label_log_probs=value["with_label_log_probs"])
+
+
+def check_beside(logits_transport: str, with_label_log_probs: bool, *, where: str) -> None:
+    """ValueError, naming `where` the request came from, for each label's log-probability asked beside itself:
+    `with_label_log_probs` goes beside an encoding of the logits only."""
+    if with_label_log_probs and logits_transport == LABEL_LOG_PROBS:
+        raise ValueError(f"{where}: with_label_log_probs goes beside an encoding of the logits, not {LABEL_LOG_PROBS}")
 
 
 class TeacherFeed:

@@ -232,9 +232,7 @@ class Distribution(TeacherAnswer):
     def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
         """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab] (the index check is
         `check_indices`', once a micro-batch)."""
-        counted = self._counted(micro_batch, context, None).reshape(-1)[tokens]
-        answer = chunk_answer(self.encoding, tokens, tuple(micro_batch["labels"].shape))
-        return self.kernel(logits, answer, counted, context.kd, norm=norm, chunk_size=logits.shape[0]), {}
+        return self.chunk_divergence(logits, tokens, micro_batch, context, norm=norm), {}
 
     def divergence(self, logits: Tensor, micro_batch: dict, context: LossContext, *, norm: float | Tensor,
                    rows: Tensor | None = None) -> Tensor:

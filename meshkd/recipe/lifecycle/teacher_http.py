@@ -140,11 +140,14 @@ class HttpServer:
             raise Refused(400, f"the body could not be read as its headers describe it ({error.__cause__ or error}); "
                                "send it plain or in a Content-Encoding that decodes") from None
 
-    def _refused(self, error: Refused):
-        """The 4xx of a refused body; the connection closed after it, since what is left of the body is unread."""
-        response = self._error(error.status, str(error))
-        response.force_close()
-        return response
+    def _refusal(self, error: Refused | ValueError):
+        """The 4xx of a request that is not answered: a refused body's (the connection closed after it, since what is
+        left of the body is unread), 413 for one over the limits once parsed, else 400."""
+        if isinstance(error, Refused):
+            response = self._error(error.status, str(error))
+            response.force_close()
+            return response
+        return self._error(413 if isinstance(error, TooLarge) else 400, str(error))
 
     def _authorized(self, request) -> bool:
         if self._token is None:
@@ -167,12 +170,8 @@ class HttpServer:
             body = await self._body(request)
             parsed = parse_request(body, vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
                                    max_tokens=self.options.max_request_tokens)
-        except Refused as error:
-            return self._refused(error)
-        except TooLarge as error:
-            return self._error(413, str(error))
-        except ValueError as error:
-            return self._error(400, str(error))
+        except (Refused, ValueError) as error:
+            return self._refusal(error)
         future = self._loop.create_future()
         self.service.queue.put(Entry(parsed, hashlib.sha256(body).hexdigest(), future))
         status, result = await future
@@ -202,12 +201,8 @@ class HttpServer:
             requests = [parse_request(prompt_request(prompt, k, self.service.vocab_rows).to_bytes(),
                                       vocab_rows=self.service.vocab_rows, num_layers=self.service.num_layers,
                                       max_tokens=self.options.max_request_tokens) for prompt in prompts]
-        except Refused as error:
-            return self._refused(error)
-        except TooLarge as error:
-            return self._error(413, str(error))
-        except ValueError as error:
-            return self._error(400, str(error))
+        except (Refused, ValueError) as error:
+            return self._refusal(error)
         futures = []
         for parsed in requests:
             futures.append(self._loop.create_future())

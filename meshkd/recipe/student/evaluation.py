@@ -170,8 +170,6 @@ class Evaluation:
                                           with_label_log_probs=with_distribution) if with_teacher else None
             if with_distribution and answer is not None:
                 answer.check_indices(checks, self.vocab_size)
-                sums[_INDEX_ERRORS] += torch.stack(checks.index_checks).sum() if checks.index_checks else 0
-                checks.index_checks.clear()
             micro_batch = shard_micro_batch(micro_batch, self.setup, ignore_index=kd.ignore_index)
             answer = answer.shard(self.setup) if answer is not None else None
             labels = micro_batch["labels"]
@@ -182,6 +180,8 @@ class Evaluation:
                 continue  # a pipeline stage before the last: the last stage's sums arrive below
             self._add_batch(sums, labels, label_bytes, answer, teacher_side(micro_batch)["labels"])
         self.model.train()
+        if checks.index_checks:
+            sums[_INDEX_ERRORS] = torch.stack(checks.index_checks).sum()
         if self.pipeline is not None:
             last = {"sums": sums.cpu()} if self.pipeline.is_last else None
             sums = broadcast_tensors_from_last_stage(last, pp_group=self.setup.pp_group)["sums"]

@@ -30,6 +30,7 @@ import torch
 
 from meshkd.core import wire
 from meshkd.core.answers import LABEL_LOG_PROBS, choices
+from meshkd.core.teacher_protocol import check_beside
 from meshkd.recipe.corpus.rows import BATCH_KEYS, GROUP_ENDS, TEACHER_GROUP_ENDS, TEACHER_KEYS, TEACHER_POSITIONS
 from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 
@@ -168,9 +169,9 @@ def _check_settings(settings: Any, vocab_rows: int, num_layers: int) -> None:
     answers = (*choices("logits_transport"), LABEL_LOG_PROBS)
     if settings["transport"] not in answers:
         raise ValueError(f"settings.transport {settings['transport']!r} is not one of {list(answers)}")
-    if not isinstance(settings["with_label_log_probs"], bool) or (
-            settings["with_label_log_probs"] and settings["transport"] == LABEL_LOG_PROBS):
-        raise ValueError("settings.with_label_log_probs must be a bool, true only beside an encoding of the logits")
+    if not isinstance(settings["with_label_log_probs"], bool):
+        raise ValueError(f"settings.with_label_log_probs must be a bool, got {settings['with_label_log_probs']!r}")
+    check_beside(settings["transport"], settings["with_label_log_probs"], where="settings")
     if settings["topk_encoding"] not in choices("topk_encoding"):
         raise ValueError(f"settings.topk_encoding must be {' or '.join(choices('topk_encoding'))}, got "
                          f"{settings['topk_encoding']!r}")
