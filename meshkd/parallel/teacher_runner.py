@@ -135,6 +135,19 @@ class TeacherRunner:
 
         The result is identical on all tp and cp ranks of the last stage (gathered over both).
         """
+        return self.outputs(batch)[0]
+
+    @torch.no_grad()
+    def outputs(self, batch: dict[str, torch.Tensor] | None, *, logits: bool = True,
+                hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(`logits` [batch, sequence, vocab], `hidden` the last hidden states [batch, sequence, H], what the
+        output layer takes) as asked, else None, on every rank of the last stage, whole; (None, None) elsewhere.
+        The last hidden states alone skip the output layer's work (`ModelStage.run`'s `hidden_states`)."""
+        taken: list[torch.Tensor] = []
+        handle = None
+        if hidden and logits and self.is_last:  # one forward for both: the output layer's input is kept
+            handle = self.model.get_output_embeddings().register_forward_pre_hook(
+                lambda module, args: taken.append(args[0]))
         try:
             if self.is_first:
                 if batch is None:
@@ -144,11 +157,15 @@ class TeacherRunner:
                 inputs, position_ids, documents, length = self._receive()
             masks = layer_masks(documents, self.windows, dtype=self.dtype, cp_size=self.cp_size,
                                 cp_rank=self.cp_rank, block=self.block)
-            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids)
+            output = self.stage.run(inputs, attention_mask=masks, position_ids=position_ids,
+                                    hidden_states=hidden and not logits)
         except BaseException:
             if not self.is_last:
                 self._send_error()
             raise
+        finally:
+            if handle is not None:
+                handle.remove()
         if not self.is_last:
             meta = torch.tensor(
                 [1, *output.shape, documents.shape[1], length, _WIRE_DTYPES.index(output.dtype)],
@@ -156,5 +173,8 @@ class TeacherRunner:
                 device=self.device,
             )
             self._send(meta, [output, position_ids, documents])
-            return None
-        return materialize_teacher_logits(output, self.mesh, length)
+            return None, None
+        if not logits:
+            return None, materialize_teacher_logits(output, self.mesh, length)
+        whole = materialize_teacher_logits(output, self.mesh, length)
+        return whole, materialize_teacher_logits(taken[-1], self.mesh, length) if hidden else None

@@ -43,12 +43,14 @@ Cut = tuple[slice, tuple[int, ...]]
 class EncodeContext:
     """What the teacher makes its answer with beside its logits: the objective's settings (`kd`: the top-k
     options, the temperature, the cross-tokenizer loss), the seed of top-k tail samples, the student's
-    vocabulary size and, for a projected cross-tokenizer teacher, how its vocabulary maps onto the student's."""
+    vocabulary size, for a projected cross-tokenizer teacher how its vocabulary maps onto the student's, and the
+    id of its output layer where answers name it (hidden answers, `meshkd.core.answers.hidden`)."""
 
     kd: KDConfig
     seed: int
     vocab_size: int
     vocabulary_map: VocabularyMap | None = None
+    head_id: str | None = None
 
 
 @dataclass
@@ -75,6 +77,8 @@ class TeacherAnswer:
     """The "mode" its wire dicts carry."""
     chunks_reversed: ClassVar[bool] = False
     """Whether `chunk_kd_loss` takes a micro-batch's chunks last to first (after `prepare_chunks`)."""
+    reads_hidden: ClassVar[bool] = False
+    """Whether `encode` is made from the teacher's last hidden states (its `hidden`) rather than its logits."""
 
     def __init__(self, wire: dict) -> None:
         self.wire = wire
@@ -86,11 +90,13 @@ class TeacherAnswer:
         return False
 
     @classmethod
-    def encode(cls, logits: torch.Tensor, batch: dict, context: EncodeContext, *,
-               with_label_log_probs: bool = False) -> dict[str, Any]:
+    def encode(cls, logits: torch.Tensor | None, batch: dict, context: EncodeContext, *,
+               with_label_log_probs: bool = False, hidden: torch.Tensor | None = None) -> dict[str, Any]:
         """The wire dict of this kind of answer, made by the teacher from its logits [rows, its sequence, vocab] of
-        the request's `batch` (over the common vocabulary with one tokenizer, its own with `kd.cross_tokenizer`);
-        `with_label_log_probs`: each label's log-probability beside it (`TeacherRequest.with_label_log_probs`)."""
+        the request's `batch` (over the common vocabulary with one tokenizer, its own with `kd.cross_tokenizer`),
+        or by a kind that `reads_hidden` from its last hidden states `hidden` [rows, its sequence, H] (its logits
+        then only where `with_label_log_probs`: each label's log-probability beside it,
+        `TeacherRequest.with_label_log_probs`)."""
         raise ValueError(f"a teacher answer of mode {cls.name!r} is not made by one teacher")
 
     @property

@@ -198,7 +198,7 @@ class CompactTopK(TopK):
         return f"{TopK.index_message(vocab)} (a compact answer's index bitmaps hold k and m ones)"
 
     @classmethod
-    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes, width=None):
         return nbytes_per_token(k, tail_samples, vocab)
 
 

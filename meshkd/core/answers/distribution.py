@@ -109,8 +109,10 @@ class Distribution(TeacherAnswer):
         raise NotImplementedError(f"{cls.name} answers hold no indices")
 
     @classmethod
-    def bytes_per_token(cls, vocab: int, *, k: int, tail_samples: int, logits_bytes: int) -> int:
-        """Bytes one position's answer takes; `logits_bytes`: a teacher logit's, for kinds that keep its dtype."""
+    def bytes_per_token(cls, vocab: int, *, k: int, tail_samples: int, logits_bytes: int,
+                        width: int | None = None) -> int:
+        """Bytes one position's answer takes; `logits_bytes`: a teacher logit's, for kinds that keep its dtype;
+        `width`: the teacher's hidden size, for kinds that send its hidden states."""
         raise NotImplementedError
 
     @classmethod
@@ -261,6 +263,10 @@ class Distribution(TeacherAnswer):
             raise ValueError("a teacher answer asked with_label_log_probs must hold a label_log_probs tensor")
         return self.wire[LABEL_LOG_PROBS]
 
+    def whole_logits(self) -> Tensor:
+        """[rows, sequence, vocab] the teacher's logits, of a kind that carries its `whole_distribution`."""
+        return self.wire["logits"]
+
     def top_tokens(self, cut: Cut | None = None) -> Tensor:
         """[rows, sequence] the teacher's most likely token at each position (`cut`: at those positions only)."""
         top = self.wire["logits"].argmax(-1) if self.whole_distribution else self.wire["indices"][..., 0]
@@ -306,11 +312,11 @@ class Distribution(TeacherAnswer):
                 raise ValueError(f"teacher {name!r} answered {member.name!r}: a mixture of teachers needs their whole "
                                  "distributions (logits_transport full or full_bf16)")
         kept = [name for name in members if weights[name] > 0]
-        reference = members[kept[0]].wire["logits"].float()
+        reference = members[kept[0]].whole_logits().float()
         reference_norm = torch.logsumexp(reference / temperature, dim=-1, keepdim=True)
         terms = []
         for name in kept:  # log(w_i p_i / p_r), from the logits' differences: exactly log w_r for the reference
-            logits = members[name].wire["logits"].float()
+            logits = members[name].whole_logits().float()
             norm = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)
             terms.append((logits - reference) / temperature - (norm - reference_norm) + math.log(weights[name]))
         whole = selected(logits_transport="full")
@@ -335,7 +341,10 @@ class Distribution(TeacherAnswer):
             if member.rows != int(rows[name].sum()):
                 raise ValueError(f"teacher {name!r} answered {member.rows} rows, not the "
                                  f"{int(rows[name].sum())} routed to it")
-        first = next(iter(members.values())).wire
+        # Whole distributions meet as logits (hidden answers' made by their own heads).
+        wires = {name: {"mode": whole.name, "logits": member.whole_logits()} if member.whole_distribution
+                 else member.wire for name, member in members.items()}
+        first = next(iter(wires.values()))
         total = next(iter(rows.values())).shape[0]
         merged = {}
         for key, value in first.items():
@@ -344,8 +353,8 @@ class Distribution(TeacherAnswer):
                 continue
             dtype = torch.float32 if value.is_floating_point() else value.dtype
             merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
-            for name, member in members.items():
-                merged[key][rows[name]] = member.wire[key].to(dtype)
+            for name, wire in wires.items():
+                merged[key][rows[name]] = wire[key].to(dtype)
         kind = kinds.pop()
         merged["mode"] = kind.name
         return kind(merged)
@@ -392,11 +401,12 @@ def answer_settings(kd: KDConfig) -> dict:
     return {**{f"kd.{key}": getattr(kd, key) for key in kind.settings_keys}, **layout}
 
 
-def answer_bytes(kd: KDConfig, vocab_size: int, *, logits_bytes: int) -> int:
+def answer_bytes(kd: KDConfig, vocab_size: int, *, logits_bytes: int, width: int | None = None) -> int:
     """Bytes of one position's answer in the kind `kd` chooses; `logits_bytes`: a full logit's (`full` keeps the
-    teacher's dtype)."""
+    teacher's dtype); `width`: the teacher's hidden size (hidden answers)."""
     return selected_kind(kd).bytes_per_token(vocab_size, k=min(kd.topk, vocab_size),
-                                             tail_samples=kd.topk_tail_samples, logits_bytes=logits_bytes)
+                                             tail_samples=kd.topk_tail_samples, logits_bytes=logits_bytes,
+                                             width=width)
 
 
 def encode_teacher_logits(logits: Tensor, mode: str = "full", *, k: int | None = None, temperature: float = 1.0,

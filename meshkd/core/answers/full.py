@@ -41,7 +41,7 @@ class FullLogits(Distribution):
             raise ValueError(f"encoded teacher logits are {got}, the student's are {tuple(shape)}")
 
     @classmethod
-    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes, width=None):
         return logits_bytes * vocab
 
     @classmethod
@@ -66,5 +66,5 @@ class Bfloat16Logits(FullLogits):
         return {"mode": cls.name, "logits": logits.to(torch.bfloat16)}
 
     @classmethod
-    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes, width=None):
         return 2 * vocab

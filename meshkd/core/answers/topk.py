@@ -170,7 +170,7 @@ class TopK(Distribution):
         return f"encoded topk indices must be distinct per token and lie in [0, {vocab}), tail indices too"
 
     @classmethod
-    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes):
+    def bytes_per_token(cls, vocab, *, k, tail_samples, logits_bytes, width=None):
         return 8 * k + 4 + 8 * tail_samples
 
     @classmethod

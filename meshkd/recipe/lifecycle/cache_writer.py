@@ -268,7 +268,7 @@ class CacheWriter:
         runner = lay_out_teacher(model, checkpoint, setup, device=self.device)
         return TeacherForward(runner, vocab_size=vocab_size, kd=self.kd, seed=config.seed, encodes=encodes,
                               vocabulary_map=teacher_vocabulary_map(config, checked, losses=("projection",)),
-                              hidden_layers=paired_layers(config, "teacher"))
+                              hidden_layers=paired_layers(config, "teacher"), section=self.teacher.model)
 
     def _write(self, shard: Shard, forward: TeacherForward, output: bool, datasets: dict, plan_key: str,
                hashes: dict) -> None:

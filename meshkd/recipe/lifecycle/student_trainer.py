@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from meshkd.core.answers.hidden import hold_head
 from meshkd.core.bridge import KDMeshBridge
 from meshkd.core.combinations import combination_named
 from meshkd.core.packing import configure_packing
@@ -54,6 +55,8 @@ from meshkd.recipe.student.train_step import (
     build_optimizer,
 )
 from meshkd.recipe.teacher.sources import SourceContext
+from meshkd.recipe.teacher.teacher_answers import selected_kind
+from meshkd.recipe.teacher.teacher_head import vocabulary_slice
 from meshkd.recipe.teacher.teacher_worker import load_teacher, teacher_vocabulary_map
 
 
@@ -115,6 +118,7 @@ class StudentTrainer:
                 self.setup, self.device, datasets, vocab_size, self._vocabulary_map, bridge=bridges.get(name),
                 loaded=self._teachers.pop(name, None)))
             for name, teacher in self.teacher_configs.items()}
+        self._hold_teacher_heads(datasets)
         # One teacher is the list of one: its own source; several are asked as one.
         self.teacher = TeacherEnsemble.of(
             self.teacher_sources, roles={name: self.setups.role(name) for name in self.teacher_sources},
@@ -138,6 +142,22 @@ class StudentTrainer:
                                              dtype=self.config.model.dtype, group=self.student_group)
             if warning:
                 warn0(warning)
+
+    def _hold_teacher_heads(self, datasets: dict) -> None:
+        """The output layer of each teacher that answers with its hidden states, kept for its answers
+        (`meshkd.core.answers.hidden.HEADS`): under tensor parallel the student's vocabulary slice only, where the
+        run never combines the teachers' whole logits."""
+        config = self.config
+        combination = combination_named(config.kd.combine)
+        rows = self.vocab_rows()["student"]
+        held = None
+        if self.setup.tp_size > 1 and rows == self.vocab_size and not (
+                len(self.teacher_configs) > 1 and (combination.whole_distributions or combination.routes_rows)):
+            held = vocabulary_slice(self.vocab_size, self.setup.device_mesh["tp"])
+        for name, teacher in self.teacher_configs.items():
+            if selected_kind(config.kd_of(teacher)).reads_hidden:
+                context = SourceContext(self.setup, self.device, datasets, self.vocab_size, self._vocabulary_map)
+                hold_head(self._checked[name].source.head(config, teacher, context, held))
 
     def _setup_step(self) -> None:
         """The training step (on-policy: wrapped in the completions' step) and the evaluations."""

@@ -222,7 +222,8 @@ class TeacherService:
             self._forwards[key] = TeacherForward(self.runner, vocab_size=settings["vocab_size"],
                                                  kd=answer_kd(self.config.kd, settings), seed=settings["seed"],
                                                  encodes=self.runner.is_last,
-                                                 hidden_layers=settings["hidden_layers"] or None)
+                                                 hidden_layers=settings["hidden_layers"] or None,
+                                                 section=self.teacher.model)
         return self._forwards[key]
 
     def _send(self, value: dict) -> None:

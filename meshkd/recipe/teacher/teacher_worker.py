@@ -16,6 +16,8 @@ teacher's paired layers' outputs travel beside its training answers (`meshkd.rec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -31,9 +33,10 @@ from meshkd.parallel.teacher_runner import TeacherRunner
 from meshkd.recipe.common.faults import FaultWatch, about
 from meshkd.recipe.corpus.rows import teacher_side
 from meshkd.recipe.modeling.loaders import load_section_model_for_layout
-from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig, TeacherConfig
+from meshkd.recipe.settings.config import KDConfig, KDRecipeConfig, ModelConfig, TeacherConfig
 from meshkd.recipe.teacher.hidden_states import LayerTap, paired_layers
 from meshkd.recipe.teacher.teacher_answers import EncodeContext, answer_type, with_hidden_states
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 
 class TeacherForward:
@@ -46,9 +49,11 @@ class TeacherForward:
     """
 
     def __init__(self, runner: TeacherRunner, *, vocab_size: int, kd: KDConfig, seed: int, encodes: bool = True,
-                 vocabulary_map: VocabularyMap | None = None, hidden_layers: list[int] | None = None):
+                 vocabulary_map: VocabularyMap | None = None, hidden_layers: list[int] | None = None,
+                 section: ModelConfig | None = None):
         self.runner = runner
         self.encodes = encodes
+        self.section = section
         self.context = EncodeContext(kd, seed=seed, vocab_size=vocab_size, vocabulary_map=vocabulary_map)
         self.tap = LayerTap(runner.model, hidden_layers) if hidden_layers else None
         # With the pairs, the stage holding each decoder layer (a pipelined teacher's outputs go from there to the
@@ -57,20 +62,33 @@ class TeacherForward:
             index: stage for stage in range(runner.pp_size)
             for index in stage_layers(len(decoder_of(runner.model).layers), runner.pp_size, stage)}
 
+    @functools.cached_property
+    def head_id(self) -> str:
+        """The id of the teacher's output layer, which its hidden answers name (`TeacherHead`)."""
+        if self.section is None:
+            raise ValueError("this teacher makes no hidden answers: it was not given its model section")
+        return TeacherHead.of(self.section, vocab_size=self.context.vocab_size).id
+
     def __call__(self, request: TeacherRequest) -> Encoded | None:
         batch = request.batch
-        hidden = None
+        hidden = final = None
+        reads_hidden = answer_type(request.logits_transport, self.context.kd).reads_hidden
+        with_logits = request.with_label_log_probs or not reads_hidden
         if batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
-            logits = torch.zeros(0, batch["input_ids"].shape[1], self.context.vocab_size, device=self.runner.device)
+            rows = batch["input_ids"].shape[1]
+            logits = torch.zeros(0, rows, self.context.vocab_size, device=self.runner.device)
+            if reads_hidden:
+                width = self.runner.model.config.get_text_config().hidden_size
+                final = torch.zeros(0, rows, width, dtype=self.runner.dtype, device=self.runner.device)
         else:
             with self.tap.on() if self.tap else contextlib.nullcontext():
-                logits = self.runner.logits(teacher_side(batch))
+                logits, final = self.runner.outputs(teacher_side(batch), logits=with_logits, hidden=reads_hidden)
             if self.tap:
                 hidden = self.paired_outputs(batch)
-        if logits is None or not self.encodes:
+        if (logits is None and final is None) or not self.encodes:
             return None
         return self.encode(logits, batch, request.logits_transport, hidden,
-                           with_label_log_probs=request.with_label_log_probs)
+                           with_label_log_probs=request.with_label_log_probs, final_hidden=final)
 
     def paired_outputs(self, batch: dict) -> list[torch.Tensor] | None:
         """The teacher's outputs of the paired layers [rows, sequence, width], whole, in the pairs' order, on the
@@ -97,16 +115,22 @@ class TeacherForward:
                 outputs.append(held[index])
         return outputs if runner.is_last else None
 
-    def encode(self, logits: torch.Tensor, batch: dict, transport: str, hidden: list[torch.Tensor] | None = None, *,
-               with_label_log_probs: bool = False) -> Encoded:
+    def encode(self, logits: torch.Tensor | None, batch: dict, transport: str,
+               hidden: list[torch.Tensor] | None = None, *, with_label_log_probs: bool = False,
+               final_hidden: torch.Tensor | None = None) -> Encoded:
         """The answer on the wire to a request for `transport` (`TeacherRequest.logits_transport`, and
         `with_label_log_probs`), from the teacher's logits [rows, its sequence, its vocab] of `batch`: with one
         tokenizer cut to the vocabulary both share, then made by the kind of answer asked (`answer_type`: its
-        `encode`); with the paired layers' outputs `hidden` where it is a training answer (`with_hidden_states`)."""
-        if self.context.kd.cross_tokenizer is None:
+        `encode`; a kind that `reads_hidden`, from the last hidden states `final_hidden`, named by the teacher's
+        `head_id`); with the paired layers' outputs `hidden` where it is a training answer (`with_hidden_states`)."""
+        kind = answer_type(transport, self.context.kd)
+        if logits is not None and self.context.kd.cross_tokenizer is None:
             logits = logits[..., : self.context.vocab_size]
-        wire = answer_type(transport, self.context.kd).encode(logits, batch, self.context,
-                                                              with_label_log_probs=with_label_log_probs)
+        if kind.reads_hidden:
+            wire = kind.encode(logits, batch, dataclasses.replace(self.context, head_id=self.head_id),
+                               with_label_log_probs=with_label_log_probs, hidden=final_hidden)
+        else:
+            wire = kind.encode(logits, batch, self.context, with_label_log_probs=with_label_log_probs)
         return with_hidden_states(wire, hidden, transport, with_label_log_probs=with_label_log_probs)
 
 
@@ -163,7 +187,8 @@ class TeacherWorker:
         self.forward = TeacherForward(runner, vocab_size=vocab_size, kd=self.config.kd_of(self.teacher),
                                       seed=self.config.seed, encodes=self.server.is_output,
                                       vocabulary_map=self.vocabulary_map,
-                                      hidden_layers=paired_layers(self.config, "teacher"))
+                                      hidden_layers=paired_layers(self.config, "teacher"),
+                                      section=self.teacher.model)
 
     def resume(self, resume: bool) -> None:
         """Nothing to restore: the teacher is frozen."""

@@ -13,6 +13,7 @@ takes the run's config and the teacher. Everything that varies with the kind ask
                                                 does not fit
     make(config, teacher, check, context)       the `TeacherSource` the student asks
     validation_answer(source)                   the answer it gives held-out rows, when not what the run asks
+    head(config, teacher, context, held)        its output layer, for its hidden answers (`TeacherHead`)
 
 Adding a kind is one module here (imported by `meshkd/recipe/teacher/sources/__init__.py`) and its test.
 """
@@ -32,6 +33,7 @@ from meshkd.recipe.common.faults import about
 from meshkd.recipe.modeling.loaders import load_section_skeleton, load_section_tokenizer
 from meshkd.recipe.settings.config import KDRecipeConfig, TeacherConfig
 from meshkd.recipe.teacher.teacher_cache import cache_teacher_tokenizer
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 
 @dataclass
@@ -91,6 +93,13 @@ class SourceKind:
     def validation_answer(self, source: TeacherSource) -> str | None:
         """The answer it gives held-out rows when that is fixed by the source, not asked (None: as asked)."""
         return None
+
+    def head(self, config: KDRecipeConfig, teacher: TeacherConfig, context: SourceContext,
+             held: slice | None) -> TeacherHead:
+        """The teacher's output layer on this student rank (`held`: the vocabulary entries to keep, None: all), for
+        its hidden answers: read from the model section its ranks load (`TeacherHead.of`)."""
+        with about("teacher_model"):
+            return TeacherHead.of(teacher.model, vocab_size=context.vocab_size, device=context.device, held=held)
 
 
 KINDS: Registry[SourceKind] = Registry("teacher source", "no teacher source is named {name}: {known} are")

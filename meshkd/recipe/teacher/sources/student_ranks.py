@@ -24,4 +24,4 @@ class StudentRanks(SourceKind):
         runner = lay_out_teacher(*context.loaded, context.setup, device=context.device)
         return LocalTeacher(TeacherForward(runner, vocab_size=context.vocab_size, kd=config.kd_of(teacher),
                                            seed=config.seed, vocabulary_map=context.vocabulary_map,
-                                           hidden_layers=paired_layers(config, "teacher")))
+                                           hidden_layers=paired_layers(config, "teacher"), section=teacher.model))
