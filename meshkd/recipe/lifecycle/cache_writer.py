@@ -48,6 +48,7 @@ from meshkd.recipe.settings.config import DistributedConfig, KDRecipeConfig, Tea
 from meshkd.recipe.teacher import teacher_cache as cache
 from meshkd.recipe.teacher.hidden_states import paired_layers
 from meshkd.recipe.teacher.sources import SourceContext, kind_of
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 from meshkd.recipe.teacher.teacher_worker import TeacherForward, lay_out_teacher, load_teacher, teacher_vocabulary_map
 
 # Shard size: large enough that a shard's sha256 and open cost little per row, small enough that a killed
@@ -68,13 +69,15 @@ class Shard:
         return cache.shard_name(self.split, self.index)
 
 
-def answer_nbytes(config: KDRecipeConfig, teacher: TeacherConfig, split: str, vocab_size: int) -> int:
-    """Bytes of one cached row of `teacher`'s: the encoding training asks for, or each label's log-probability."""
+def answer_nbytes(config: KDRecipeConfig, teacher: TeacherConfig, split: str, vocab_size: int, *,
+                  width: int | None = None) -> int:
+    """Bytes of one cached row of `teacher`'s: the encoding training asks for, or each label's log-probability;
+    `width`: the teacher's hidden size."""
     kd, sequence = config.kd_of(teacher), config.step_scheduler.sequence_length
     if split == "validation":  # of the teacher's own tokens
         return 4 * config.teacher_sequence_length
     logits_bytes = 4 if teacher.model.dtype == "float32" else 2
-    return answer_bytes(kd, vocab_size, logits_bytes=logits_bytes) * sequence
+    return answer_bytes(kd, vocab_size, logits_bytes=logits_bytes, width=width) * sequence
 
 
 def default_shard_rows(num_rows: int, row_bytes: int, num_replicas: int) -> int:
@@ -141,6 +144,7 @@ class CacheWriter:
         faults = FaultWatch(setups, self.directory, self.device, setup_timeout_s=config.setup_timeout_s)
         vocab_size = models.kd_vocab_size(checked.student_vocab_rows, checked.teacher_vocab_rows,
                                           cross_tokenizer=config.kd.cross_tokenizer is not None)
+        self.vocab_size = vocab_size
         with faults.on_every_rank("while reading the data and planning the cache", patient=True):
             faults.write_pid_file()  # creates the directory too
             datasets = dict(zip(cache.SPLITS, data.build_run_datasets(
@@ -148,7 +152,8 @@ class CacheWriter:
                 pack_texts=run_packing(config, checked.tokenizer, checked.teacher_tokenizer))))
             rows = cache.rows_asked(config, datasets)
             hashes = {split: cache.row_hashes(datasets[split][:]) for split in cache.SPLITS}
-            row_bytes = {split: answer_nbytes(config, self.teacher, split, vocab_size) for split in cache.SPLITS}
+            row_bytes = {split: answer_nbytes(config, self.teacher, split, vocab_size, width=checked.teacher_width)
+                         for split in cache.SPLITS}
             plan = plan_shards(rows, {split: self.shard_rows or default_shard_rows(
                 len(rows[split]), row_bytes[split], setups.student.dp_size) for split in cache.SPLITS})
             state = self._resume(plan, hashes, row_bytes, checked, vocab_size) if is_logging_rank() else None
@@ -343,6 +348,10 @@ class CacheWriter:
             manifest["teacher_hidden_size"] = checked.teacher_width
         if self.config.kd.cross_tokenizer is not None:  # a training run reads its rows' teacher side with it
             checked.teacher_tokenizer.save_pretrained(self.directory / cache.TEACHER_TOKENIZER)
+        if selected_kind(self.kd).reads_hidden:  # a training run reads its hidden answers with it
+            head = TeacherHead.of(self.teacher.model, vocab_size=self.vocab_size)
+            head.save(self.directory / cache.TEACHER_HEAD)
+            manifest["teacher_head"] = head.id
         write_atomically(self.directory / cache.MANIFEST, json.dumps(manifest).encode())
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if computed_tokens else ""
         if self.config.logging.summary:

@@ -30,12 +30,14 @@ from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.teacher.completions_teacher import COMPLETIONS_PATH, MODELS_PATH
 from meshkd.recipe.teacher.served_protocol import (
     ANSWER_PATH,
+    HEAD_PATH,
     HEALTH_PATH,
     AnswerRequest,
     TooLarge,
     bearer_token,
     parse_request,
 )
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 if TYPE_CHECKING:
     from meshkd.recipe.lifecycle.teacher_service import TeacherService
@@ -59,6 +61,7 @@ class HttpServer:
         # the spec (a completions prompt's JSON takes fewer bytes a token than that).
         self.max_body = 4 * 8 * self.options.max_request_tokens + (64 << 10)
         self.draining = False
+        self._heads: dict[int, bytes] = {}  # the teacher's output layer, by vocabulary size (`_head`)
         self._token = bearer_token()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="meshkd-serve-teacher", daemon=True)
@@ -86,6 +89,7 @@ class HttpServer:
         app.router.add_post(ANSWER_PATH, self._answer)
         app.router.add_post(COMPLETIONS_PATH, self._completions)
         app.router.add_get(MODELS_PATH, self._models)
+        app.router.add_get(HEAD_PATH, self._head)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         context = None
@@ -179,6 +183,21 @@ class HttpServer:
             return self._error(status, result)
         return web.Response(body=result, content_type="application/octet-stream")
 
+    async def _head(self, request):
+        """The teacher's output layer over the vocabulary a student's hidden answers cover (`HEAD_PATH`), read once
+        a vocabulary size (from its checkpoint: off the event loop)."""
+        from aiohttp import web
+
+        try:
+            vocab_size = int(request.query.get("vocab_size", ""))
+            if not 1 <= vocab_size <= self.service.vocab_rows:
+                raise ValueError(f"vocab_size must be in [1, {self.service.vocab_rows}], got {vocab_size}")
+        except ValueError as error:
+            return self._error(400, f"{HEAD_PATH}?vocab_size=N: {error}")
+        if vocab_size not in self._heads:
+            self._heads[vocab_size] = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: TeacherHead.of(self.service.teacher.model, vocab_size=vocab_size).to_bytes())
+        return web.Response(body=self._heads[vocab_size], content_type="application/octet-stream")
 
     # ---- the subset of the OpenAI-compatible completions API that scores prompts (vLLM's prompt_logprobs) ----
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from meshkd.core.answers import choices, selected
+from meshkd.core.answers import choices, selected, selected_kind
 from meshkd.core.answers.labels import ESTIMATORS
 from meshkd.core.loss import check_divergence
 from meshkd.recipe.settings.config import DistributedConfig, KDConfig, KDRecipeConfig, ModelConfig
@@ -33,6 +33,10 @@ def check_kd(config: KDRecipeConfig, kd: KDConfig) -> None:
     if kd.topk_encoding == "compact" and kd.logits_transport != "topk":
         raise ConfigError(f"kd.topk_encoding: compact packs top-k answers; set kd.logits_transport: topk (got "
                           f"{kd.logits_transport!r})")
+    if selected_kind(kd).reads_hidden and kd.cross_tokenizer is not None:
+        raise ConfigError(f"kd.logits_transport {kd.logits_transport}: a teacher of another tokenizer "
+                          "(kd.cross_tokenizer) answers its distribution projected onto the student's vocabulary, "
+                          "which its output layer does not make from its hidden states; use full, full_bf16 or topk")
     if kd.teacher_cache_coding not in ("entropy", "fixed"):
         raise ConfigError(f"kd.teacher_cache_coding must be entropy or fixed, got {kd.teacher_cache_coding!r}")
     if kd.on_nonfinite not in ("stop", "skip_step"):

@@ -37,6 +37,9 @@ from meshkd.recipe.settings.config import CrossTokenizerConfig, KDConfig
 PROTOCOL_VERSION = 1
 HEALTH_PATH = "/health"
 ANSWER_PATH = "/v1/answer"
+HEAD_PATH = "/v1/teacher_head"
+"""GET ?vocab_size=N: the teacher's output layer over its first N entries, for its hidden answers
+(`meshkd.recipe.teacher.teacher_head.TeacherHead.to_bytes`)."""
 TOKEN_VARIABLE = "MESHKD_TEACHER_TOKEN"
 """The environment variable holding the bearer token, on the server and on every student rank."""
 

@@ -44,10 +44,21 @@ class ServedTeacherError(ConnectionError):
 def health(url: str, *, path: str = HEALTH_PATH, label: str = "teacher_model.url", timeout_s: float = 10.0) -> dict:
     """The server's `GET path` report (`/health`); ServedTeacherError naming `label` and the address when there is
     none."""
+    body = fetch(url, path, label=label, timeout_s=timeout_s)
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise ServedTeacherError(f"{label}: the server at {url} answered {path} with no report: "
+                                 f"{_message(body)}") from None
+
+
+def fetch(url: str, path: str, *, label: str = "teacher_model.url", timeout_s: float = 60.0) -> bytes:
+    """The body of the server's answer to `GET path`; ServedTeacherError naming `label` and the address when there
+    is none."""
     request = urllib.request.Request(url.rstrip("/") + path, headers=auth_headers())
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            return response.read()
     except urllib.error.HTTPError as error:
         raise ServedTeacherError(f"{label}: the served teacher at {url} answered HTTP {error.code}: "
                                  f"{_message(error.read())}") from None

@@ -19,6 +19,9 @@ A cache directory holds:
   answers the live teacher sends. The coding tables are fitted on the first training shard, kept in
   `coding.json` while the cache is written (a killed run continues with them) and in the manifest; the key
   records the coded layout (`kd.teacher_cache_coding`), so a cache of another layout is refused naming it.
+- with hidden answers (`kd.logits_transport: hidden` or `hidden_bf16`), the teacher's output layer
+  (`teacher_head/`, `meshkd.recipe.teacher.teacher_head.TeacherHead.save`), with which a training run reads
+  them: the answers name its id, so that they are never read with another teacher's.
 
 With `kd.cross_tokenizer` the teacher's answers are already projected onto the student's vocabulary, the
 key also holds the alignment settings, the teacher's tokenizer and the temperature (the projection applies
@@ -72,6 +75,7 @@ MANIFEST = "manifest.json"
 FORMAT, VERSION = "meshkd-teacher-cache", 1
 SPLITS = ("train", "validation")
 TEACHER_TOKENIZER = "teacher_tokenizer"  # the cache's subdirectory with a cross-tokenizer teacher's tokenizer
+TEACHER_HEAD = "teacher_head"  # the cache's subdirectory with the output layer that reads its hidden answers
 TEACHER_KEYS = ("path", "gguf_file", "random_init", "keep_layers", "dtype", "seed", "attn_implementation")
 CODING = "coding.json"  # the coding tables of an entropy-coded cache while it is written
 CODED = ("coded", "lengths", "long_lengths", "row_offsets", "long_offsets", "rest_high", "tail_mean")

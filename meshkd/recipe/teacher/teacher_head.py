@@ -10,9 +10,10 @@ whatever the forward does after it (Gemma 2's soft-cap, Granite's and Cohere's s
 are elementwise, so a slice of the vocabulary is computed alone. It runs in the teacher's dtype, as the teacher's
 own forward does, and hands float32 on.
 
-`save(directory)` writes the head (its config and weight) where a teacher cache or a served teacher hands it to
-students, `TeacherHead.saved(directory)` reads it back. Its `id` hashes the model's class, its config (paths left
-out) and the weight: what a hidden answer names, so that one is never read with another teacher's head.
+`to_bytes()` makes the head (its weight and the model's config) one safetensors file, as a served teacher hands it
+to students (`from_bytes`) and a teacher cache keeps it (`save`, `saved`). Its `id` hashes the model's class, its
+config (paths left out) and the weight: what a hidden answer names, so that one is never read with another
+teacher's head.
 
 Memory: V x H in the teacher's dtype a student rank, or its tensor-parallel slice (`held`), where the run never
 needs a teacher's whole logits (one teacher, or several summed: a mixture or routed teachers combine whole
@@ -30,8 +31,8 @@ from torch import nn
 
 from meshkd.core.answers.hidden import OutputHead
 from meshkd.parallel.sharded_loading import load_shards
+from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.modeling.loaders import load_section_model_for_layout
-from meshkd.recipe.modeling.models import resolve_dtype
 
 HEAD_FILE = "head.safetensors"
 
@@ -95,39 +96,42 @@ class TeacherHead(OutputHead):
         return cls(model, head, weight, bias, held=held)
 
     @classmethod
-    def saved(cls, directory: str | Path, *, device: torch.device | str = "cpu",
-              held: slice | None = None) -> TeacherHead:
-        """The head `save` wrote to `directory`."""
-        from safetensors.torch import load_file
+    def from_bytes(cls, data: bytes, *, device: torch.device | str = "cpu", held: slice | None = None) -> TeacherHead:
+        """The head `to_bytes` made."""
+        from safetensors.torch import load
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        directory = Path(directory)
-        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        tensors = {name: tensor.to(device) for name, tensor in load(data).items()}
+        # A safetensors file's header: its length (8 bytes, little-endian), then JSON with the metadata.
+        length = int.from_bytes(data[:8], "little")
+        config = AutoConfig.for_model(**json.loads(json.loads(data[8 : 8 + length])["__metadata__"]["config"]))
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(json.loads(
-                (directory / "head.json").read_text())["dtype"]))
-        tensors = load_file(str(directory / HEAD_FILE), device=str(device))
+            model = AutoModelForCausalLM.from_config(config, dtype=tensors["weight"].dtype)
         head = model.get_output_embeddings()
-        head.weight = nn.Parameter(tensors["weight"], requires_grad=False)
-        if "bias" in tensors:
-            head.bias = nn.Parameter(tensors["bias"], requires_grad=False)
         return cls(model, head, tensors["weight"], tensors.get("bias"), held=held)
 
-    def save(self, directory: str | Path) -> None:
-        """Its config and weight (the whole of `vocab_size` entries) in `directory`, for `saved`."""
-        from safetensors.torch import save_file
+    def to_bytes(self) -> bytes:
+        """The head as one safetensors file: its weight (the whole of its `vocab_size` entries), its bias if any,
+        and the model's config."""
+        from safetensors.torch import save
 
         if self.held != slice(0, self.vocab_size):
             raise ValueError("a teacher head that keeps a slice of its vocabulary is not saved")
+        tensors = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+        return save({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+                    metadata={"config": self.causal_lm.config.to_json_string(), "id": self.id})
+
+    @classmethod
+    def saved(cls, directory: str | Path, *, device: torch.device | str = "cpu",
+              held: slice | None = None) -> TeacherHead:
+        """The head `save` wrote to `directory`."""
+        return cls.from_bytes((Path(directory) / HEAD_FILE).read_bytes(), device=device, held=held)
+
+    def save(self, directory: str | Path) -> None:
+        """`to_bytes` in `directory`, for `saved`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.causal_lm.config.save_pretrained(str(directory))
-        tensors = {"weight": self.weight.contiguous()}
-        if self.bias is not None:
-            tensors["bias"] = self.bias.contiguous()
-        save_file({key: value.cpu() for key, value in tensors.items()}, str(directory / HEAD_FILE))
-        (directory / "head.json").write_text(json.dumps({"dtype": str(self.weight.dtype).removeprefix("torch."),
-                                                         "id": self.id}))
+        write_atomically(directory / HEAD_FILE, self.to_bytes())
 
     def keep(self, columns: slice) -> None:
         """Keep the weight of the vocabulary entries `columns` only (a tensor-parallel student's slice)."""

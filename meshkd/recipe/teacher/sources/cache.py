@@ -3,6 +3,9 @@ process; the cache's manifest, checked against the run at preflight, stands for 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from meshkd.recipe.settings.config import ConfigError
 from meshkd.recipe.teacher.sources.base import (
     SourceKind,
     TeacherCheck,
@@ -10,7 +13,8 @@ from meshkd.recipe.teacher.sources.base import (
     reads_cache,
     register,
 )
-from meshkd.recipe.teacher.teacher_cache import CachedTeacher, check_cache, rows_asked
+from meshkd.recipe.teacher.teacher_cache import TEACHER_HEAD, CachedTeacher, check_cache, rows_asked
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 
 @register
@@ -34,3 +38,12 @@ class Cache(SourceKind):
 
     def validation_answer(self, source):
         return source.answer_mode("validation")  # what the cache holds
+
+    def head(self, config, teacher, context, held):
+        """The output layer the cache holds beside its hidden answers (`teacher_cache.TEACHER_HEAD`)."""
+        directory = Path(teacher.cache, TEACHER_HEAD)
+        if not directory.is_dir():
+            raise ConfigError(f"kd.teacher_cache: {teacher.cache} holds no teacher output layer ({TEACHER_HEAD}/) to "
+                              "read hidden answers with: rewrite it with `meshkd cache-teacher` and "
+                              f"kd.logits_transport {config.kd_of(teacher).logits_transport}")
+        return TeacherHead.saved(directory, device=context.device, held=held)

@@ -10,9 +10,10 @@ from meshkd.core.topology import last_stage_ranks
 from meshkd.recipe.settings.config import ConfigError
 from meshkd.recipe.teacher import served_protocol
 from meshkd.recipe.teacher.hidden_states import paired_layers
-from meshkd.recipe.teacher.served_teacher import ServedTeacher, health
+from meshkd.recipe.teacher.served_teacher import ServedTeacher, fetch, health
 from meshkd.recipe.teacher.sources.base import SourceKind, TeacherCheck, answer_tokenizer, asks_http, register
 from meshkd.recipe.teacher.teacher_cache import teacher_identity
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 
 @register
@@ -45,6 +46,11 @@ class Served(SourceKind):
 
     def make(self, config, teacher, check, context):
         return ServedTeacher(teacher.model.url, **asking(config, teacher, context))
+
+    def head(self, config, teacher, context, held):
+        """The server's output layer (`served_protocol.HEAD_PATH`)."""
+        data = fetch(teacher.model.url, f"{served_protocol.HEAD_PATH}?vocab_size={context.vocab_size}")
+        return TeacherHead.from_bytes(data, device=context.device, held=held)
 
 
 def asking(config, teacher, context) -> dict:
