@@ -18,6 +18,10 @@ Several teachers routed per prompt (`kd.combine: route`): a prompt row carries i
 `ROUTE` as every routed row does (`meshkd.recipe.corpus.routing`), and its completion row keeps it, so the
 teacher ensemble asks each teacher for its own prompts' completions only, as it does off-policy.
 
+Chat rows (rows a chat template renders): the prompt is every turn before the last answer with the template's
+generation prompt, and a completion stops at the template's end-of-turn token as well as at EOS
+(`sampling_settings`, `meshkd.recipe.records.chat_template.end_of_turn_token`), for every sampler.
+
 Reproducible and layout-free: every row samples with its own generator, seeded by (generation seed, step,
 the row's place in the global batch), so the completions depend neither on the data-parallel layout nor on
 what a row is batched with, and a resumed run draws what the uninterrupted one drew. The decision which
@@ -51,6 +55,7 @@ from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
 from meshkd.recipe.corpus.data import build_run_datasets
 from meshkd.recipe.corpus.rows import PackedDataset, padding_rows
 from meshkd.recipe.records import format_named
+from meshkd.recipe.records.chat_template import end_of_turn_token
 from meshkd.recipe.student.train_step import TrainStep, step_items, sum_over_ranks
 
 
@@ -239,14 +244,25 @@ def _cut_at_stop(tokens: torch.Tensor, stop_tokens: tuple[int, ...]) -> torch.Te
 
 
 def sampling_settings(config, tokenizer, *, greedy: bool = False) -> SamplingSettings:
-    """`kd.generation`'s settings; stop tokens by default the tokenizer's EOS; `greedy`: temperature 0."""
+    """`kd.generation`'s settings; `greedy`: temperature 0. Stop tokens by default the tokenizer's EOS and, for
+    rows a chat template renders (`chat`, templated `prompt_completion`), the template's end-of-turn token."""
     generation = config.kd.generation
     stops = generation.stop_tokens
     if stops is None:
         stops = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        turn_end = end_of_turn_token(tokenizer) if templated_rows(config.dataset, tokenizer) else None
+        if turn_end is not None and turn_end not in stops:
+            stops.append(turn_end)
     return SamplingSettings(max_new_tokens=generation.max_new_tokens,
                             temperature=0.0 if greedy else generation.temperature,
                             top_p=generation.top_p, stop_tokens=tuple(stops))
+
+
+def templated_rows(dataset, tokenizer) -> bool:
+    """Whether the `dataset` section's rows are rendered by `tokenizer`'s chat template (`dataset.records` chat,
+    or prompt_completion unless `dataset.chat_template` is false)."""
+    return (format_named(dataset.records).rendered and dataset.chat_template is not False
+            and getattr(tokenizer, "chat_template", None) is not None)
 
 
 class StudentCompletions:
