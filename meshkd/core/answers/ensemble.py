@@ -13,6 +13,7 @@ import torch
 
 from meshkd.core.answers.base import Figures, LossContext, TeacherAnswer, answer_of, register
 from meshkd.core.answers.distribution import Distribution
+from meshkd.core.answers.labels import LabelLogProbs
 from meshkd.core.batch_keys import kd_labels
 from meshkd.core.combinations import combination_named
 from meshkd.core.teacher_ensemble import ROUTE, TEACHERS
@@ -25,8 +26,9 @@ class Ensemble(TeacherAnswer):
     name = TEACHERS
 
     @functools.cached_property
-    def members(self) -> dict[str, Distribution]:
-        """Each teacher's answer, by name, in the ensemble's order."""
+    def members(self) -> dict[str, Distribution | LabelLogProbs]:
+        """Each teacher's answer, by name, in the ensemble's order (distributions, or with `kd.divergence:
+        sampled_reverse_kl` each label's log-probability: what `divergence` and `merged` read alike)."""
         return {name: answer_of(member) for name, member in self.wire["answers"].items()}
 
     @property

@@ -51,18 +51,61 @@ class LabelLogProbs(TeacherAnswer):
     def label_log_probs(self) -> torch.Tensor:
         return self.wire["log_probs"]
 
+    @property
+    def rows(self) -> int:
+        """The rows the answer covers (a routed teacher's: its own only)."""
+        return self.wire["log_probs"].shape[0]
+
     def kd_loss(self, logits, micro_batch, context, *, norm):
         """The reverse KL estimated on the sampled tokens (the module docstring) of the micro-batch."""
-        kd = context.kd
-        return sampled_reverse_kl(logits, kd_labels(micro_batch, kd.ignore_index), self.wire["log_probs"],
-                                  estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index), {}
+        return self.divergence(logits, micro_batch, context, norm=norm), {}
 
     def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
         """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab]."""
+        return self.chunk_divergence(logits, tokens, micro_batch, context, norm=norm), {}
+
+    def divergence(self, logits: torch.Tensor, micro_batch: dict, context, *, norm,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The estimate at the labels KD counts; `rows`: a bool [rows] mask, the others do not count (several
+        teachers routed per row, `meshkd.core.combinations.route`)."""
         kd = context.kd
-        labels = kd_labels(micro_batch, kd.ignore_index).reshape(-1)[tokens]
+        return sampled_reverse_kl(logits, _counted(micro_batch, kd.ignore_index, rows), self.wire["log_probs"],
+                                  estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index)
+
+    def chunk_divergence(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context, *, norm,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`divergence`'s share of the flattened positions `tokens`, given their logits [c, vocab]."""
+        kd = context.kd
+        labels = _counted(micro_batch, kd.ignore_index, rows).reshape(-1)[tokens]
         return sampled_reverse_kl(logits, labels, self.wire["log_probs"].reshape(-1)[tokens],
-                                  estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index), {}
+                                  estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index)
+
+    @staticmethod
+    def merged(members: dict[str, LabelLogProbs], rows: dict[str, torch.Tensor]) -> LabelLogProbs:
+        """One answer for the whole micro-batch from each routed teacher's answer for its rows (`rows`: name ->
+        bool [rows]), as `Distribution.merged` puts distributions together.
+
+        Raises:
+            ValueError: a teacher answered another kind, or not the rows routed to it.
+        """
+        for name, member in members.items():
+            if not isinstance(member, LabelLogProbs):
+                raise ValueError(f"routed teachers answered in different encodings: teacher {name!r} answered "
+                                 f"{member.name!r}, not {LABEL_LOG_PROBS!r}")
+            if member.rows != int(rows[name].sum()):
+                raise ValueError(f"teacher {name!r} answered {member.rows} rows, not the "
+                                 f"{int(rows[name].sum())} routed to it")
+        first = next(iter(members.values())).wire["log_probs"]
+        log_probs = first.new_zeros((next(iter(rows.values())).shape[0], *first.shape[1:]), dtype=torch.float32)
+        for name, member in members.items():
+            log_probs[rows[name]] = member.wire["log_probs"].to(log_probs.dtype)
+        return LabelLogProbs({"mode": LABEL_LOG_PROBS, "log_probs": log_probs})
+
+
+def _counted(micro_batch: dict, ignore_index: int, rows: torch.Tensor | None) -> torch.Tensor:
+    """The labels KD counts (`kd_labels`), those of rows outside `rows` (a bool [rows] mask) left out."""
+    counted = kd_labels(micro_batch, ignore_index)
+    return counted if rows is None else counted.masked_fill(~rows[:, None], ignore_index)
 
 
 def sampled_reverse_kl(logits: torch.Tensor, labels: torch.Tensor, teacher_log_probs: torch.Tensor, *, estimator: str,

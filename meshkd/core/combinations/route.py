@@ -1,5 +1,6 @@
 """`route`: each row's divergence to its own teacher, which alone was asked for it (the teacher its documents
-name under `dataset.teacher_key`; the answers put back together into one, `merged`)."""
+name under `dataset.teacher_key`; the answers put back together into one, `merged`). On-policy, a completion row
+keeps its prompt's teacher (`meshkd.recipe.student.on_policy`), so the same holds for the student's samples."""
 
 from __future__ import annotations
 
@@ -29,9 +30,6 @@ class Route(Combination):
         if len(transports) > 1:
             raise ValueError(f"kd.combine route puts the teachers' answers for one micro-batch together: give every "
                              f"teacher the same logits_transport, got {sorted(transports)}")
-        if config.kd.mode == "on_policy":
-            raise ValueError("kd.combine route does not yet work with kd.mode on_policy (the prompts would need "
-                             "their teacher too)")
 
     def combined(self, members, weights, *, routes, temperature):
         rows = {name: routes == index for index, name in enumerate(members)}

@@ -6,6 +6,10 @@ turns [0, i]: so the answer holds what the template puts after the content (the 
 learns to stop) and not the assistant header. A template that does not render conversations as prefixes of
 longer ones cannot be split so, and is refused naming the row. `dataset.train_on`: `answers` (every assistant
 turn), `last_answer`, or `all` (every token, as text).
+
+The end-of-turn token (`end_of_turn_token`, where an on-policy completion of a chat prompt stops): the added token
+the template writes right after an assistant turn's content (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`), read
+from the rendering of a probe conversation, not from a list of known templates.
 """
 
 from __future__ import annotations
@@ -98,3 +102,27 @@ def _written(content: str, text: str, start: int, end: int) -> tuple[int, str] |
         if found >= 0:
             return found, written
     return None
+
+
+_PROBE = "meshkd-end-of-turn-probe"
+"""The content of the probe answer `end_of_turn_token` renders (no whitespace: no template trims it)."""
+
+
+def end_of_turn_token(tokenizer) -> int | None:
+    """The id of the token `tokenizer`'s chat template closes an assistant turn with: the longest of its added
+    tokens (`get_added_vocab`) that the rendering of a one-question conversation continues with right after the
+    answer's content (blanks skipped); None without a template, or where the template writes no added token
+    there (text, or nothing: EOS alone then ends a completion)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe names no end of turn
+        return None
+    if _PROBE not in text:
+        return None
+    after = text[text.rindex(_PROBE) + len(_PROBE):].lstrip()  # " </s>" after Llama 2's answers
+    added = {token: index for token, index in tokenizer.get_added_vocab().items() if token}
+    found = [token for token in added if after.startswith(token)]
+    return added[max(found, key=len)] if found else None

@@ -10,6 +10,7 @@ import math
 
 from meshkd.core.answers import choices, selected, selected_kind
 from meshkd.core.answers.labels import ESTIMATORS
+from meshkd.core.combinations import combination_named
 from meshkd.core.loss import check_divergence
 from meshkd.recipe.settings.config import DistributedConfig, KDConfig, KDRecipeConfig, ModelConfig
 from meshkd.recipe.settings.typed_yaml import ConfigError
@@ -104,17 +105,22 @@ def check_on_policy(config: KDRecipeConfig, kd: KDConfig) -> None:
 
 def check_sampled_divergence(config: KDRecipeConfig, kd: KDConfig) -> None:
     """`kd.divergence: sampled_reverse_kl`: the reverse KL estimated on the student's own sampled tokens, against each
-    label's log-probability, so on-policy rows alone, one teacher of the student's tokenizer."""
+    label's log-probability, so on-policy rows alone, teachers of the student's tokenizer: one, or several routed
+    per prompt (`kd.combine: route`, each row's log-probabilities its own teacher's)."""
     if kd.mode != "on_policy" or kd.on_policy_fraction < 1.0:
         raise ConfigError(f"kd.divergence {kd.divergence} estimates the reverse KL on the student's own sampled "
                           f"tokens: it needs kd.mode on_policy with kd.on_policy_fraction 1 (every micro-batch "
                           f"sampled), got kd.mode {kd.mode!r}, kd.on_policy_fraction {kd.on_policy_fraction}")
     if kd.sampled_estimator not in ESTIMATORS:
         raise ConfigError(f"kd.sampled_estimator must be {' or '.join(ESTIMATORS)}, got {kd.sampled_estimator!r}")
-    if kd.cross_tokenizer is not None or kd.hidden_states is not None or len(config.teacher_list()) > 1:
-        raise ConfigError(f"kd.divergence {kd.divergence} takes one teacher of the student's tokenizer and no "
+    if kd.cross_tokenizer is not None or kd.hidden_states is not None:
+        raise ConfigError(f"kd.divergence {kd.divergence} takes teachers of the student's tokenizer and no "
                           "kd.hidden_states (its answers are each label's log-probability only); unset "
-                          "kd.cross_tokenizer, kd.hidden_states or teachers")
+                          "kd.cross_tokenizer or kd.hidden_states")
+    if len(config.teacher_list()) > 1 and not combination_named(kd.combine).routes_rows:
+        # A mixture needs whole distributions; a sum of estimates is left out until a run needs it.
+        raise ConfigError(f"kd.divergence {kd.divergence} with several teachers takes kd.combine route (each row's "
+                          f"label log-probabilities from its own teacher), got kd.combine {kd.combine}")
 
 
 def check_rollout_engine(kd: KDConfig) -> None:

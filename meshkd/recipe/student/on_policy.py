@@ -8,10 +8,19 @@ step's micro-batches is made of the student's own completions; the rest stays da
 2. The student, with its current weights, samples a completion of every prompt (`Sampler`; the default
    `ModelGenerate` runs the model's own `generate`: batched, KV cache, no grad).
 3. `completion_batch` lays prompt + completion out as an ordinary row whose labels are the completion's
-   tokens only: prompt and padding never count in the loss.
+   tokens only: prompt and padding never count in the loss. The completion's token ids are the sampler's
+   own, never text tokenized again, so the teacher scores exactly the tokens the student produced.
 4. The teacher scores the rows through the teacher protocol like any micro-batch (any transport), while the
    student generates the next micro-batch; the student trains on them once the step's are all generated,
    so every completion of a step comes from the weights of that step (`OnPolicyStep`).
+
+Several teachers routed per prompt (`kd.combine: route`): a prompt row carries its teacher's index under
+`ROUTE` as every routed row does (`meshkd.recipe.corpus.routing`), and its completion row keeps it, so the
+teacher ensemble asks each teacher for its own prompts' completions only, as it does off-policy.
+
+Chat rows (rows a chat template renders): the prompt is every turn before the last answer with the template's
+generation prompt, and a completion stops at the template's end-of-turn token as well as at EOS
+(`sampling_settings`, `meshkd.recipe.records.chat_template.end_of_turn_token`), for every sampler.
 
 Reproducible and layout-free: every row samples with its own generator, seeded by (generation seed, step,
 the row's place in the global batch), so the completions depend neither on the data-parallel layout nor on
@@ -41,10 +50,12 @@ from typing import Protocol
 
 import torch
 
+from meshkd.core.teacher_ensemble import ROUTE
 from meshkd.core.teacher_protocol import TeacherRequest, TeacherSource
 from meshkd.recipe.corpus.data import build_run_datasets
 from meshkd.recipe.corpus.rows import PackedDataset, padding_rows
 from meshkd.recipe.records import format_named
+from meshkd.recipe.records.chat_template import end_of_turn_token
 from meshkd.recipe.student.train_step import TrainStep, step_items, sum_over_ranks
 
 
@@ -78,13 +89,16 @@ def prompts_of(batch: dict[str, torch.Tensor], *, limit: int | None,
 
 
 def completion_batch(prompts: list[torch.Tensor | None], completions: list[torch.Tensor], *, sequence_length: int,
-                     pad_token_id: int) -> dict[str, torch.Tensor]:
+                     pad_token_id: int, routes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rows prompt + completion, right-padded to `sequence_length`; labels the completion's tokens only.
 
     The label at position i is the token at i + 1 when that token belongs to the completion (so the logits
-    at the prompt's last token predict the first generated token); -100 everywhere else.
+    at the prompt's last token predict the first generated token); -100 everywhere else. `routes`: the
+    prompts' teachers ([rows, 1], `ROUTE`), which the rows keep.
     """
     batch = padding_rows(len(prompts), sequence_length, pad_token_id)
+    if routes is not None:
+        batch[ROUTE] = routes.detach().cpu().clone()
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
         if prompt is None:
             continue
@@ -230,14 +244,25 @@ def _cut_at_stop(tokens: torch.Tensor, stop_tokens: tuple[int, ...]) -> torch.Te
 
 
 def sampling_settings(config, tokenizer, *, greedy: bool = False) -> SamplingSettings:
-    """`kd.generation`'s settings; stop tokens by default the tokenizer's EOS; `greedy`: temperature 0."""
+    """`kd.generation`'s settings; `greedy`: temperature 0. Stop tokens by default the tokenizer's EOS and, for
+    rows a chat template renders (`chat`, templated `prompt_completion`), the template's end-of-turn token."""
     generation = config.kd.generation
     stops = generation.stop_tokens
     if stops is None:
         stops = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        turn_end = end_of_turn_token(tokenizer) if templated_rows(config.dataset, tokenizer) else None
+        if turn_end is not None and turn_end not in stops:
+            stops.append(turn_end)
     return SamplingSettings(max_new_tokens=generation.max_new_tokens,
                             temperature=0.0 if greedy else generation.temperature,
                             top_p=generation.top_p, stop_tokens=tuple(stops))
+
+
+def templated_rows(dataset, tokenizer) -> bool:
+    """Whether the `dataset` section's rows are rendered by `tokenizer`'s chat template (`dataset.records` chat,
+    or prompt_completion unless `dataset.chat_template` is false)."""
+    return (format_named(dataset.records).rendered and dataset.chat_template is not False
+            and getattr(tokenizer, "chat_template", None) is not None)
 
 
 class StudentCompletions:
@@ -269,18 +294,19 @@ class StudentCompletions:
         prompts = self.prompts(batch)
         pad = torch.tensor([self.pad_token_id])
         completions = self.sampler.sample([pad if prompt is None else prompt for prompt in prompts], seeds)
-        return self.rows_of(prompts, completions)
+        return self.rows_of(prompts, completions, routes=batch.get(ROUTE))
 
     def prompts(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """`batch`'s prompts on the host (`prompts_of`), None for a padding row."""
         return [None if prompt is None else prompt.cpu()
                 for prompt in prompts_of(batch, limit=self.limit, eos_token_id=self.eos)]
 
-    def rows_of(self, prompts: list[torch.Tensor | None],
-                completions: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, int]:
-        """(the rows prompt + completion on the device, tokens generated, prompts completed), as `rows`."""
+    def rows_of(self, prompts: list[torch.Tensor | None], completions: list[torch.Tensor], *,
+                routes: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+        """(the rows prompt + completion on the device, tokens generated, prompts completed), as `rows`; `routes`:
+        the prompts' teachers (`ROUTE` of their batch), which the rows keep."""
         rows = completion_batch(prompts, completions, sequence_length=self.sequence_length,
-                                pad_token_id=self.pad_token_id)
+                                pad_token_id=self.pad_token_id, routes=routes)
         if self.teacher_side is not None:
             rows = self.teacher_side(rows)
         real = [completion for prompt, completion in zip(prompts, completions) if prompt is not None]
@@ -354,8 +380,9 @@ class OnPolicyStep:
             try:
                 for index, micro_batch in enumerate(text):
                     if drawn is not None and index in drawn.completions:
-                        micro_batch, tokens, completed = completer.rows_of(completer.prompts(prompts[index]),
-                                                                           drawn.completions[index])
+                        micro_batch, tokens, completed = completer.rows_of(
+                            completer.prompts(prompts[index]), drawn.completions[index],
+                            routes=prompts[index].get(ROUTE))
                         figures = [figures[0] + tokens, figures[1] + completed, figures[2] + 1]
                     elif drawn is None and is_on_policy(kd.generation.seed, step, index, kd.on_policy_fraction):
                         size = prompts[index]["input_ids"].shape[0]
@@ -382,9 +409,11 @@ class OnPolicyStep:
         return metrics
 
 
-def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[PackedDataset, PackedDataset]:
+def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int,
+                     routes: list[str] | None = None) -> tuple[PackedDataset, PackedDataset]:
     """(train, validation) whole prompts, one per row, split as the rows are: the `dataset.prompt_key` column of
-    text rows, or each chat / prompt_completion row's text before its last answer.
+    text rows, or each chat / prompt_completion row's text before its last answer; `routes`: the teachers' names
+    routed rows give (`dataset.teacher_key`), each prompt row then carrying its teacher (`ROUTE`).
 
     Raises ValueError naming the key when a prompt is longer than `max_prompt_tokens` (the sequence length
     less `max_new_tokens`) or no row has a non-empty prompt.
@@ -392,9 +421,10 @@ def build_prompt_set(tokenizer, dataset, *, max_prompt_tokens: int) -> tuple[Pac
     marked = format_named(dataset.records).marks_answers  # else the prompts are a column of their own
     key = (f"dataset.records {dataset.records!r} (the prompts before the answers)" if marked else
            f"dataset.prompt_key {dataset.prompt_key!r}")
+    source = {"prompts": True} if marked else {"text_key": dataset.prompt_key}
     try:
         splits = build_run_datasets(tokenizer, dataset, sequence_length=max_prompt_tokens + 1, pack=False,
-                                    **({"prompts": True} if marked else {"text_key": dataset.prompt_key}))
+                                    routes=routes, **source)
     except ValueError as error:
         raise ValueError(f"{key}: {error}") from None
     for split in splits:

@@ -27,8 +27,8 @@ from meshkd.recipe.student.train_step import TrainStep, micro_batches, step_item
 def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     """(training rows, validation rows, training prompts, validation prompts) of a run; the prompts are None
     unless the student completes whole prompts (`DatasetConfig.whole_prompts`). With `kd.cross_tokenizer` the
-    rows carry the teacher's tokenization too (`meshkd.recipe.corpus.aligned_data`); with `dataset.teacher_key` their
-    teacher (`meshkd.recipe.corpus.routing`)."""
+    rows carry the teacher's tokenization too (`meshkd.recipe.corpus.aligned_data`); with `dataset.teacher_key` the
+    rows and the prompts their teacher (`meshkd.recipe.corpus.routing`)."""
     steps = config.step_scheduler
     train, val = data.build_run_datasets(tokenizer, config.dataset, sequence_length=steps.sequence_length,
                                          pack_texts=run_packing(config, tokenizer, teacher_tokenizer),
@@ -36,7 +36,8 @@ def run_datasets(config: KDRecipeConfig, tokenizer, teacher_tokenizer) -> tuple:
     if not (config.dataset.whole_prompts and config.kd.generates):
         return train, val, None, None
     max_prompt_tokens = steps.sequence_length - config.kd.generation.max_new_tokens
-    return train, val, *build_prompt_set(tokenizer, config.dataset, max_prompt_tokens=max_prompt_tokens)
+    return train, val, *build_prompt_set(tokenizer, config.dataset, max_prompt_tokens=max_prompt_tokens,
+                                         routes=route_names(config))
 
 
 class StepData:

@@ -162,6 +162,77 @@ def test_on_policy_prompts_are_the_rows_before_their_last_answer(tmp_path):
         build_prompt_set(TOKENIZER, dataset, max_prompt_tokens=8)
 
 
+def chatml_tokenizer():
+    """The byte tokenizer with ChatML's markers as added special tokens: `<|im_start|>` 258, `<|im_end|>` 259."""
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [258, 259]
+    return tokenizer
+
+
+def test_the_end_of_turn_token_is_the_one_the_template_closes_an_answer_with():
+    from meshkd.recipe.records.chat_template import end_of_turn_token
+
+    assert end_of_turn_token(chatml_tokenizer()) == 259
+    assert end_of_turn_token(TOKENIZER) is None  # ChatML spelled in bytes: no token ends a turn, EOS alone does
+    llama = chatml_tokenizer()
+    llama.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    llama.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
+    assert end_of_turn_token(llama) == llama.convert_tokens_to_ids("<|eot_id|>")
+    eos_after = byte_tokenizer()  # Llama 2's: a blank, then EOS
+    eos_after.chat_template = "{% for m in messages %}{{ m['content'] }} {{ eos_token }}{% endfor %}"
+    assert end_of_turn_token(eos_after) == eos_after.eos_token_id
+    none = byte_tokenizer()
+    none.chat_template = None
+    assert end_of_turn_token(none) is None
+
+
+def test_a_two_turn_conversation_on_policy_labels_the_sampled_completion_only(tmp_path):
+    """The prompt is both turns before the last answer with the generation prompt; the student's completion stops
+    at <|im_end|> (the template's end of turn) and the rows hold its tokens as sampled, the only labels."""
+    from types import SimpleNamespace
+
+    from meshkd.core.packing import configure_packing
+    from meshkd.recipe.settings.config import GenerationSettingsConfig, KDConfig
+    from meshkd.recipe.student.on_policy import ModelGenerate, build_prompt_set, completion_batch, sampling_settings
+    from tests.tiny import tiny_llama_model
+
+    tokenizer = chatml_tokenizer()
+    messages = [{"role": "user", "content": "One?"}, {"role": "assistant", "content": "one"},
+                {"role": "user", "content": "Two?"}, {"role": "assistant", "content": "two"}]
+    dataset = DatasetConfig(paths=[write_jsonl(tmp_path / "rows.jsonl", [{"messages": messages}] * 4)],
+                            val_fraction=0.0, records="chat")
+    prompts = build_prompt_set(tokenizer, dataset, max_prompt_tokens=64)[0][:]
+    prompt = prompts["input_ids"][0][prompts["attention_mask"][0] > 0]
+    rendered = tokenizer.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("one<|im_end|>\n<|im_start|>user\nTwo?<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.tolist() == tokenizer.encode(rendered)
+
+    generation = GenerationSettingsConfig(max_new_tokens=12)
+    settings = sampling_settings(SimpleNamespace(kd=KDConfig(generation=generation), dataset=dataset), tokenizer)
+    assert settings.stop_tokens == (tokenizer.eos_token_id, 259)  # the same settings the vLLM engine sends
+    assert sampling_settings(SimpleNamespace(kd=KDConfig(), dataset=DatasetConfig()), tokenizer).stop_tokens == (256,)
+    model = configure_packing(tiny_llama_model(vocab=260, seed=3))
+    with torch.no_grad():  # the untrained model's output made to end its turn within a few tokens
+        model.lm_head.weight[259] = 0.0
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(260))
+        model.lm_head.bias[259] = 5.0
+    sampler = ModelGenerate(model, settings, pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    completions = sampler.sample([prompt] * 4, [1, 2, 3, 4])
+    assert all(int(completion[-1]) == 259 and 259 not in completion[:-1].tolist() for completion in completions)
+    assert any(len(completion) > 1 for completion in completions)
+
+    rows = completion_batch([prompt] * 4, completions, sequence_length=64, pad_token_id=tokenizer.pad_token_id)
+    for row, completion in enumerate(completions):
+        ids, labels = rows["input_ids"][row], rows["labels"][row]
+        length = len(prompt) + len(completion)
+        assert torch.equal(ids[:length], torch.cat([prompt, completion]))  # what the teacher scores, as sampled
+        assert torch.equal(labels[len(prompt) - 1 : length - 1], completion)  # every sampled token, <|im_end|> too
+        counted = (labels != -100).nonzero().flatten()
+        assert counted.tolist() == list(range(len(prompt) - 1, length - 1))  # both prompt turns masked
+
+
 def test_answer_only_kd_equals_a_hand_computation_on_two_rows(tmp_path):
     """The recipe's objective on two chat rows: CE and KD averaged over the answer tokens only."""
     from meshkd.core.loss import kd_loss

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from meshkd.core.packing import configure_packing
+from meshkd.core.teacher_ensemble import ROUTE
 from meshkd.recipe.student.on_policy import (
     ModelGenerate,
     SamplingSettings,
@@ -84,6 +85,11 @@ def test_only_completion_tokens_are_labels():
     assert (batch["labels"][1] == -100).all() and (batch["attention_mask"][1] == 0).all()  # a padding row
     with pytest.raises(ValueError, match="exceed the sequence length 4"):
         completion_batch(prompts[:1], completions[:1], sequence_length=4, pad_token_id=PAD)
+    # Routed prompts (kd.combine route): each completion row keeps its prompt's teacher, padding rows none.
+    routed = completion_batch(prompts, completions, sequence_length=8, pad_token_id=PAD,
+                              routes=torch.tensor([[1], [-1], [0]]))
+    assert routed[ROUTE].tolist() == [[1], [-1], [0]]
+    assert all(torch.equal(routed[key], batch[key]) for key in batch)
 
 
 def test_prompts_are_each_rows_first_document_without_its_end():
@@ -119,6 +125,24 @@ def test_prompts_under_a_key_are_whole_and_bounded(tmp_path):
         build_prompt_set(tokenizer, dataset, max_prompt_tokens=2)
     with pytest.raises(ValueError, match=r"dataset.prompt_key 'question'"):
         build_prompt_set(tokenizer, DatasetConfig(paths=[str(path)], prompt_key="question"), max_prompt_tokens=8)
+
+
+def test_whole_prompts_carry_the_teacher_their_line_names(tmp_path):
+    from meshkd.recipe.modeling.models import byte_tokenizer
+    from meshkd.recipe.settings.config import DatasetConfig
+
+    lines = [{"prompt": f"p{i}:", "text": f"p{i}: answer", "teacher": ("code", "prose")[i % 3 == 0]}
+             for i in range(12)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    tokenizer = byte_tokenizer()
+    dataset = DatasetConfig(paths=[str(path)], prompt_key="prompt", val_fraction=0.0, teacher_key="teacher")
+    train, _ = build_prompt_set(tokenizer, dataset, max_prompt_tokens=8, routes=["code", "prose"])
+    rows = train[:]
+    prompts = [tokenizer.decode(prompt) for prompt in prompts_of(rows, limit=None, eos_token_id=EOS)]
+    teachers = {line["prompt"]: line["teacher"] for line in lines}
+    assert sorted(prompts) == sorted(teachers)
+    assert [["code", "prose"][index] for index in rows[ROUTE][:, 0].tolist()] == [teachers[p] for p in prompts]
 
 
 # ------------------------------------------------------------------------------------------- recipe
@@ -246,3 +270,91 @@ def test_a_failure_while_generating_ends_every_rank_within_seconds(tmp_path):
     errors = run_world(3, [check], timeout_s=WORLD_TIMEOUT_S, deadline_s=120).errors(check.__name__)
     assert "out of memory while generating (simulated)" in (errors.get(1) or ""), errors
     assert errors.get(0) is None and errors.get(2) is None, errors
+
+
+# ------------------------------------------------------------------------- several teachers routed per prompt
+
+
+def routed_on_policy_runs(tmp: Path) -> dict[str, tuple[dict, bool]]:
+    """Two teachers (a Llama "code", a Qwen2 "prose"), each prompt routed to the one its JSONL line names, two rows
+    a micro-batch: both teachers in the job; "prose" on a rank of its own; the sampled reverse KL."""
+    from tests.recipe.teacher.test_teachers import llama_teacher, qwen_teacher, routed_corpus, teacher, with_teachers
+
+    corpus = routed_corpus(tmp / "corpus")
+    routed = [teacher("code", llama_teacher(), 1.0), teacher("prose", qwen_teacher(), 1.0)]
+    own_ranks = [routed[0], {**routed[1], "distributed": {"dp_size": 1}}]
+    sampled = {"divergence": "sampled_reverse_kl", "sampled_estimator": "k3"}
+    runs = {}
+    for name, teachers, kd in (("in_job", routed, {}), ("own_ranks", own_ranks, {}), ("sampled", own_ranks, sampled)):
+        config = with_teachers(tmp / name, {"dp_size": 1}, teachers, combine="route",
+                               **on_policy_config(tmp / name, **kd)["kd"])
+        config["dataset"].update(paths=[corpus["both"]], teacher_key="teacher")
+        config["step_scheduler"]["local_batch_size"] = 2
+        runs[name] = (config, False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def routed_runs(tmp_path_factory) -> RecipeRuns:
+    return RecipeRuns(routed_on_policy_runs(tmp_path_factory.mktemp("routed_on_policy")))
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("name", ["in_job", "own_ranks", "sampled"])
+def test_each_teacher_scores_only_the_completions_of_its_own_prompts(routed_runs, name):
+    from tests.recipe.teacher.test_teachers import expected_routes
+
+    records = routed_runs.records(name)
+    train = [record for record in records if record["kind"] == "train"]
+    # The prompts are the rows' first documents: per step, as many completions reach each teacher as the step's
+    # rows name it, and both teachers are asked within some step.
+    expected = expected_routes(routed_runs.configs[name])
+    assert len(train) == STEPS
+    answered = [{teacher: record[f"teacher_rows/{teacher}"] for teacher in ("code", "prose")} for record in train]
+    assert answered == expected
+    assert any(0 < counts["code"] < 4 for counts in expected)
+    for record, counts in zip(train, expected):
+        assert record["num_tokens"] == record["generated_tokens"] > 0 and record["on_policy_share"] == 1.0
+        # Each teacher's own divergence per token of its own completions, which together are all the step's.
+        assert record["kd_tokens/code"] + record["kd_tokens/prose"] == record["num_tokens"]
+        own = {teacher: record[f"kd_loss/{teacher}"] for teacher in counts if counts[teacher]}
+        mixed = sum(own[teacher] * record[f"kd_tokens/{teacher}"] for teacher in own) / record["num_tokens"]
+        assert mixed == pytest.approx(record["kd_loss"], rel=1e-5, abs=1e-7)
+        assert math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+    if name == "own_ranks":  # a teacher on ranks of its own answers as in the job: the same completions and curve
+        reference = routed_runs.records("in_job")
+        assert curve(records)[:3] == pytest.approx(curve(reference)[:3], rel=1e-5)
+        assert curve(records) == pytest.approx(curve(reference), rel=1e-4)
+    if name == "sampled":  # k3 is never negative
+        assert all(record["kd_loss"] > 0 for record in train)
+
+
+ROUTED_REFUSALS = {
+    "the sampled estimate summed over teachers": (
+        lambda c: (c["kd"].update(combine="sum"), c["dataset"].update(teacher_key=None)),
+        "kd.divergence sampled_reverse_kl with several teachers takes kd.combine route (each row's label "
+        "log-probabilities from its own teacher), got kd.combine sum"),
+    "the sampled estimate of a mixture": (
+        lambda c: (c["kd"].update(combine="mixture"), c["dataset"].update(teacher_key=None)),
+        "kd.divergence sampled_reverse_kl with several teachers takes kd.combine route"),
+    "a cached routed teacher": (lambda c: c["teachers"][1].update(cache="cache"),
+                                "teachers.prose.cache does not yet work with kd.combine route"),
+    "a share of text micro-batches": (lambda c: c["kd"].update(on_policy_fraction=0.5),
+                                      "it needs kd.mode on_policy with kd.on_policy_fraction 1"),
+}
+
+
+@pytest.mark.parametrize("case", ROUTED_REFUSALS)
+def test_routed_on_policy_configs_that_cannot_work_are_refused_naming_the_key(tmp_path, case):
+    from meshkd.recipe.settings.config import ConfigError
+    from meshkd.recipe.settings.config_loading import config_from_dict
+
+    runs = routed_on_policy_runs(tmp_path)
+    for name in ("in_job", "sampled"):  # what the runs above train is accepted
+        config_from_dict(runs[name][0])
+    config = copy.deepcopy(runs["sampled"][0])
+    change, expected = ROUTED_REFUSALS[case]
+    change(config)
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(config)
+    assert expected in str(raised.value)

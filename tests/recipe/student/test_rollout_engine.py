@@ -231,3 +231,18 @@ def test_the_schedule_syncs_every_sync_every_steps_and_draws_one_step_ahead(sync
         reported.append(drawn.staleness)
     assert reported == staleness and synced == syncs
     assert sampler.sent == [0, 1, 2, 3]  # nothing drawn past the last step
+
+
+def test_a_chat_prompt_completion_stops_at_the_templates_end_of_turn_on_the_server_too(tmp_path):
+    """No server: the request a row sends carries the stop tokens `generate` cuts at, the chat template's end of
+    turn with EOS, and the server's own end of text ignored."""
+    from meshkd.recipe.settings.config import DatasetConfig, KDConfig
+    from meshkd.recipe.student.on_policy import sampling_settings
+    from tests.recipe.corpus.test_chat_data import chatml_tokenizer
+
+    tokenizer = chatml_tokenizer()
+    settings = sampling_settings(SimpleNamespace(kd=KDConfig(), dataset=DatasetConfig(records="chat")), tokenizer)
+    server, sent = VLLMServer("http://127.0.0.1:9", model="student"), []
+    server.call = lambda path, body=None, **_: sent.append(body) or {"choices": [{"token_ids": [7, 259]}]}
+    assert server.complete([1, 2, 3], settings=settings, seed=5) == [7, 259]
+    assert sent[0]["stop_token_ids"] == [tokenizer.eos_token_id, 259] and sent[0]["ignore_eos"] is True
