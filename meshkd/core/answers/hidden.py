@@ -128,7 +128,8 @@ class HiddenStates(Distribution):
     def whole_logits(self) -> Tensor:
         head = held_head(self.wire["head"])
         hidden = self.wire[FINAL_HIDDEN]
-        return head.logits(hidden.reshape(-1, hidden.shape[-1]), slice(None)).view(*hidden.shape[:-1], -1)
+        logits = head.logits(hidden.reshape(-1, hidden.shape[-1]), slice(None))
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def top1_agreements(self, logits, labels, *, ignore_index, cut=None):
         """The valid labels where the student's likeliest token is the teacher's; next to a vocabulary-sharded
@@ -163,7 +164,7 @@ def teacher_logits(decoded: dict[str, Any], student_logits: Tensor) -> Tensor:
     if not isinstance(student_logits, DTensor):
         with torch.no_grad():
             logits = held_head(decoded["head"]).logits(hidden.reshape(-1, hidden.shape[-1]), slice(None))
-        return logits.view(*hidden.shape[:-1], -1)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
     local = student_logits.to_local()
     _, offsets = compute_local_shape_and_global_offset(student_logits.shape, student_logits.device_mesh,
                                                        student_logits.placements)

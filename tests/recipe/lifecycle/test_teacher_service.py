@@ -44,6 +44,7 @@ pytestmark = pytest.mark.world
 
 TOKEN = "served-teacher-test-token"
 FULL = {"logits_transport": "full"}
+HIDDEN = {"logits_transport": "hidden", "divergence": "reverse_kl"}
 COMPLETIONS = {"logits_transport": "topk", "topk": 8, "topk_tail_samples": 0, "temperature": 1.0}
 """What a completions server's prompt_logprobs answer: the top k at temperature 1, no tail samples."""
 
@@ -143,19 +144,21 @@ def wait_for_metrics(run_dir: str, process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict:
-    """One server, four students at once (top-k exact and compact, full, and one killed mid-run)."""
+    """One server, five students at once (top-k exact and compact, full, hidden with the reverse KL, and one killed
+    mid-run)."""
     tmp = tmp_path_factory.mktemp("served")
     config = server_config(tmp)
     server = Server(write(config, tmp / "server.yaml"), 0, tmp / "server.log")
     runs = {}
     try:
-        for name, kd in (("topk", TOPK), ("compact", COMPACT), ("full", FULL), ("killed", TOPK)):
+        modes = (("topk", TOPK), ("compact", COMPACT), ("full", FULL), ("hidden", HIDDEN), ("killed", TOPK))
+        for name, kd in modes:
             runs[f"served_{name}"] = student(config, tmp, f"served_{name}", server.url, kd)
         students = {name: train(write(runs[f"served_{name}"], tmp / f"{name}.yaml"))
-                    for name in ("topk", "compact", "full", "killed")}
+                    for name in ("topk", "compact", "full", "hidden", "killed")}
         wait_for_metrics(runs["served_killed"]["logging"]["run_dir"], students["killed"])
         os.killpg(students["killed"].pid, signal.SIGKILL)
-        for name in ("topk", "compact", "full"):
+        for name in ("topk", "compact", "full", "hidden"):
             finished(students[name])
         runs["health"] = server.health()
         runs["server"], runs["url"] = server, server.url
@@ -170,7 +173,7 @@ def in_job(served, tmp_path_factory) -> dict:
     """The same students with the teacher in their own job (on the student's rank)."""
     tmp = tmp_path_factory.mktemp("in_job")
     runs = {}
-    for name in ("topk", "compact", "full"):
+    for name in ("topk", "compact", "full", "hidden"):
         config = copy.deepcopy(served[f"served_{name}"])
         del config["teacher_model"]["url"]
         config.pop("separate_meshes"), config.pop("teacher_distributed")
@@ -183,11 +186,11 @@ def in_job(served, tmp_path_factory) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("mode", ["topk", "compact", "full"])
+@pytest.mark.parametrize("mode", ["topk", "compact", "full", "hidden"])
 def test_students_of_one_served_teacher_follow_the_in_job_curve(served, in_job, mode):
-    """Three students trained at once against one server (a fourth killed beside them) each follow the curve of
+    """Four students trained at once against one server (a fifth killed beside them) each follow the curve of
     their run with the teacher in their own job, held-out figures of the teacher's distribution included; the
-    compact one's answers travel packed."""
+    compact one's answers travel packed, the hidden one's are read with the output layer the server hands it."""
     records = train_records(served[f"served_{mode}"])
     assert_same_curve(records, train_records(in_job[mode]))
     assert any(record.get("kd_loss", 0) > 0 for record in records)

@@ -37,6 +37,7 @@ from tests.world import run_world
 TOPK = {"logits_transport": "topk", "topk": 8, "topk_tail_samples": 4}
 COMPACT = {**TOPK, "topk_encoding": "compact", "teacher_cache_coding": "fixed"}
 CODED = {**COMPACT, "teacher_cache_coding": "entropy"}
+HIDDEN = {"logits_transport": "hidden", "divergence": "jsd"}
 
 
 class WriteCache:
@@ -104,11 +105,12 @@ def run_all(world_size: int, runs: dict[str, dict]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     """One rank: caches written by a dp 1 teacher (top-k with tail samples: exact, compact, compact entropy coded;
-    and full_bf16), live and cached runs."""
+    full_bf16; hidden, with the JSD), live and cached runs."""
     tmp = tmp_path_factory.mktemp("one_rank")
     base = base_config(tmp)
     runs = {}
-    modes = (("topk", TOPK), ("compact", COMPACT), ("coded", CODED), ("bf16", {"logits_transport": "full_bf16"}))
+    modes = (("topk", TOPK), ("compact", COMPACT), ("coded", CODED), ("bf16", {"logits_transport": "full_bf16"}),
+             ("hidden", HIDDEN))
     for mode, kd in modes:
         cache = str(tmp / f"cache_{mode}")
         if mode != "coded":  # the live run of compact answers is the coded cache's too
@@ -136,7 +138,7 @@ def two_ranks(tmp_path_factory) -> dict:
 pytestmark = pytest.mark.world
 
 
-@pytest.mark.parametrize("mode", ["topk", "compact", "coded", "bf16"])
+@pytest.mark.parametrize("mode", ["topk", "compact", "coded", "bf16", "hidden"])
 def test_a_run_from_the_cache_follows_the_live_teacher(one_rank, mode):
     live = train_records(one_rank[f"live_{'compact' if mode == 'coded' else mode}"])
     assert_same_curve(train_records(one_rank[f"cached_{mode}"]), live)
