@@ -64,11 +64,11 @@ class _RandomTeacher:
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
-    def logits(self, batch: dict):
+    def outputs(self, batch: dict, *, logits: bool = True, hidden: bool = False):
         import torch
 
         generator = torch.Generator().manual_seed(0)
-        return torch.randn(*batch["input_ids"].shape, self.vocab, generator=generator)
+        return torch.randn(*batch["input_ids"].shape, self.vocab, generator=generator), None
 
 
 def wire_bytes(student_tokenizer, teacher_tokenizer, texts: list[str], *, sequence: int, rows: int) -> dict:

@@ -5,8 +5,10 @@ On the demo teacher's real logits (SmolLM2-135M-Instruct) for standard-library s
 those holding indices at each top-k size of the settings) wire bytes per token and the relative error of its KD
 loss, of d loss / d logits and of the output-head weight gradient, against full float32; for an encoding that
 travels packed (compact top-k answers, `kd.topk_encoding: compact`) also the decoded answer's KL to the answer it
-packs (nats a token, mean and largest); and the teacher cache's forms of top-k answers, entropy coded among them
-(`meshkd.bench.cache_coding`). See `meshkd.bench.transport` for the whole bench.
+packs (nats a token, mean and largest); hidden answers read with the teacher's own output layer; the wire bytes
+a token of each kind at the demo teacher's size and at a vocabulary of 151,936 and width of 896, beside the teacher
+head a student rank holds for hidden answers; and the teacher cache's forms of top-k answers, entropy coded among
+them (`meshkd.bench.cache_coding`). See `meshkd.bench.transport` for the whole bench.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import statistics
 import torch
 
 from meshkd.bench.corpora import stdlib_token_rows
+from meshkd.core.answers.hidden import hold_head
 from meshkd.parallel.pruning import prune_layers
+from meshkd.recipe.teacher.teacher_head import TeacherHead
 
 # Two students: the demo's (8 of the teacher's 30 layers, before distillation: far from the teacher) and a
 # near one (26 of 30 layers), standing in for a student late in distillation.
@@ -38,11 +42,14 @@ def measure(settings: dict) -> dict:
     samples = stdlib_token_rows(tokenizer, settings["mode_rows"], settings["mode_sequence"], settings["mode_samples"])
     sizes = [(k, 0) for k in settings["topk"]] + list(settings["topk_sampled"])
     variants = [(kind.name, k, m) for kind in distributions() for k, m in (sizes if kind.has_indices else [(None, 0)])]
+    head = TeacherHead.of_model(copy.deepcopy(teacher), vocab_size=teacher.get_output_embeddings().weight.shape[0])
+    hold_head(head)  # hidden answers are read with it
     per_sample: dict[tuple, list[dict]] = {}
     for sample, ids in enumerate(samples):
         inputs, labels = ids[:, :-1], ids[:, 1:]
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=inputs).logits.float()
+            output = teacher(input_ids=inputs, output_hidden_states=True)
+            teacher_logits, teacher_hidden = output.logits.float(), output.hidden_states[-1]
         tokens, vocab = labels.numel(), teacher_logits.shape[-1]
         full_bytes = tokens * vocab * 4
         for student_name, student in students.items():
@@ -54,7 +61,9 @@ def measure(settings: dict) -> dict:
                 for mode, k, m in variants:
                     options = {"k": k, "temperature": temperature, "tail_samples": m, "seed": sample,
                                "chunk_size": 1024}
-                    wire = ANSWERS.named(mode).encode_logits(teacher_logits, **options)
+                    kind = ANSWERS.named(mode)
+                    wire = {"mode": mode, "hidden": kind.rounded(teacher_hidden), "head": head.id} \
+                        if kind.reads_hidden else kind.encode_logits(teacher_logits, **options)
                     encoded, decode_kl = ANSWERS.named(mode).decode(wire), None
                     kind = ANSWERS.named(encoded["mode"])
                     if encoded is not wire:  # what travels is packed; the loss reads its decoding
@@ -97,7 +106,32 @@ def measure(settings: dict) -> dict:
 
     return {"vocab": vocab, "tokens_per_sample": tokens, "samples": len(samples), "rows": rows,
             "hidden_states": _hidden_state_bytes(teacher, inputs, tokens),
+            "answer_sizes": _answer_sizes(vocab, teacher.config.hidden_size),
             "cache_coding": cache_coding.measure(teacher, tokenizer)}
+
+
+def _answer_sizes(vocab: int, width: int, tokens: int = 32) -> list[dict]:
+    """Wire bytes a token of each kind of answer, measured on [1, tokens] positions of random logits and hidden
+    states at the demo teacher's vocabulary and width and at Qwen2.5-0.5B's (151,936 x 896), beside the teacher head a
+    student rank holds for hidden answers (bfloat16 weight, whole and under tp 2)."""
+    from meshkd.core.answers import ANSWERS
+    from meshkd.core.wire import payload_nbytes
+
+    rows = []
+    for size, hidden_size in ((vocab, width), (151936, 896)):
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, tokens, size, generator=generator) * 3
+        hidden = torch.randn(1, tokens, hidden_size, generator=generator)
+        for mode, k, m in (("full", None, 0), ("full_bf16", None, 0), ("topk", 64, 32), ("topk_compact", 50, 0),
+                           ("hidden", None, 0), ("hidden_bf16", None, 0)):
+            kind = ANSWERS.named(mode)
+            wire = {"mode": mode, "hidden": kind.rounded(hidden), "head": "0" * 64} if kind.reads_hidden else \
+                kind.encode_logits(logits, k=k, temperature=1.0, tail_samples=m, seed=0, chunk_size=1024)
+            name = mode if k is None else f"{mode} k={k}" + (f" +{m} tail samples" if m else "")
+            rows.append({"vocab": size, "width": hidden_size, "mode": name,
+                         "bytes_per_token": payload_nbytes(wire) / tokens,
+                         "head_mib": size * hidden_size * 2 / 2**20 if kind.reads_hidden else 0.0})
+    return rows
 
 
 def _hidden_state_bytes(teacher, inputs: torch.Tensor, tokens: int) -> list[dict]:

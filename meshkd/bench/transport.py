@@ -417,6 +417,13 @@ def _report(results: dict) -> str:
               r["write_tokens_per_s"], r["read_tokens_per_s"], r.get("same_as_fixed", "")] for r in c["rows"]],
         ))  # fmt: skip
         parts.append(_table(
+            "(c4) wire bytes a token of each kind of answer (random logits and hidden states; the cache holds the "
+            "same, compact answers entropy coded as above), and the teacher head a student rank holds for hidden "
+            "answers (bfloat16; under tp 2 half of it)",
+            ["vocab", "width", "mode", "bytes/token", "head MiB"],
+            [[r["vocab"], r["width"], r["mode"], r["bytes_per_token"], r["head_mib"]] for r in m["answer_sizes"]],
+        ))  # fmt: skip
+        parts.append(_table(
             "(c') kd.hidden_states beside the logits: wire bytes per token of the teacher's paired layers' outputs",
             ["pairs", "dtype", "width", "bytes/token"],
             [[r["pairs"], r["dtype"], r["width"], r["bytes_per_token"]] for r in m["hidden_states"]],

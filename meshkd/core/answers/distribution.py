@@ -422,8 +422,9 @@ def encode_teacher_logits(logits: Tensor, mode: str = "full", *, k: int | None =
         chunk_size: tokens encoded at a time by top-k (bounds the float32 working memory).
     """
     kind = ANSWERS.named(mode)
-    if not issubclass(kind, Distribution):
-        raise ValueError(f"{mode!r} is no encoding of the teacher's logits: one of {[d.name for d in distributions()]}")
+    if not issubclass(kind, Distribution) or kind.reads_hidden:
+        raise ValueError(f"{mode!r} is no encoding of the teacher's logits: one of "
+                         f"{[d.name for d in distributions() if not d.reads_hidden]}")
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.ndim < 2:
         raise ValueError("teacher logits must be a floating-point tensor [..., vocab]")
     return kind.encode_logits(logits.detach(), k=k, temperature=temperature, tail_samples=tail_samples, seed=seed,

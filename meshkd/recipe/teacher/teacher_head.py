@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from meshkd.core.answers.hidden import OutputHead
-from meshkd.parallel.sharded_loading import load_shards
+from meshkd.parallel.sharded_loading import Checkpoint, load_shards
 from meshkd.recipe.common.files import write_atomically
 from meshkd.recipe.modeling.loaders import load_section_model_for_layout
 
@@ -83,7 +83,13 @@ class TeacherHead(OutputHead):
            held: slice | None = None) -> TeacherHead:
         """The head of the teacher a model section (`teacher_model`) describes, over its first `vocab_size` entries
         (the vocabulary the answers cover); `held`: the entries to keep, the rest dropped once the id is taken."""
-        model, checkpoint = load_section_model_for_layout(section)
+        return cls.of_model(*load_section_model_for_layout(section), vocab_size=vocab_size, device=device, held=held)
+
+    @classmethod
+    def of_model(cls, model: nn.Module, checkpoint: Checkpoint | None = None, *, vocab_size: int,
+                 device: torch.device | str = "cpu", held: slice | None = None) -> TeacherHead:
+        """`of` a causal LM (taken over: its decoder is dropped), loaded or, with its `checkpoint`, without weights
+        (`meshkd.parallel.sharded_loading.empty_causal_lm`): only its head is read then."""
         head = model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             raise ValueError(f"{type(model).__name__}'s output layer is {type(head).__name__}, not a linear layer: "

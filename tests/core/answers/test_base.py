@@ -53,8 +53,8 @@ def test_a_kind_registered_alone_is_read_by_its_mode_and_chosen_for_its_requests
 
 
 def test_an_unknown_mode_and_a_request_no_kind_answers_are_refused():
-    with pytest.raises(ValueError, match="a teacher answer of mode 'logits': the student knows full, full_bf16, topk, "
-                                         "topk_compact, label_log_probs, teachers, groups"):
+    with pytest.raises(ValueError, match="a teacher answer of mode 'logits': the student knows full, full_bf16, "
+                                         "hidden, hidden_bf16, topk, topk_compact, label_log_probs, teachers, groups"):
         answer_of({"mode": "logits"})
     with pytest.raises(ValueError, match="a teacher answer is a dict with a mode, got list"):
         answer_of([])

@@ -37,8 +37,9 @@ def _inputs(seed=0):
     return teacher, student, labels
 
 
-@pytest.mark.parametrize("name", sorted(kind.name for kind in distributions()))
+@pytest.mark.parametrize("name", sorted(kind.name for kind in distributions() if not kind.reads_hidden))
 def test_every_encoding_sizes_checks_and_scores_its_own_answers(name):
+    """(Hidden answers, made from the teacher's hidden states: `tests/recipe/teacher/test_hidden_answers.py`.)"""
     encoding, (teacher, student, labels) = ANSWERS.named(name), _inputs()
     answer = encode_teacher_logits(teacher, name, k=K, tail_samples=M, seed=3)
     assert answer["mode"] == name and received(answer, student.shape) == name
@@ -63,11 +64,11 @@ def test_kd_keys_choose_the_most_specific_registered_encoding():
     assert selected(logits_transport="topk", topk_encoding="compact").name == "topk_compact"
     with pytest.raises(ValueError, match=r"no answer encoding is chosen by .*'topk_encoding': 'zip'"):
         selected(logits_transport="topk", topk_encoding="zip")
-    assert choices("logits_transport") == ("full", "full_bf16", "topk")
-    assert choices("logits_transport", whole_distribution=True) == ("full", "full_bf16")
+    assert choices("logits_transport") == ("full", "full_bf16", "hidden", "hidden_bf16", "topk")
+    assert choices("logits_transport", whole_distribution=True) == ("full", "full_bf16", "hidden", "hidden_bf16")
     assert choices("topk_encoding") == ("exact", "compact")
     with pytest.raises(ValueError, match="needs the teacher's whole distribution: use logits transport full or "
-                                         "full_bf16"):
+                                         "full_bf16 or hidden or hidden_bf16"):
         ANSWERS.named("topk").check_divergence("reverse_kl")
     with pytest.raises(ValueError, match="registered twice"):
         register(type("Again", (FullLogits,), {"name": "full"}))
@@ -107,8 +108,8 @@ def test_a_new_encoding_is_one_registered_class(tmp_path, float16_registered):
 
 def test_values_no_encoding_takes_are_refused_naming_the_key(tmp_path):
     config = with_layout(base_config(tmp_path), {"dp_size": 1}, None)
-    for key, value, message in [("logits_transport", "full_fp16", r"kd.logits_transport must be full or full_bf16 "
-                                 r"or topk, got 'full_fp16'"),
+    for key, value, message in [("logits_transport", "full_fp16", r"kd.logits_transport must be full or full_bf16 or "
+                                 r"hidden or hidden_bf16 or topk, got 'full_fp16'"),
                                 ("topk_encoding", "zip", r"kd.topk_encoding must be exact or compact, got 'zip'")]:
         with pytest.raises(ConfigError, match=message):
             config_from_dict({**config, "kd": {**config["kd"], key: value}})
