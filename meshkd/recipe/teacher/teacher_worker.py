@@ -75,11 +75,11 @@ class TeacherForward:
         reads_hidden = answer_type(request.logits_transport, self.context.kd).reads_hidden
         with_logits = request.with_label_log_probs or not reads_hidden
         if batch["input_ids"].shape[0] == 0:  # routed: no row of this micro-batch is this teacher's
-            rows = batch["input_ids"].shape[1]
-            logits = torch.zeros(0, rows, self.context.vocab_size, device=self.runner.device)
+            length = batch["input_ids"].shape[1]
+            logits = torch.zeros(0, length, self.context.vocab_size, device=self.runner.device)
             if reads_hidden:
                 width = self.runner.model.config.get_text_config().hidden_size
-                final = torch.zeros(0, rows, width, dtype=self.runner.dtype, device=self.runner.device)
+                final = torch.zeros(0, length, width, dtype=self.runner.dtype, device=self.runner.device)
         else:
             with self.tap.on() if self.tap else contextlib.nullcontext():
                 logits, final = self.runner.outputs(teacher_side(batch), logits=with_logits, hidden=reads_hidden)
