@@ -4,8 +4,8 @@ student's side rebuilds its logits with the teacher's own output layer.
 The head on the student's side makes exactly the teacher's logits, soft-capped (Gemma 2) and tied heads included,
 and any slice of them; the loss of a hidden answer is that of the full answer for every divergence; a run with
 hidden answers trains the curve of the same run with full answers (float32: 1e-5) with a teacher on ranks of its
-own, a tensor-parallel student, a tied and soft-capped teacher, on-policy and several teachers (summed, mixed,
-routed);
+own, a tensor, context or pipeline parallel student, a tied and soft-capped teacher, on-policy and several
+teachers (summed, mixed, routed);
 bfloat16 hidden states stay within what their rounding gives. The served and cached teachers' hidden answers are
 tested with the other answers (`test_teacher_service.py`, `test_teacher_cache.py`).
 """
@@ -169,8 +169,10 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 teacher={"dp_size": 1})
         if transport == "hidden_bf16":
             continue
-        configs[f"tp2_{transport}"] = run(base, tmp, f"tp2_{transport}", kd={**kd, "divergence": "reverse_kl"},
-                                          student={"dp_size": 1, "tp_size": 2})
+        for layout in ("tp", "cp", "pp"):  # the head's vocabulary slice; the answer cut; the last stage's loss
+            configs[f"{layout}2_{transport}"] = run(base, tmp, f"{layout}2_{transport}",
+                                                    kd={**kd, "divergence": "reverse_kl"},
+                                                    student={"dp_size": 1, f"{layout}_size": 2})
         configs[f"gemma2_{transport}"] = run(base, tmp, f"gemma2_{transport}", kd={**kd, "divergence": "reverse_kl"},
                                              student={"dp_size": 2}, teacher_model=GEMMA2)
         configs[f"on_policy_{transport}"] = run(
@@ -208,7 +210,7 @@ pytestmark = pytest.mark.world
 
 
 @pytest.mark.parametrize("name", ["own_ranks_forward_kl", "own_ranks_reverse_kl", "own_ranks_jsd", "own_ranks_tvd",
-                                  "tp2", "gemma2", "on_policy", "sum", "mixture", "route"])
+                                  "tp2", "cp2", "pp2", "gemma2", "on_policy", "sum", "mixture", "route"])
 def test_a_run_with_hidden_answers_trains_the_curve_of_full_answers(runs, name):
     hidden, full = curve(runs[f"{name}_hidden"]), curve(runs[f"{name}_full"])
     assert largest_difference(hidden, full) < 1e-5
