@@ -192,7 +192,7 @@ def run_section(quick: bool) -> dict:
                                "generated_tokens")}
         finally:
             server.stop()
-    return {
+    result = {
         "model": SIZES[quick] | {"vocab_size": 262},
         "server_start_s": round(server.start_s, 1),
         "prompts": count, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
@@ -203,3 +203,16 @@ def run_section(quick: bool) -> dict:
         "weight_sync_s": round(statistics.median(sync_times), 3),
         "on_policy_step": step,
     }
+    _report(result)
+    return result
+
+
+def _report(result: dict) -> None:
+    """The section's figures, printed as the other sections print theirs."""
+    rates = result["tokens_per_s"]
+    print(f"rollouts: {result['prompts']} prompts x {result['new_tokens']} sampled tokens, one thread each: vLLM "
+          f"{rates['vllm']} tokens/s, generate {rates['generate']} ({rates['vllm_over_generate']}x); weight sync "
+          f"{result['weight_sync_s']} s; server start {result['server_start_s']} s", flush=True)
+    for name, figures in result["on_policy_step"].items():
+        shown = ", ".join(f"{key} {value:.3f}" for key, value in figures.items() if value is not None)
+        print(f"rollouts: on-policy step with {name}: {shown}", flush=True)
