@@ -121,15 +121,12 @@ class HiddenStates(Distribution):
     @classmethod
     def kernel(cls, student_logits, decoded, labels, kd, *, norm, chunk_size, divergence=None):
         cls.checked(decoded, student_logits, kd, divergence or kd.divergence)
-        return FullLogits.kernel(student_logits, {"mode": FullLogits.name, "logits": teacher_logits(decoded,
-                                                                                                     student_logits)},
-                                 labels, kd, norm=norm, chunk_size=chunk_size, divergence=divergence)
+        teacher = {"mode": FullLogits.name, "logits": teacher_logits(decoded, student_logits)}
+        return FullLogits.kernel(student_logits, teacher, labels, kd, norm=norm, chunk_size=chunk_size,
+                                 divergence=divergence)
 
     def whole_logits(self) -> Tensor:
-        head = held_head(self.wire["head"])
-        hidden = self.wire[FINAL_HIDDEN]
-        logits = head.logits(hidden.reshape(-1, hidden.shape[-1]), slice(None))
-        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+        return _head_logits(self.encoding, slice(None))
 
     def top1_agreements(self, logits, labels, *, ignore_index, cut=None):
         """The valid labels where the student's likeliest token is the teacher's; next to a vocabulary-sharded
@@ -160,19 +157,23 @@ class Bfloat16HiddenStates(HiddenStates):
 def teacher_logits(decoded: dict[str, Any], student_logits: Tensor) -> Tensor:
     """float32: the teacher's logits that the student's `student_logits` [..., vocab] meet, from a hidden answer's
     fields; next to a vocabulary-sharded DTensor, a DTensor of its layout whose every rank made its own slice."""
-    hidden = decoded[FINAL_HIDDEN]
     if not isinstance(student_logits, DTensor):
-        with torch.no_grad():
-            logits = held_head(decoded["head"]).logits(hidden.reshape(-1, hidden.shape[-1]), slice(None))
-        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+        return _head_logits(decoded, slice(None))
     local = student_logits.to_local()
     _, offsets = compute_local_shape_and_global_offset(student_logits.shape, student_logits.device_mesh,
                                                        student_logits.placements)
-    with torch.no_grad():
-        logits = held_head(decoded["head"]).logits(hidden.reshape(-1, hidden.shape[-1]),
-                                                   slice(offsets[-1], offsets[-1] + local.shape[-1]))
-    return DTensor.from_local(logits.view(local.shape), student_logits.device_mesh, student_logits.placements,
+    logits = _head_logits(decoded, slice(offsets[-1], offsets[-1] + local.shape[-1]))
+    return DTensor.from_local(logits, student_logits.device_mesh, student_logits.placements,
                               run_check=False, shape=student_logits.shape, stride=student_logits.stride())
+
+
+@torch.no_grad()
+def _head_logits(decoded: dict[str, Any], columns: slice) -> Tensor:
+    """[..., columns] float32: the logits of the vocabulary entries `columns` that the answer's head makes of its
+    hidden states [..., H]."""
+    hidden = decoded[FINAL_HIDDEN]
+    logits = held_head(decoded["head"]).logits(hidden.reshape(-1, hidden.shape[-1]), columns)
+    return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
 
 def _sharded_argmax(teacher: DTensor) -> Tensor:
