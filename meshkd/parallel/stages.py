@@ -21,6 +21,7 @@ loss that applies the output layer itself (`meshkd.core.fused_output`), its last
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -52,7 +53,11 @@ def last_hidden_states(model: nn.Module, *, check_head: bool = False, **inputs: 
     head = getattr(model, "module", model).get_output_embeddings() if check_head else None  # under DDP, the model's
     handle = head.register_forward_hook(lambda module, args, output: made.append(output)) if check_head else None
     try:
-        output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        with warnings.catch_warnings():
+            # FSDP2 warns of views among a root's outputs (the hidden states are): an in-place op on one would skip
+            # its pre-backward all-gather. They are only read here, by the fused loss.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     finally:
         if handle is not None:
             handle.remove()
