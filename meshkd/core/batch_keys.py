@@ -26,10 +26,12 @@ def teacher_side(batch: dict) -> dict:
     return {key: batch[f"teacher_{key}"] for key in BATCH_KEYS} if TEACHER_POSITIONS in batch else batch
 
 
-def kd_labels(batch: dict, ignore_index: int) -> torch.Tensor:
-    """The labels KD counts: a cross-tokenizer batch's aligned positions only, else all of `labels`."""
+def kd_labels(batch: dict, ignore_index: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The labels KD counts: a cross-tokenizer batch's aligned positions only, else all of `labels`; `rows`: a bool
+    [rows] mask, the labels of the other rows left out (several teachers routed per row)."""
     positions = batch.get(TEACHER_POSITIONS)
-    return batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
+    labels = batch["labels"] if positions is None else batch["labels"].masked_fill(positions < 0, ignore_index)
+    return labels if rows is None else labels.masked_fill(~rows[:, None], ignore_index)
 
 
 def group_positions(batch: dict, key: str | None, length: int, ignore_index: int) -> torch.Tensor:

@@ -151,6 +151,31 @@ class TeacherAnswer:
         raise ValueError(f"a teacher answer of mode {self.name!r} holds no distribution over the student's vocabulary")
 
 
+def merged_rows(wires: dict[str, dict], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One wire dict for a whole micro-batch from each routed teacher's wire dict for its rows (`rows`: name -> bool
+    [rows]): every tensor field [rows, ...] put back at its rows (a floating one as float32, zeros where no teacher
+    answered), the other fields as the first teacher's.
+
+    Raises:
+        ValueError: a teacher answered other than the rows routed to it.
+    """
+    for name, wire in wires.items():
+        answered = next(value.shape[0] for value in wire.values() if isinstance(value, torch.Tensor))
+        if answered != int(rows[name].sum()):
+            raise ValueError(f"teacher {name!r} answered {answered} rows, not the {int(rows[name].sum())} routed to it")
+    total = next(iter(rows.values())).shape[0]
+    merged = {}
+    for key, value in next(iter(wires.values())).items():
+        if not isinstance(value, torch.Tensor):
+            merged[key] = value
+            continue
+        dtype = torch.float32 if value.is_floating_point() else value.dtype
+        merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
+        for name, wire in wires.items():
+            merged[key][rows[name]] = wire[key].to(dtype)
+    return merged
+
+
 ANSWERS: Registry[type[TeacherAnswer]] = Registry(
     "teacher answer", "a teacher answer of mode {name}: the student knows {known}", classes=True)
 """Every registered kind of answer, by mode (filled as `meshkd.recipe.teacher.teacher_answers` imports)."""
@@ -186,4 +211,4 @@ def answer_of(wire: dict | None) -> TeacherAnswer | None:
 
 
 __all__ = ["ANSWERS", "Cut", "EncodeContext", "Figures", "LossContext", "TeacherAnswer", "answer_of", "answer_type",
-           "register"]
+           "merged_rows", "register"]

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from meshkd.core.answers.base import ANSWERS, Cut, EncodeContext, KDConfig, LossContext, TeacherAnswer
+from meshkd.core.answers.base import ANSWERS, Cut, EncodeContext, KDConfig, LossContext, TeacherAnswer, merged_rows
 from meshkd.core.batch_keys import TEACHER_POSITIONS, group_positions, kd_labels, teacher_side
 from meshkd.core.cross_tokenizer_loss import project_teacher_logits
 from meshkd.core.fused_output import chunk_answer
@@ -226,10 +226,7 @@ class Distribution(TeacherAnswer):
 
     def kd_loss(self, logits, micro_batch, context, *, norm):
         self.check_indices(context, logits.shape[-1])
-        # One chunk for the micro-batch unless kd.chunk_size says otherwise: the kernel chunks take.
-        kd = context.kd
-        return self.kernel(logits, self.encoding, self._counted(micro_batch, context, None), kd, norm=norm,
-                           chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1)), {}
+        return self.divergence(logits, micro_batch, context, norm=norm), {}
 
     def chunk_kd_loss(self, logits, tokens, micro_batch, context, *, norm):
         """`kd_loss`' share of the flattened positions `tokens`, given their logits [c, vocab] (the index check is
@@ -238,25 +235,19 @@ class Distribution(TeacherAnswer):
 
     def divergence(self, logits: Tensor, micro_batch: dict, context: LossContext, *, norm: float | Tensor,
                    rows: Tensor | None = None) -> Tensor:
-        """`kd.divergence` at the positions KD counts; `rows`: a bool [rows] mask, the others do not count (no
-        indexing of a sharded vocabulary)."""
-        return self.kernel(logits, self.encoding, self._counted(micro_batch, context, rows), context.kd, norm=norm,
-                           chunk_size=context.kd.chunk_size or max(micro_batch["labels"].numel(), 1))
+        """`kd.divergence` at the positions KD counts, as one chunk unless `kd.chunk_size` says otherwise; `rows`: a
+        bool [rows] mask, the others do not count (no indexing of a sharded vocabulary)."""
+        kd = context.kd
+        return self.kernel(logits, self.encoding, kd_labels(micro_batch, kd.ignore_index, rows), kd, norm=norm,
+                           chunk_size=kd.chunk_size or max(micro_batch["labels"].numel(), 1))
 
     def chunk_divergence(self, logits: Tensor, tokens: slice, micro_batch: dict, context: LossContext, *,
                          norm: float | Tensor, rows: Tensor | None = None) -> Tensor:
         """`divergence`'s share of the flattened positions `tokens`, given their logits [c, vocab]: the chunks'
         shares add up to it."""
-        counted = self._counted(micro_batch, context, rows).reshape(-1)[tokens]
+        counted = kd_labels(micro_batch, context.kd.ignore_index, rows).reshape(-1)[tokens]
         answer = chunk_answer(self.encoding, tokens, tuple(micro_batch["labels"].shape))
         return self.kernel(logits, answer, counted, context.kd, norm=norm, chunk_size=logits.shape[0])
-
-    @staticmethod
-    def _counted(micro_batch: dict, context: LossContext, rows: Tensor | None) -> Tensor:
-        """The labels KD counts (`kd_labels`), those of rows outside `rows` (a bool [rows] mask) left out."""
-        ignore = context.kd.ignore_index
-        counted = kd_labels(micro_batch, ignore)
-        return counted if rows is None else counted.masked_fill(~rows[:, None], ignore)
 
     def label_log_probs(self) -> Tensor:
         if not isinstance(self.wire.get(LABEL_LOG_PROBS), Tensor):
@@ -337,24 +328,9 @@ class Distribution(TeacherAnswer):
         if len(kinds) > 1:
             raise ValueError(f"routed teachers answered in different encodings {sorted(k.name for k in kinds)}: give "
                              "them one logits_transport")
-        for name, member in members.items():
-            if member.rows != int(rows[name].sum()):
-                raise ValueError(f"teacher {name!r} answered {member.rows} rows, not the "
-                                 f"{int(rows[name].sum())} routed to it")
         # Whole distributions meet as logits (hidden answers' made by their own heads).
-        wires = {name: {"mode": whole.name, "logits": member.whole_logits()} if member.whole_distribution
-                 else member.wire for name, member in members.items()}
-        first = next(iter(wires.values()))
-        total = next(iter(rows.values())).shape[0]
-        merged = {}
-        for key, value in first.items():
-            if not isinstance(value, Tensor):
-                merged[key] = value
-                continue
-            dtype = torch.float32 if value.is_floating_point() else value.dtype
-            merged[key] = value.new_zeros((total, *value.shape[1:]), dtype=dtype)
-            for name, wire in wires.items():
-                merged[key][rows[name]] = wire[key].to(dtype)
+        merged = merged_rows({name: {"mode": whole.name, "logits": member.whole_logits()} if member.whole_distribution
+                              else member.wire for name, member in members.items()}, rows)
         kind = kinds.pop()
         merged["mode"] = kind.name
         return kind(merged)

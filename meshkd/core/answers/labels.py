@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshkd.core.answers.base import TeacherAnswer, register
+from meshkd.core.answers.base import TeacherAnswer, merged_rows, register
 from meshkd.core.answers.distribution import LABEL_LOG_PROBS, label_log_probs
 from meshkd.core.batch_keys import kd_labels, teacher_side
 from meshkd.core.chunked_loss import token_normalizer
@@ -69,14 +69,14 @@ class LabelLogProbs(TeacherAnswer):
         """The estimate at the labels KD counts; `rows`: a bool [rows] mask, the others do not count (several
         teachers routed per row, `meshkd.core.combinations.route`)."""
         kd = context.kd
-        return sampled_reverse_kl(logits, _counted(micro_batch, kd.ignore_index, rows), self.wire["log_probs"],
+        return sampled_reverse_kl(logits, kd_labels(micro_batch, kd.ignore_index, rows), self.wire["log_probs"],
                                   estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index)
 
     def chunk_divergence(self, logits: torch.Tensor, tokens: slice, micro_batch: dict, context, *, norm,
                          rows: torch.Tensor | None = None) -> torch.Tensor:
         """`divergence`'s share of the flattened positions `tokens`, given their logits [c, vocab]."""
         kd = context.kd
-        labels = _counted(micro_batch, kd.ignore_index, rows).reshape(-1)[tokens]
+        labels = kd_labels(micro_batch, kd.ignore_index, rows).reshape(-1)[tokens]
         return sampled_reverse_kl(logits, labels, self.wire["log_probs"].reshape(-1)[tokens],
                                   estimator=kd.sampled_estimator, norm=norm, ignore_index=kd.ignore_index)
 
@@ -92,20 +92,7 @@ class LabelLogProbs(TeacherAnswer):
             if not isinstance(member, LabelLogProbs):
                 raise ValueError(f"routed teachers answered in different encodings: teacher {name!r} answered "
                                  f"{member.name!r}, not {LABEL_LOG_PROBS!r}")
-            if member.rows != int(rows[name].sum()):
-                raise ValueError(f"teacher {name!r} answered {member.rows} rows, not the "
-                                 f"{int(rows[name].sum())} routed to it")
-        first = next(iter(members.values())).wire["log_probs"]
-        log_probs = first.new_zeros((next(iter(rows.values())).shape[0], *first.shape[1:]), dtype=torch.float32)
-        for name, member in members.items():
-            log_probs[rows[name]] = member.wire["log_probs"].to(log_probs.dtype)
-        return LabelLogProbs({"mode": LABEL_LOG_PROBS, "log_probs": log_probs})
-
-
-def _counted(micro_batch: dict, ignore_index: int, rows: torch.Tensor | None) -> torch.Tensor:
-    """The labels KD counts (`kd_labels`), those of rows outside `rows` (a bool [rows] mask) left out."""
-    counted = kd_labels(micro_batch, ignore_index)
-    return counted if rows is None else counted.masked_fill(~rows[:, None], ignore_index)
+        return LabelLogProbs(merged_rows({name: member.wire for name, member in members.items()}, rows))
 
 
 def sampled_reverse_kl(logits: torch.Tensor, labels: torch.Tensor, teacher_log_probs: torch.Tensor, *, estimator: str,

@@ -154,9 +154,9 @@ class StudentTrainer:
         if self.setup.tp_size > 1 and rows == self.vocab_size and not (
                 len(self.teacher_configs) > 1 and (combination.whole_distributions or combination.routes_rows)):
             held = vocabulary_slice(self.vocab_size, self.setup.device_mesh["tp"])
+        context = SourceContext(self.setup, self.device, datasets, self.vocab_size, self._vocabulary_map)
         for name, teacher in self.teacher_configs.items():
             if selected_kind(config.kd_of(teacher)).reads_hidden:
-                context = SourceContext(self.setup, self.device, datasets, self.vocab_size, self._vocabulary_map)
                 hold_head(self._checked[name].source.head(config, teacher, context, held))
 
     def _setup_step(self) -> None:
